@@ -1,0 +1,3 @@
+from cakeops.cli import main
+
+raise SystemExit(main())

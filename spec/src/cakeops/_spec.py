@@ -1,0 +1,85 @@
+"""What every op spec shares: dtypes, tolerances, the error measure and argument errors."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: Normwise relative error ``||out - ref|| / ||ref||`` allowed against the float64 reference.
+TOLERANCES: dict[torch.dtype, float] = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.6e-2,
+}
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The spec's tolerance for results of ``dtype``."""
+    return TOLERANCES[dtype]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Normwise relative error of ``out`` against ``ref``, in float64.
+
+    NaN and Inf must sit where the reference has them (else the error is ``inf``); the norm is
+    taken over the finite entries. A zero reference gives the absolute error.
+    """
+    if out.shape != ref.shape:
+        raise ValueError(f"shapes differ: {tuple(out.shape)} vs {tuple(ref.shape)}")
+    out = out.detach().to("cpu", torch.float64)
+    ref = ref.detach().to("cpu", torch.float64)
+    finite = torch.isfinite(ref)
+    same_nonfinite = torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.equal(
+        out[torch.isinf(ref)], ref[torch.isinf(ref)]
+    )
+    if not same_nonfinite or not torch.isfinite(out[finite]).all():
+        return math.inf
+    diff = torch.linalg.vector_norm(out[finite] - ref[finite]).item()
+    scale = torch.linalg.vector_norm(ref[finite]).item()
+    return diff / scale if scale > 0 else diff
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def describe(value: Any) -> str:
+    """A short description of an argument for error messages."""
+    if isinstance(value, torch.Tensor):
+        return f"a {dtype_name(value.dtype)} tensor of shape {tuple(value.shape)} on {value.device}"
+    return f"{type(value).__name__} {value!r}"
+
+
+def check_tensor(op: str, name: str, value: Any) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: argument '{name}' expected a torch.Tensor, got {describe(value)}")
+
+
+def check_float_dtype(op: str, name: str, value: torch.Tensor, allowed=FLOAT_DTYPES) -> None:
+    if value.dtype not in allowed:
+        names = ", ".join(dtype_name(d) for d in allowed)
+        raise TypeError(
+            f"{op}: argument '{name}' expected dtype {names}, got {dtype_name(value.dtype)}"
+        )
+
+
+def check_same_device(op: str, tensors: dict[str, torch.Tensor]) -> None:
+    (first, ref), *rest = tensors.items()
+    for name, value in rest:
+        if value.device != ref.device:
+            raise ValueError(
+                f"{op}: argument '{name}' expected to be on {ref.device} like '{first}', "
+                f"got {value.device}"
+            )
+
+
+def check_number(op: str, name: str, value: Any) -> float:
+    """A real number (not a bool, not a tensor), returned as float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{op}: argument '{name}' expected a float, got {describe(value)}")
+    return float(value)

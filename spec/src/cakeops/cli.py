@@ -1,0 +1,132 @@
+"""The ``cakeops`` command: ``cakeops info`` and ``cakeops bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from importlib import metadata
+from typing import Any
+
+import torch
+
+from cakeops import _spec, registry
+from cakeops.ops import SPECS
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _devices() -> list[str]:
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices.append("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        devices.append("mps")
+    return devices
+
+
+def gather_info() -> dict[str, Any]:
+    """Versions, devices, every backend with availability and reasons, and the pick per op."""
+    installed = registry.backends()
+    info: dict[str, Any] = {
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cakeops": _version("cakeops"),
+        },
+        "devices": _devices(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "backends": {},
+        "picks": {},
+        "forced": {},
+    }
+    for name, backend in installed.items():
+        info["backends"][name] = {
+            "distribution": backend.distribution,
+            "version": _version(backend.distribution),
+            "available": backend.is_available(),
+            "reason": backend.unavailable_reason(),
+            "description": backend.description,
+            "ops": {
+                op: {
+                    "devices": {d: p for d, p in k.devices.items()},
+                    "dtypes": [_spec.dtype_name(t) for t in k.dtypes],
+                }
+                for op, k in backend.ops.items()
+            },
+        }
+    for name, dist in registry.KNOWN_DISTRIBUTIONS.items():
+        if name not in installed:
+            reason = registry.load_errors().get(name, f"not installed: pip install {dist}")
+            info["backends"][name] = {"distribution": dist, "available": False, "reason": reason}
+    for op, spec in SPECS.items():
+        forced = registry.forced_choice(op)
+        if forced is not None:
+            info["forced"][op] = f"{','.join(forced[0])} (from {forced[1]})"
+        info["picks"][op] = {}
+        for device in info["devices"]:
+            picks = {}
+            for dtype in spec.DTYPES:
+                try:
+                    inputs = spec.bind(**spec.example_inputs(device, dtype))
+                    explanation = registry.explain_inputs(op, inputs)
+                    picks[_spec.dtype_name(dtype)] = explanation.backend or "none"
+                except Exception as exc:  # a device that cannot even allocate the example
+                    picks[_spec.dtype_name(dtype)] = f"error: {exc}"
+            info["picks"][op][device] = picks
+    return info
+
+
+def _print_info(info: dict[str, Any]) -> None:
+    v = info["versions"]
+    print(f"cakeops {v['cakeops']}  torch {v['torch']}  python {v['python']}")
+    devices = ", ".join(info["devices"])
+    print(f"devices: {devices}" + (f" ({info['cuda']})" if info["cuda"] else ""))
+    print("\nbackends:")
+    for name, b in info["backends"].items():
+        state = "available" if b["available"] else f"unavailable: {b['reason']}"
+        version = f" {b['version']}" if "version" in b else ""
+        print(f"  {name:<10} {b['distribution']}{version}  {state}")
+        for op, k in b.get("ops", {}).items():
+            where = ", ".join(
+                f"{d}: {'explicit only' if p is None else f'priority {p}'}"
+                for d, p in k["devices"].items()
+            )
+            print(f"    {op}: {where}; dtypes {', '.join(k['dtypes'])}")
+    for op, forced in info["forced"].items():
+        print(f"\nforced for {op}: {forced}")
+    print("\npicks (op, device: backend per dtype):")
+    for op, per_device in info["picks"].items():
+        for device, picks in per_device.items():
+            row = "  ".join(f"{dt}={name}" for dt, name in picks.items())
+            print(f"  {op:<20} {device:<5} {row}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cakeops", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_info = sub.add_parser("info", help="versions, devices, backends and the pick for each op")
+    p_info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p_bench = sub.add_parser("bench", help="side-by-side benchmarks of the ops")
+    p_bench.add_argument("--op", action="append", choices=sorted(SPECS), help="op (repeatable)")
+    p_bench.add_argument("--device", default="cpu")
+    p_bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
+    p_bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        info = gather_info()
+        if args.json:
+            json.dump(info, sys.stdout, indent=2)
+            print()
+        else:
+            _print_info(info)
+        return 0
+    from cakeops.bench import run
+
+    return run(ops=args.op or sorted(SPECS), device=args.device, quick=args.quick, json_path=args.json)

@@ -1,0 +1,332 @@
+"""The backend registry and the per-call backend selection.
+
+Backends are discovered through the entry-point group ``cakeops.backends``; each entry point names
+a :class:`Backend` object (or a zero-argument callable returning one). Selection, per call:
+
+1. the innermost :func:`use_backend` context (a ``contextvars`` value: thread- and task-safe),
+2. ``CAKEOPS_BACKEND_<OP>`` then ``CAKEOPS_BACKEND`` (a name or a comma-separated preference list),
+   read at call time,
+3. otherwise the highest-priority available backend with no reasons against the inputs.
+
+An explicit choice (1 or 2) that cannot run raises :class:`BackendError` listing every reason; it
+never falls back to a backend the user did not name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from types import ModuleType
+from typing import Any
+
+import torch
+
+ENTRY_POINT_GROUP = "cakeops.backends"
+OPS = ("rmsnorm_silu_gate",)
+
+#: pip distributions of the first-party backends, named in errors when one is not installed.
+KNOWN_DISTRIBUTIONS = {
+    "torch": "cakeops-torch",
+    "triton": "cakeops-triton",
+    "numba": "cakeops-numba",
+}
+
+
+class BackendError(RuntimeError):
+    """An explicitly chosen backend cannot run these inputs (or no backend can)."""
+
+
+@dataclass(frozen=True)
+class OpKernels:
+    """Where a backend's kernels for one op live and what they serve.
+
+    ``module`` is imported on first use and must define ``forward`` and ``backward`` with the op's
+    kernel signature (see the op's spec module). ``devices`` maps a device type (``"cpu"``,
+    ``"cuda"``, ... or ``"*"`` for any) to the priority of implicit selection there; ``None``
+    serves the device only when the backend is chosen explicitly. ``dtypes`` lists the input
+    dtypes the kernels support (the dtype of the op's first tensor argument).
+    """
+
+    module: str
+    devices: Mapping[str, int | None]
+    dtypes: tuple[torch.dtype, ...]
+
+    def priority(self, device_type: str) -> int | None:
+        return self.devices.get(device_type, self.devices.get("*"))
+
+    def serves(self, device_type: str) -> bool:
+        return device_type in self.devices or "*" in self.devices
+
+
+@dataclass
+class Backend:
+    """A named set of op kernels. Subclass to refine availability or per-call support."""
+
+    name: str
+    distribution: str
+    ops: Mapping[str, OpKernels]
+    description: str = ""
+    _modules: dict[str, ModuleType] = field(default_factory=dict, init=False, repr=False)
+
+    def unavailable_reason(self) -> str | None:
+        """Why this backend cannot run at all here (``None`` when it can)."""
+        return None
+
+    def is_available(self) -> bool:
+        return self.unavailable_reason() is None
+
+    def not_supported_reasons(self, op: str, inputs: Mapping[str, Any]) -> list[str]:
+        """Every reason this backend cannot run ``op`` on ``inputs`` (empty when it can)."""
+        kernels = self.ops.get(op)
+        if kernels is None:
+            return [f"does not implement {op}"]
+        reasons = []
+        tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
+        device_type = tensors[0].device.type if tensors else "cpu"
+        if not kernels.serves(device_type):
+            served = ", ".join(sorted(kernels.devices))
+            reasons.append(f"serves devices {served} for {op}, got {device_type}")
+        if tensors and tensors[0].dtype not in kernels.dtypes:
+            supported = ", ".join(_dtype_name(d) for d in kernels.dtypes)
+            reasons.append(
+                f"supports dtypes {supported} for {op}, got {_dtype_name(tensors[0].dtype)}"
+            )
+        return reasons
+
+    def kernels(self, op: str) -> ModuleType:
+        """The imported kernel module for ``op`` (imported once, on first use)."""
+        module = self._modules.get(op)
+        if module is None:
+            module = importlib.import_module(self.ops[op].module)
+            self._modules[op] = module
+        return module
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------------------------
+# Discovery
+
+
+_lock = threading.Lock()
+_backends: dict[str, Backend] | None = None
+_load_errors: dict[str, str] = {}
+_implicit_order: dict[tuple[str, str], tuple[Backend, ...]] = {}
+_unavailable: dict[str, str | None] = {}
+
+
+def _unavailable_reason(backend: Backend) -> str | None:
+    """``backend.unavailable_reason()``, asked once per backend (availability does not change)."""
+    if backend.name not in _unavailable:
+        _unavailable[backend.name] = backend.unavailable_reason()
+    return _unavailable[backend.name]
+
+
+def _discover() -> dict[str, Backend]:
+    from cakeops.reference import backend as reference
+
+    found: dict[str, Backend] = {reference.name: reference}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+            backend = obj() if callable(obj) and not isinstance(obj, Backend) else obj
+            if not isinstance(backend, Backend):
+                raise TypeError(f"entry point gave {type(backend).__name__}, not a Backend")
+        except Exception as exc:  # a broken third-party backend must not break the others
+            _load_errors[ep.name] = f"failed to load entry point {ep.value!r}: {exc}"
+            continue
+        found.setdefault(backend.name, backend)
+    return found
+
+
+def backends() -> dict[str, Backend]:
+    """All installed backends by name (discovered once, then cached)."""
+    global _backends
+    if _backends is None:
+        with _lock:
+            if _backends is None:
+                _backends = _discover()
+    return _backends
+
+
+def register_backend(backend: Backend, *, replace: bool = False) -> None:
+    """Add a backend without an entry point (tests, notebooks)."""
+    found = backends()
+    if backend.name in found and not replace:
+        raise ValueError(f"a backend named {backend.name!r} is already registered")
+    found[backend.name] = backend
+    _implicit_order.clear()
+    _unavailable.pop(backend.name, None)
+
+
+def unregister_backend(name: str) -> None:
+    backends().pop(name, None)
+    _implicit_order.clear()
+    _unavailable.pop(name, None)
+
+
+def load_errors() -> dict[str, str]:
+    """Entry points that failed to load, with the error."""
+    backends()
+    return dict(_load_errors)
+
+
+# --------------------------------------------------------------------------------------------
+# Selection
+
+_forced: contextvars.ContextVar[Mapping[str | None, tuple[str, ...]]] = contextvars.ContextVar(
+    "cakeops_forced_backend", default={}
+)
+
+
+def _parse_names(names: str | Sequence[str]) -> tuple[str, ...]:
+    if isinstance(names, str):
+        names = names.split(",")
+    parsed = tuple(n.strip() for n in names if n.strip())
+    if not parsed:
+        raise ValueError(f"expected a backend name or a comma-separated list, got {names!r}")
+    return parsed
+
+
+@contextlib.contextmanager
+def use_backend(names: str | Sequence[str], *, op: str | None = None) -> Iterator[None]:
+    """Force a backend (or a preference list) inside the block, for one op or all of them.
+
+    The choice lives in a ``contextvars`` value, so it is private to this thread or task.
+    """
+    if op is not None and op not in OPS:
+        raise ValueError(f"use_backend: op must be one of {', '.join(OPS)}, got {op!r}")
+    current = dict(_forced.get())
+    current[op] = _parse_names(names)
+    token = _forced.set(current)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def forced_choice(op: str) -> tuple[tuple[str, ...], str] | None:
+    """The explicit preference for ``op`` and where it came from, or ``None`` for automatic."""
+    forced = _forced.get()
+    for key in (op, None):
+        if key in forced:
+            return forced[key], "use_backend()"
+    for var in (f"CAKEOPS_BACKEND_{op.upper()}", "CAKEOPS_BACKEND"):
+        value = os.environ.get(var, "").strip()
+        if value:
+            return _parse_names(value), var
+    return None
+
+
+def _implicit_candidates(op: str, device_type: str) -> tuple[Backend, ...]:
+    key = (op, device_type)
+    order = _implicit_order.get(key)
+    if order is None:
+        ranked = []
+        for backend in backends().values():
+            kernels = backend.ops.get(op)
+            prio = kernels.priority(device_type) if kernels else None
+            if prio is not None and _unavailable_reason(backend) is None:
+                ranked.append((-prio, backend.name, backend))
+        order = tuple(b for _, _, b in sorted(ranked, key=lambda r: r[:2]))
+        _implicit_order[key] = order
+    return order
+
+
+def _reasons(backend: Backend | None, name: str, op: str, inputs: Mapping[str, Any]) -> list[str]:
+    if backend is None:
+        if name in _load_errors:
+            return [_load_errors[name]]
+        dist = KNOWN_DISTRIBUTIONS.get(name)
+        hint = f"; install it with `pip install {dist}`" if dist else ""
+        return [f"not installed{hint}"]
+    unavailable = _unavailable_reason(backend)
+    if unavailable is not None:
+        return [f"unavailable: {unavailable}"]
+    return backend.not_supported_reasons(op, inputs)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Which backend would run an op on given inputs, and why each other one would not."""
+
+    op: str
+    backend: str | None
+    source: str
+    reasons: Mapping[str, list[str]]
+
+    def __str__(self) -> str:
+        lines = [f"{self.op}: {self.backend or 'no backend'} (chosen by {self.source})"]
+        for name, why in self.reasons.items():
+            if name != self.backend:
+                lines.append(f"  {name}: {'; '.join(why) or 'lower priority'}")
+        return "\n".join(lines)
+
+
+def explain_inputs(op: str, inputs: Mapping[str, Any]) -> Explanation:
+    """Selection for ``op`` on validated ``inputs`` (a mapping of argument name to value)."""
+    tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
+    device_type = tensors[0].device.type if tensors else "cpu"
+    installed = backends()
+    forced = forced_choice(op)
+    reasons: dict[str, list[str]] = {}
+    chosen = None
+    if forced is not None:
+        names, source = forced
+        for name in names:
+            reasons[name] = _reasons(installed.get(name), name, op, inputs)
+            if not reasons[name]:
+                chosen = name
+                break
+    else:
+        source = "priority"
+        for backend in _implicit_candidates(op, device_type):
+            reasons[backend.name] = backend.not_supported_reasons(op, inputs)
+            if not reasons[backend.name]:
+                chosen = backend.name
+                break
+    for name, backend in installed.items():
+        if name not in reasons:
+            why = _reasons(backend, name, op, inputs)
+            if forced is not None:
+                why = [*why, f"not named in {source}"]
+            elif backend.ops.get(op) is not None and backend.ops[op].priority(device_type) is None:
+                why = [*why, f"never chosen implicitly on {device_type}"]
+            reasons[name] = why
+    return Explanation(op=op, backend=chosen, source=source, reasons=reasons)
+
+
+def select(op: str, inputs: Mapping[str, Any]) -> Backend:
+    """The backend that runs ``op`` on ``inputs``; raises :class:`BackendError` if none can."""
+    forced = forced_choice(op)
+    if forced is None:
+        # Fast path: the first implicit candidate usually accepts the inputs.
+        tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
+        device_type = tensors[0].device.type if tensors else "cpu"
+        for backend in _implicit_candidates(op, device_type):
+            if not backend.not_supported_reasons(op, inputs):
+                return backend
+    else:
+        installed = backends()
+        for name in forced[0]:
+            backend = installed.get(name)
+            if backend is not None and not _reasons(backend, name, op, inputs):
+                return backend
+    explanation = explain_inputs(op, inputs)
+    detail = "\n".join(
+        f"  {name}: {'; '.join(why) or 'ok'}" for name, why in explanation.reasons.items()
+    )
+    if forced is not None:
+        wanted = ",".join(forced[0])
+        msg = f"{op}: backend {wanted!r} (from {forced[1]}) cannot run these inputs"
+    else:
+        msg = f"{op}: no installed backend can run these inputs"
+    raise BackendError(f"{msg}:\n{detail}")

@@ -1,0 +1,93 @@
+"""The conformance suite: every check an op backend must pass, as a pytest plugin.
+
+Certify a backend (yours or ours) with one command, once its distribution is installed::
+
+    pytest --pyargs cakeops.testing --cakeops-backend=<name> [--cakeops-device=cuda]
+
+The helpers here are shared by the suite's test modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from cakeops._spec import relative_error, tolerance
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str, dtype=None) -> None:
+    """``out`` is within the spec's tolerance of the float64 ``ref`` (dtype: ``out.dtype``)."""
+    dtype = dtype or out.dtype
+    assert out.dtype == dtype, f"{what}: dtype {out.dtype}, expected {dtype}"
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    err = relative_error(out, ref)
+    tol = tolerance(dtype)
+    assert err <= tol, f"{what}: relative error {err:.3g} exceeds the {dtype} tolerance {tol:g}"
+
+
+def reference_outputs(
+    math: Callable[..., torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
+    params: Sequence,
+    grad_output: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Output and gradients of the float64 reference by autograd (not a hand-written backward)."""
+    leaves = {k: v.detach().to(torch.float64).requires_grad_() for k, v in tensors.items()}
+    with torch.enable_grad():
+        out = math(*leaves.values(), *params)
+        grads = torch.autograd.grad(out, list(leaves.values()), grad_output.to(torch.float64))
+    return out.detach(), dict(zip(leaves, grads))
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same memory viewed the same way (no copy)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
+
+
+def tensors_on_ctx(grad_fn) -> list[str]:
+    """Names of attributes of an autograd node's context that hold tensors (should be none)."""
+
+    def has_tensor(value) -> bool:
+        if isinstance(value, torch.Tensor):
+            return True
+        if isinstance(value, (list, tuple)):
+            return any(has_tensor(v) for v in value)
+        if isinstance(value, dict):
+            return any(has_tensor(v) for v in value.values())
+        return False
+
+    return [k for k, v in vars(grad_fn).items() if has_tensor(v)]
+
+
+class SavedTensors:
+    """Records every tensor the autograd graph packs while the block runs."""
+
+    def __init__(self) -> None:
+        self.packed: list[torch.Tensor] = []
+
+    def __enter__(self) -> SavedTensors:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.packed.append(t)
+        return t
+
+    def nbytes(self) -> int:
+        """Bytes held, each storage counted once."""
+        seen = {}
+        for t in self.packed:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())

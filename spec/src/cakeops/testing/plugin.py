@@ -1,0 +1,116 @@
+"""pytest plugin of the conformance suite (loaded through the ``pytest11`` entry point).
+
+Options:
+
+``--cakeops-backend NAME[,NAME...]``  backends under test (repeatable; default: every installed,
+                                      available backend)
+``--cakeops-device DEVICE``           device to run on (default ``cpu``)
+
+Suite classes set ``op = "<op name>"``; a test taking ``backend`` runs once per backend under test
+that implements the op on the device, a test taking ``backend`` and ``dtype`` once per backend and
+each dtype it declares (narrowed with ``@pytest.mark.cakeops_dtypes(torch.float64, ...)``). The
+``backend`` fixture forces that backend for the whole test with ``cakeops.use_backend``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("cakeops", "cakeops conformance suite")
+    group.addoption(
+        "--cakeops-backend",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="backend(s) to certify, comma-separated or repeated (default: all installed)",
+    )
+    group.addoption(
+        "--cakeops-device", default="cpu", metavar="DEVICE", help="device to test on (cpu)"
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "cakeops_dtypes(*dtypes): run a conformance test only for these dtypes"
+    )
+
+
+def _requested(config: pytest.Config) -> list[str]:
+    return [n.strip() for opt in config.getoption("cakeops_backend") for n in opt.split(",") if n.strip()]
+
+
+def backends_under_test(config: pytest.Config) -> list[str]:
+    """Named backends, or every installed backend that is available here."""
+    requested = _requested(config)
+    if requested:
+        return requested
+    from cakeops import registry
+
+    return [name for name, b in registry.backends().items() if b.is_available()]
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    from cakeops import registry
+
+    lines = [f"cakeops backends under test: {', '.join(backends_under_test(config))}"]
+    if not _requested(config):
+        for name, backend in registry.backends().items():
+            if not backend.is_available():
+                lines.append(f"  left out {name}: {backend.unavailable_reason()}")
+    return lines
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend" not in metafunc.fixturenames:
+        return
+    op = getattr(metafunc.cls, "op", None)
+    if op is None:
+        return
+    from cakeops import registry
+
+    device_type = metafunc.config.getoption("cakeops_device").split(":")[0]
+    installed = registry.backends()
+    names = []
+    for name in backends_under_test(metafunc.config):
+        backend = installed.get(name)
+        # A named backend that is missing still gets its tests: the fixture then fails loudly.
+        if backend is None or (op in backend.ops and backend.ops[op].serves(device_type)):
+            names.append(name)
+    if "dtype" not in metafunc.fixturenames:
+        metafunc.parametrize("backend", names, indirect=True)
+        return
+    marker = metafunc.definition.get_closest_marker("cakeops_dtypes")
+    wanted = marker.args if marker else None
+    pairs, ids = [], []
+    for name in names:
+        declared = installed[name].ops[op].dtypes if name in installed else ()
+        for dtype in declared:
+            if wanted is None or dtype in wanted:
+                pairs.append((name, dtype))
+                ids.append(f"{name}-{str(dtype).removeprefix('torch.')}")
+    metafunc.parametrize(("backend", "dtype"), pairs, ids=ids, indirect=["backend"])
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest):
+    """The backend under test, forced for the duration of the test."""
+    import cakeops
+    from cakeops import registry
+
+    name = request.param
+    found = registry.backends().get(name)
+    if found is None:
+        pytest.fail(f"backend {name!r} is not installed: {registry.load_errors().get(name, '')}")
+    if not found.is_available():
+        pytest.fail(f"backend {name!r} is unavailable: {found.unavailable_reason()}")
+    with cakeops.use_backend(name):
+        yield name
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest):
+    import torch
+
+    return torch.device(request.config.getoption("cakeops_device"))
