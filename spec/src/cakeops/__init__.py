@@ -4,6 +4,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from cakeops import nn
 from cakeops._spec import TOLERANCES, relative_error, tolerance
+from cakeops.ops import explain
 from cakeops.ops.rmsnorm_silu_gate import RMSNormSiLUGateFunction, rmsnorm_silu_gate
 from cakeops.registry import (
     Backend,
@@ -11,11 +12,11 @@ from cakeops.registry import (
     Explanation,
     OpKernels,
     backends,
+    rediscover,
     register_backend,
     unregister_backend,
     use_backend,
 )
-from cakeops.ops import explain
 
 try:
     __version__ = version("cakeops")
@@ -32,6 +33,7 @@ __all__ = [
     "backends",
     "explain",
     "nn",
+    "rediscover",
     "register_backend",
     "relative_error",
     "rmsnorm_silu_gate",

@@ -129,4 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from cakeops.bench import run
 
-    return run(ops=args.op or sorted(SPECS), device=args.device, quick=args.quick, json_path=args.json)
+    return run(
+        ops=args.op or sorted(SPECS), device=args.device, quick=args.quick, json_path=args.json
+    )

@@ -157,6 +157,17 @@ def backends() -> dict[str, Backend]:
     return _backends
 
 
+def rediscover() -> dict[str, Backend]:
+    """Forget every backend and discover them again (after installing one at run time)."""
+    global _backends
+    with _lock:
+        _backends = None
+        _load_errors.clear()
+        _implicit_order.clear()
+        _unavailable.clear()
+    return backends()
+
+
 def register_backend(backend: Backend, *, replace: bool = False) -> None:
     """Add a backend without an entry point (tests, notebooks)."""
     found = backends()
@@ -182,8 +193,9 @@ def load_errors() -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 # Selection
 
-_forced: contextvars.ContextVar[Mapping[str | None, tuple[str, ...]]] = contextvars.ContextVar(
-    "cakeops_forced_backend", default={}
+# op name (None: every op) -> preference list; a fresh dict is set on every change.
+_forced: contextvars.ContextVar[Mapping[str | None, tuple[str, ...]] | None] = (
+    contextvars.ContextVar("cakeops_forced_backend", default=None)
 )
 
 
@@ -204,7 +216,7 @@ def use_backend(names: str | Sequence[str], *, op: str | None = None) -> Iterato
     """
     if op is not None and op not in OPS:
         raise ValueError(f"use_backend: op must be one of {', '.join(OPS)}, got {op!r}")
-    current = dict(_forced.get())
+    current = dict(_forced.get() or {})
     current[op] = _parse_names(names)
     token = _forced.set(current)
     try:
@@ -215,7 +227,7 @@ def use_backend(names: str | Sequence[str], *, op: str | None = None) -> Iterato
 
 def forced_choice(op: str) -> tuple[tuple[str, ...], str] | None:
     """The explicit preference for ``op`` and where it came from, or ``None`` for automatic."""
-    forced = _forced.get()
+    forced = _forced.get() or {}
     for key in (op, None):
         if key in forced:
             return forced[key], "use_backend()"

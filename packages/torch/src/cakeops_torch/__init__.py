@@ -4,6 +4,7 @@ Not a reference: analytic backwards that recompute instead of saving.
 """
 
 import torch
+
 from cakeops import Backend, OpKernels
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -33,9 +33,8 @@ def check_types(x, z, weight, eps, group_size, norm_before_gate) -> float:
     for name, value in (("x", x), ("z", z), ("weight", weight)):
         _spec.check_tensor(OP, name, value)
     if not isinstance(norm_before_gate, bool):
-        raise TypeError(
-            f"{OP}: argument 'norm_before_gate' expected a bool, got {_spec.describe(norm_before_gate)}"
-        )
+        got = _spec.describe(norm_before_gate)
+        raise TypeError(f"{OP}: argument 'norm_before_gate' expected a bool, got {got}")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
         raise TypeError(
             f"{OP}: argument 'group_size' expected an int or None, got {_spec.describe(group_size)}"
@@ -69,7 +68,9 @@ def validate(x, z, weight, eps, group_size, norm_before_gate) -> int:
         )
     D = x.shape[-1]
     if weight.shape != (D,):
-        raise ValueError(f"{OP}: argument 'weight' expected shape ({D},), got {tuple(weight.shape)}")
+        raise ValueError(
+            f"{OP}: argument 'weight' expected shape ({D},), got {tuple(weight.shape)}"
+        )
     if group_size is None:
         return D
     if group_size < 1 or D % group_size != 0:

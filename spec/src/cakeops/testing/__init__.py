@@ -37,7 +37,7 @@ def reference_outputs(
     with torch.enable_grad():
         out = math(*leaves.values(), *params)
         grads = torch.autograd.grad(out, list(leaves.values()), grad_output.to(torch.float64))
-    return out.detach(), dict(zip(leaves, grads))
+    return out.detach(), dict(zip(leaves, grads, strict=True))
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -38,7 +38,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _requested(config: pytest.Config) -> list[str]:
-    return [n.strip() for opt in config.getoption("cakeops_backend") for n in opt.split(",") if n.strip()]
+    return [
+        n.strip()
+        for opt in config.getoption("cakeops_backend")
+        for n in opt.split(",")
+        if n.strip()
+    ]
 
 
 def backends_under_test(config: pytest.Config) -> list[str]:

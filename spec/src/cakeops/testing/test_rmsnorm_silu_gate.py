@@ -53,7 +53,9 @@ def make_inputs(shape, dtype, device, weight_dtype=None, seed=0, x_scale=None):
 
 
 def run(x, z, w, g, group_size=None, norm_before_gate=True, eps=1e-6):
-    y = cakeops.rmsnorm_silu_gate(x, z, w, eps, group_size=group_size, norm_before_gate=norm_before_gate)
+    y = cakeops.rmsnorm_silu_gate(
+        x, z, w, eps, group_size=group_size, norm_before_gate=norm_before_gate
+    )
     dx, dz, dw = torch.autograd.grad(y, (x, z, w), g)
     return y.detach(), dx, dz, dw
 
@@ -104,7 +106,9 @@ class TestRMSNormSiLUGate:
         x, z, w, _ = make_inputs((3, 8), dtype, device)
 
         def f(x, z, w):
-            return cakeops.rmsnorm_silu_gate(x, z, w, 1e-6, group_size=group_size, norm_before_gate=nbg)
+            return cakeops.rmsnorm_silu_gate(
+                x, z, w, 1e-6, group_size=group_size, norm_before_gate=nbg
+            )
 
         assert torch.autograd.gradcheck(f, (x, z, w))
 
@@ -113,8 +117,10 @@ class TestRMSNormSiLUGate:
         x, z, w, g = make_inputs((4, 32), torch.float32, device)
         with SavedTensors() as saved:
             y = cakeops.rmsnorm_silu_gate(x, z, w, norm_before_gate=nbg)
-        assert len(saved.packed) == 3, f"saved {len(saved.packed)} tensors, the contract is x, z, weight"
-        for got, want, name in zip(saved.packed, (x, z, w), ("x", "z", "weight")):
+        assert len(saved.packed) == 3, (
+            f"saved {len(saved.packed)} tensors, the contract is x, z, weight"
+        )
+        for got, want, name in zip(saved.packed, (x, z, w), ("x", "z", "weight"), strict=True):
             assert same_tensor(got, want), f"saved tensor for {name} is not the input itself"
         assert tensors_on_ctx(y.grad_fn) == []
         y.backward(g)
@@ -137,14 +143,14 @@ class TestRMSNormSiLUGate:
 
         y = checkpoint(f, x, z, w, use_reentrant=False)
         grads = torch.autograd.grad(y, (x, z, w), g)
-        for a, b in zip(plain, (y.detach(), *grads)):
+        for a, b in zip(plain, (y.detach(), *grads), strict=True):
             assert torch.equal(a, b)
 
     def test_deterministic(self, backend, dtype, device):
         x, z, w, g = make_inputs((64, 96), dtype, device)
         first = run(x, z, w, g, 32, True)
         second = run(x, z, w, g, 32, True)
-        for a, b in zip(first, second):
+        for a, b in zip(first, second, strict=True):
             assert torch.equal(a, b)
 
     @pytest.mark.parametrize("shape", [(0, 16), (2, 0, 16)])
@@ -170,7 +176,7 @@ class TestRMSNormSiLUGate:
 
     @pytest.mark.parametrize("nbg", [True, False])
     def test_nan_propagates(self, backend, dtype, device, nbg):
-        x, z, w, g = make_inputs((4, 32), dtype, device)
+        x, z, w, _g = make_inputs((4, 32), dtype, device)
         with torch.no_grad():
             x[1, 3] = float("nan")
             z[2, 5] = float("inf")
@@ -199,7 +205,7 @@ class TestRMSNormSiLUGate:
         y = compiled(x, z, w)
         grads = torch.autograd.grad(y, (x, z, w), g)
         eager = run(x, z, w, g, 16, False)
-        for a, b in zip(eager, (y.detach(), *grads)):
+        for a, b in zip(eager, (y.detach(), *grads), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 

@@ -1,0 +1,140 @@
+"""Side-by-side benchmarks: the op on its selected backend against what a user would write.
+
+Each op module here defines ``cases(quick)`` (name -> input factory) and ``contenders(inputs)``
+(label -> callable running forward and backward, returning the output). For each case every
+contender is measured in the same run: median time of forward+backward, peak memory allocated
+during it (CUDA allocator statistics, or the profiler's allocation events on CPU), and the bytes
+the autograd graph holds between forward and backward (saved-tensor hooks).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cakeops.testing import SavedTensors
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_it(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn`` in seconds."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def peak_memory(fn: Callable[[], Any], device: torch.device) -> int:
+    """Peak bytes allocated while ``fn`` runs, above what was allocated before it."""
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.events() if e.self_cpu_memory_usage]
+    current = peak = 0
+    for event in sorted(events, key=lambda e: e.time_range.start):
+        current += event.self_cpu_memory_usage
+        peak = max(peak, current)
+    return peak
+
+
+def saved_bytes(forward: Callable[[], Any]) -> int:
+    """Bytes of the tensors the autograd graph keeps from ``forward`` for the backward."""
+    with SavedTensors() as saved:
+        out = forward()
+    del out
+    return saved.nbytes()
+
+
+def measure(
+    contenders: dict[str, tuple[Callable[[], Any], Callable[[], Any]]],
+    device: torch.device,
+    repeats: int,
+) -> dict[str, dict[str, float]]:
+    """``contenders``: label -> (forward only, forward+backward)."""
+    results = {}
+    for label, (forward, step) in contenders.items():
+        results[label] = {
+            "time_s": time_it(step, device, repeats),
+            "peak_bytes": peak_memory(step, device),
+            "saved_bytes": saved_bytes(forward),
+        }
+    return results
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:8.1f}"
+
+
+def format_table(title: str, results: dict[str, dict[str, float]], baseline: str) -> str:
+    base = results[baseline]
+    lines = [
+        title,
+        f"  {'implementation':<28} {'time ms':>9} {'vs ' + baseline:>12} {'peak MiB':>9} "
+        f"{'saved MiB':>9}",
+    ]
+    for label, r in results.items():
+        ratio = base["time_s"] / r["time_s"]
+        lines.append(
+            f"  {label:<28} {r['time_s'] * 1e3:9.2f} {ratio:11.2f}x {_mb(r['peak_bytes']):>9} "
+            f"{_mb(r['saved_bytes']):>9}"
+        )
+    return "\n".join(lines)
+
+
+def run(
+    ops: list[str], device: str = "cpu", quick: bool = False, json_path: str | None = None
+) -> int:
+    """Run the benchmarks of ``ops``, print tables, optionally write JSON. Returns an exit code."""
+    import importlib
+
+    dev = torch.device(device)
+    record: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        },
+        "results": {},
+    }
+    print(
+        f"cakeops bench on {record['machine']['device']} ({record['machine']['processor']}, "
+        f"{record['machine']['threads']} threads), torch {torch.__version__}"
+    )
+    for op in ops:
+        module = importlib.import_module(f"cakeops.bench.{op}")
+        record["results"][op] = module.run(dev, quick)
+    if json_path:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2))
+        print(f"\nwrote {path}")
+    return 0

@@ -1,0 +1,56 @@
+"""The user-facing shapes of the op: function, Function.apply, nn.Module, the README example."""
+
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+import cakeops
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_function_apply_and_module_agree_with_the_op():
+    x = torch.randn(4, 32, requires_grad=True)
+    z = torch.randn(4, 32, requires_grad=True)
+    norm = cakeops.nn.RMSNormSiLUGate(32, eps=1e-5, group_size=8, norm_before_gate=False)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    want = cakeops.rmsnorm_silu_gate(x, z, norm.weight, 1e-5, group_size=8, norm_before_gate=False)
+    got_module = norm(x, z)
+    got_apply = cakeops.RMSNormSiLUGateFunction.apply(x, z, norm.weight, 1e-5, 8, False)
+    assert torch.equal(want, got_module) and torch.equal(want, got_apply)
+    got_module.sum().backward()
+    assert norm.weight.grad is not None and norm.weight.grad.shape == (32,)
+    assert "group_size=8" in repr(norm)
+    assert list(norm.state_dict()) == ["weight"]
+
+
+def test_module_dtype_and_device_arguments():
+    norm = cakeops.nn.RMSNormSiLUGate(16, dtype=torch.bfloat16, device="cpu")
+    assert norm.weight.dtype == torch.bfloat16
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    assert norm(x, x).dtype == torch.bfloat16
+
+
+def test_readme_example_runs(capsys):
+    runpy.run_path(str(ROOT / "docs" / "examples" / "quickstart.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "rmsnorm_silu_gate: torch" in out
+    assert "y (8, 1024) torch.bfloat16" in out
+
+
+def test_readme_shows_the_example_verbatim():
+    readme = (ROOT / "README.md").read_text()
+    example = (ROOT / "docs" / "examples" / "quickstart.py").read_text()
+    body = example.split('"""', 2)[2].strip()
+    assert body in readme
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_gradient_keeps_the_weight_dtype(dtype):
+    x = torch.randn(3, 8, dtype=dtype)
+    w = torch.ones(8, dtype=torch.float32, requires_grad=True)
+    cakeops.rmsnorm_silu_gate(x, x, w).float().sum().backward()
+    assert w.grad.dtype == torch.float32

@@ -1,0 +1,271 @@
+"""Backend discovery and selection: entry points, priorities, env vars, use_backend, errors."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import threading
+import types
+from importlib import metadata
+
+import pytest
+import torch
+
+import cakeops
+from cakeops import registry
+from cakeops.reference import rmsnorm_silu_gate as ref_kernels
+
+OP = "rmsnorm_silu_gate"
+CALLS: list[tuple[str, str, int]] = []  # (backend, "forward"/"backward", thread id)
+
+
+def _spy_module(name: str) -> types.ModuleType:
+    """A kernel module that records its calls, then runs the reference math."""
+    module = types.ModuleType(f"_cakeops_spy_{name}")
+
+    def forward(*args):
+        CALLS.append((name, "forward", threading.get_ident()))
+        return ref_kernels.forward(*args)
+
+    def backward(*args):
+        CALLS.append((name, "backward", threading.get_ident()))
+        return ref_kernels.backward(*args)
+
+    module.forward, module.backward = forward, backward
+    sys.modules[module.__name__] = module
+    return module
+
+
+class Unavailable(cakeops.Backend):
+    def unavailable_reason(self):
+        return "needs a device this machine lacks"
+
+
+@pytest.fixture
+def spies():
+    """Two spy backends above ``torch`` on CPU; spy_a takes float32 only, spy_b everything."""
+    made = []
+    for name, prio, dtypes in (
+        ("spy_a", 100, (torch.float32,)),
+        ("spy_b", 50, (torch.float32, torch.float64)),
+    ):
+        module = _spy_module(name)
+        made.append(
+            cakeops.Backend(
+                name=name,
+                distribution=f"cakeops-{name}",
+                ops={
+                    OP: cakeops.OpKernels(
+                        module=module.__name__, devices={"cpu": prio}, dtypes=dtypes
+                    )
+                },
+            )
+        )
+    for backend in made:
+        cakeops.register_backend(backend)
+    CALLS.clear()
+    yield
+    for backend in made:
+        cakeops.unregister_backend(backend.name)
+        sys.modules.pop(f"_cakeops_spy_{backend.name}", None)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for var in ("CAKEOPS_BACKEND", f"CAKEOPS_BACKEND_{OP.upper()}"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def inputs(dtype=torch.float32):
+    x = torch.randn(3, 8, dtype=dtype, requires_grad=True)
+    return x, torch.randn(3, 8, dtype=dtype), torch.ones(8, dtype=dtype)
+
+
+def ran(x, z, w) -> str:
+    CALLS.clear()
+    cakeops.rmsnorm_silu_gate(x, z, w)
+    (call,) = CALLS
+    return call[0]
+
+
+def test_installed_backends_are_discovered_through_entry_points():
+    eps = {ep.name: ep.value for ep in metadata.entry_points(group="cakeops.backends")}
+    assert eps["torch"] == "cakeops_torch:backend"
+    assert eps["example"] == "cakeops_example:backend"  # the installed third-party package
+    found = cakeops.backends()
+    assert found["torch"].distribution == "cakeops-torch"
+    assert found["example"].distribution == "cakeops-example"
+    assert "reference" in found
+
+
+def test_a_package_installed_at_run_time_is_found_and_a_broken_one_is_reported(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "late_backend.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from cakeops import Backend, OpKernels
+            backend = Backend(name="late", distribution="late-backend", ops={
+                "rmsnorm_silu_gate": OpKernels(
+                    module="cakeops.reference.rmsnorm_silu_gate",
+                    devices={"cpu": 1}, dtypes=(torch.float32,))})
+            """
+        )
+    )
+    for dist, value in (
+        ("late_backend", "late_backend:backend"),
+        ("broken", "no_such_module:backend"),
+    ):
+        info = tmp_path / f"{dist}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+        name = dist.split("_")[0]
+        (info / "entry_points.txt").write_text(f"[cakeops.backends]\n{name} = {value}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        found = cakeops.rediscover()
+        assert found["late"].distribution == "late-backend"
+        assert "torch" in found  # a broken entry point does not hide the others
+        assert "no_such_module" in registry.load_errors()["broken"]
+        with (
+            cakeops.use_backend("broken"),
+            pytest.raises(cakeops.BackendError, match="no_such_module"),
+        ):
+            cakeops.rmsnorm_silu_gate(*inputs())
+    finally:
+        monkeypatch.undo()
+        cakeops.rediscover()
+    assert "late" not in cakeops.backends()
+
+
+def test_highest_priority_backend_that_supports_the_inputs_runs(spies):
+    assert ran(*inputs()) == "spy_a"
+    # spy_a declares float32 only: float64 goes to the next one, and explain says why.
+    assert ran(*inputs(torch.float64)) == "spy_b"
+    why = cakeops.explain(OP, *inputs(torch.float64))
+    assert why.backend == "spy_b" and why.source == "priority"
+    assert any("float64" in r for r in why.reasons["spy_a"])
+    assert "never chosen implicitly" in str(why)  # the reference backend's line
+
+
+def test_env_vars_are_read_at_call_time(spies, monkeypatch):
+    x, z, w = inputs()
+    assert ran(x, z, w) == "spy_a"
+    monkeypatch.setenv("CAKEOPS_BACKEND", "spy_b")
+    assert ran(x, z, w) == "spy_b"
+    monkeypatch.setenv(f"CAKEOPS_BACKEND_{OP.upper()}", "spy_a")  # the per-op variable wins
+    assert ran(x, z, w) == "spy_a"
+    monkeypatch.delenv(f"CAKEOPS_BACKEND_{OP.upper()}")
+    monkeypatch.setenv("CAKEOPS_BACKEND", " missing , spy_b ")  # a preference list
+    assert ran(x, z, w) == "spy_b"
+    monkeypatch.delenv("CAKEOPS_BACKEND")
+    assert ran(x, z, w) == "spy_a"
+
+
+def test_use_backend_beats_env_and_nests(spies, monkeypatch):
+    monkeypatch.setenv("CAKEOPS_BACKEND", "spy_a")
+    x, z, w = inputs()
+    with cakeops.use_backend("spy_b"):
+        assert ran(x, z, w) == "spy_b"
+        with cakeops.use_backend("spy_a", op=OP):
+            assert ran(x, z, w) == "spy_a"
+        assert ran(x, z, w) == "spy_b"
+    assert ran(x, z, w) == "spy_a"
+
+
+def test_use_backend_is_private_to_each_thread(spies):
+    barrier = threading.Barrier(2)
+    seen: dict[str, set[str]] = {}
+    errors = []
+
+    def worker(name):
+        try:
+            with cakeops.use_backend(name):
+                barrier.wait()  # both contexts are active at once from here on
+                for _ in range(20):
+                    cakeops.rmsnorm_silu_gate(*inputs())
+                barrier.wait()
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in ("spy_a", "spy_b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for t, name in zip(threads, ("spy_a", "spy_b"), strict=True):
+        seen[name] = {b for b, _, tid in CALLS if tid == t.ident}
+        assert seen[name] == {name}
+    assert ran(*inputs()) == "spy_a"  # the main thread never saw either context
+
+
+def test_backward_runs_the_backend_the_forward_chose(spies):
+    x, z, w = inputs()
+    with cakeops.use_backend("spy_b"):
+        y = cakeops.rmsnorm_silu_gate(x, z, w)
+    CALLS.clear()
+    y.sum().backward()  # outside the block
+    assert [(b, kind) for b, kind, _ in CALLS] == [("spy_b", "backward")]
+
+
+@pytest.mark.parametrize(
+    "choice, expected",
+    [
+        ("nope", "nope: not installed"),
+        ("triton", "pip install cakeops-triton"),
+        ("example", "supports dtypes float32 for rmsnorm_silu_gate, got float64"),
+    ],
+)
+def test_explicit_choice_that_cannot_run_raises_with_every_reason(choice, expected, monkeypatch):
+    monkeypatch.setenv("CAKEOPS_BACKEND", choice)
+    with pytest.raises(cakeops.BackendError) as info:
+        cakeops.rmsnorm_silu_gate(*inputs(torch.float64))
+    message = str(info.value)
+    assert expected in message
+    assert "CAKEOPS_BACKEND" in message
+    for name in cakeops.backends():  # every backend is listed with its reasons
+        assert f"  {name}: " in message
+
+
+def test_unavailable_backend_is_skipped_implicitly_and_refused_explicitly():
+    module = _spy_module("gone")
+    backend = Unavailable(
+        name="gone",
+        distribution="cakeops-gone",
+        ops={
+            OP: cakeops.OpKernels(
+                module=module.__name__, devices={"cpu": 1000}, dtypes=(torch.float32,)
+            )
+        },
+    )
+    cakeops.register_backend(backend)
+    try:
+        assert cakeops.explain(OP, *inputs()).backend == "torch"
+        with (
+            cakeops.use_backend("gone"),
+            pytest.raises(cakeops.BackendError, match="needs a device"),
+        ):
+            cakeops.rmsnorm_silu_gate(*inputs())
+    finally:
+        cakeops.unregister_backend("gone")
+
+
+def test_explain_validates_like_the_call():
+    x, z, w = inputs()
+    with pytest.raises(ValueError, match="argument 'group_size'"):
+        cakeops.explain(cakeops.rmsnorm_silu_gate, x, z, w, group_size=3)
+    assert cakeops.explain(cakeops.rmsnorm_silu_gate, x, z, w).backend == "torch"
+    with pytest.raises(ValueError, match="op must be one of"):
+        cakeops.explain("no_such_op", x)
+
+
+def test_use_backend_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="backend name"), cakeops.use_backend(" , "):
+        pass
+    with (
+        pytest.raises(ValueError, match="op must be one of"),
+        cakeops.use_backend("torch", op="nope"),
+    ):
+        pass
