@@ -10,11 +10,4 @@ norm = cakeops.nn.RMSNormSiLUGate(1024, eps=1e-6)  # float32 weight, Qwen3-Next 
 y = norm(x, z)  # rmsnorm(x) * weight * silu(z), in bfloat16
 y.float().pow(2).mean().backward()
 print(cakeops.explain(cakeops.rmsnorm_silu_gate, x, z, norm.weight))
-print(
-    "y",
-    tuple(y.shape),
-    y.dtype,
-    "| grad norms:",
-    x.grad.norm().item(),
-    norm.weight.grad.norm().item(),
-)
+print("y", tuple(y.shape), y.dtype, "| weight grad norm:", norm.weight.grad.norm().item())
