@@ -54,3 +54,21 @@ def test_weight_gradient_keeps_the_weight_dtype(dtype):
     w = torch.ones(8, dtype=torch.float32, requires_grad=True)
     cakeops.rmsnorm_silu_gate(x, x, w).float().sum().backward()
     assert w.grad.dtype == torch.float32
+
+
+def test_causal_dot_product_drop_in_matches_fast_transformers_semantics():
+    # fast_transformers.causal_product.CausalDotProduct.apply(queries, keys, values):
+    # out[n, h, i] = sum_{j <= i} (q_i . k_j) v_j, (N, H, L, E) x (N, H, L, E) x (N, H, L, M).
+    q, k = torch.randn(2, 3, 10, 4), torch.randn(2, 3, 10, 4)
+    v = torch.randn(2, 3, 10, 5)
+    qd, kd, vd = q.double(), k.double(), v.double()
+    want = torch.stack(
+        [
+            torch.einsum("nhe,nhje,nhjm->nhm", qd[:, :, i], kd[:, :, : i + 1], vd[:, :, : i + 1])
+            for i in range(10)
+        ],
+        dim=2,
+    )
+    got = cakeops.CausalDotProduct.apply(q, k, v)
+    assert cakeops.relative_error(got, want) <= cakeops.tolerance(torch.float32)
+    assert torch.equal(got, cakeops.causal_dot_product(q, k, v))

@@ -24,6 +24,7 @@ def test_info_lists_versions_backends_and_picks(cmd):
         "triton     cakeops-triton  unavailable: not installed: pip install cakeops-triton" in out
     )
     assert "rmsnorm_silu_gate    cpu   float16=torch  bfloat16=torch  float32=torch" in out
+    assert "causal_dot_product   cpu   float16=torch  bfloat16=torch  float32=torch" in out
 
 
 def test_info_json_reflects_a_forced_backend():

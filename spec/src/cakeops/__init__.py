@@ -5,6 +5,7 @@ from importlib.metadata import PackageNotFoundError, version
 from cakeops import nn
 from cakeops._spec import TOLERANCES, relative_error, tolerance
 from cakeops.ops import explain
+from cakeops.ops.causal_dot_product import CausalDotProduct, causal_dot_product
 from cakeops.ops.rmsnorm_silu_gate import RMSNormSiLUGateFunction, rmsnorm_silu_gate
 from cakeops.registry import (
     Backend,
@@ -27,10 +28,12 @@ __all__ = [
     "TOLERANCES",
     "Backend",
     "BackendError",
+    "CausalDotProduct",
     "Explanation",
     "OpKernels",
     "RMSNormSiLUGateFunction",
     "backends",
+    "causal_dot_product",
     "explain",
     "nn",
     "rediscover",

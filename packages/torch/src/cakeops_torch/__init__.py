@@ -17,5 +17,8 @@ backend = Backend(
         "rmsnorm_silu_gate": OpKernels(
             module="cakeops_torch.rmsnorm_silu_gate", devices={"*": 10}, dtypes=DTYPES
         ),
+        "causal_dot_product": OpKernels(
+            module="cakeops_torch.causal_dot_product", devices={"*": 10}, dtypes=DTYPES
+        ),
     },
 )

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from cakeops.testing import SavedTensors
+from cakeops.testing import SavedTensors, peak_memory
 
 
 def _sync(device: torch.device) -> None:
@@ -40,27 +40,6 @@ def time_it(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: i
         _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def peak_memory(fn: Callable[[], Any], device: torch.device) -> int:
-    """Peak bytes allocated while ``fn`` runs, above what was allocated before it."""
-    if device.type == "cuda":
-        _sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        fn()
-        _sync(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.events() if e.self_cpu_memory_usage]
-    current = peak = 0
-    for event in sorted(events, key=lambda e: e.time_range.start):
-        current += event.self_cpu_memory_usage
-        peak = max(peak, current)
-    return peak
 
 
 def saved_bytes(forward: Callable[[], Any]) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from cakeops import _spec
-from cakeops.registry import forced_choice, select, use_backend
+from cakeops.ops._glue import backward_preference, checked, pick
 
 OP = "rmsnorm_silu_gate"
 SAVED = ("x", "z", "weight")
@@ -112,15 +112,6 @@ def bind(x, z, weight, eps=1e-6, *, group_size=None, norm_before_gate=True) -> d
     return _inputs(x, z, weight, float(eps), group_size, norm_before_gate)
 
 
-def _check_result(backend, name: str, got: torch.Tensor, like: torch.Tensor, dtype) -> torch.Tensor:
-    if got.shape != like.shape or got.dtype != dtype or got.device != like.device:
-        raise RuntimeError(
-            f"{OP}: backend {backend.name!r} returned {name} as {_spec.describe(got)}, expected "
-            f"{_spec.dtype_name(dtype)} of shape {tuple(like.shape)} on {like.device}"
-        )
-    return got.contiguous()
-
-
 @torch.library.custom_op("cakeops::rmsnorm_silu_gate", mutates_args=())
 def _forward_op(
     x: torch.Tensor,
@@ -134,9 +125,9 @@ def _forward_op(
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     inputs = _inputs(x, z, weight, eps, group_size, norm_before_gate)
-    backend = select(OP, inputs)
+    backend = pick(OP, inputs)
     y = backend.kernels(OP).forward(x, z, weight, eps, group_size, norm_before_gate)
-    return _check_result(backend, "y", y, x, x.dtype)
+    return checked(OP, backend, "y", y, x)
 
 
 @_forward_op.register_fake
@@ -171,18 +162,14 @@ def _backward_op(
             torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device),
         )
     inputs = _inputs(x, z, weight, eps, group_size, norm_before_gate)
-    if backend:
-        with use_backend(backend, op=OP):
-            chosen = select(OP, inputs)
-    else:
-        chosen = select(OP, inputs)
+    chosen = pick(OP, inputs, backend)
     dx, dz, dweight = chosen.kernels(OP).backward(
         g.contiguous(), x, z, weight, eps, group_size, norm_before_gate
     )
     return (
-        _check_result(chosen, "dx", dx, x, x.dtype),
-        _check_result(chosen, "dz", dz, z, z.dtype),
-        _check_result(chosen, "dweight", dweight, weight, weight.dtype),
+        checked(OP, chosen, "dx", dx, x),
+        checked(OP, chosen, "dz", dz, z),
+        checked(OP, chosen, "dweight", dweight, weight),
     )
 
 
@@ -200,11 +187,7 @@ def _setup_context(ctx, inputs, output) -> None:
     x, z, weight, eps, group_size, norm_before_gate = inputs
     ctx.save_for_backward(x, z, weight)
     ctx.params = (eps, group_size, norm_before_gate)
-    # The backward runs the backend the forward chose: eager backwards may run on another thread
-    # (CUDA), where a use_backend() context is not visible. A compiled graph is cached and reused
-    # across contexts, so there the backward selects again at run time instead of baking a name in.
-    forced = None if torch.compiler.is_compiling() else forced_choice(OP)
-    ctx.backend = ",".join(forced[0]) if forced else ""
+    ctx.backend = backward_preference(OP)
 
 
 def _backward(ctx, grad):

@@ -16,5 +16,10 @@ backend = Backend(
             devices={"*": None},
             dtypes=FLOAT_DTYPES,
         ),
+        "causal_dot_product": OpKernels(
+            module="cakeops.reference.causal_dot_product",
+            devices={"*": None},
+            dtypes=FLOAT_DTYPES,
+        ),
     },
 )

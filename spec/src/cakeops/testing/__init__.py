@@ -10,6 +10,7 @@ The helpers here are shared by the suite's test modules.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -91,3 +92,46 @@ class SavedTensors:
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
+
+
+def run_with_grads(
+    fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], g: torch.Tensor
+):
+    """``fn(*tensors)`` detached, followed by the gradients of each tensor for ``g``."""
+    out = fn(*tensors)
+    return (out.detach(), *torch.autograd.grad(out, tensors, g))
+
+
+def assert_saves_exactly(fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], names):
+    """The autograd graph of ``fn(*tensors)`` holds exactly ``tensors`` and nothing on its ctx."""
+    with SavedTensors() as saved:
+        out = fn(*tensors)
+    assert len(saved.packed) == len(tensors), (
+        f"saved {len(saved.packed)} tensors, the contract is {', '.join(names)}"
+    )
+    for got, want, name in zip(saved.packed, tensors, names, strict=True):
+        assert same_tensor(got, want), f"saved tensor for {name} is not the input itself"
+    assert tensors_on_ctx(out.grad_fn) == []
+    return out
+
+
+def peak_memory(fn: Callable[[], Any], device: torch.device) -> int:
+    """Peak bytes allocated while ``fn`` runs, above what was allocated before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    # Every allocation and free on the CPU is a raw "[memory]" event with its size.
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak

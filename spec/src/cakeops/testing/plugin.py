@@ -35,6 +35,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "cakeops_dtypes(*dtypes): run a conformance test only for these dtypes"
     )
+    config.addinivalue_line(
+        "markers",
+        "cakeops_not_for(*backends, reason): a check that does not apply to these backends "
+        "(only the float64 reference, whose plain math is its point, may be named here)",
+    )
 
 
 def _requested(config: pytest.Config) -> list[str]:
@@ -77,8 +82,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
     device_type = metafunc.config.getoption("cakeops_device").split(":")[0]
     installed = registry.backends()
+    not_for = metafunc.definition.get_closest_marker("cakeops_not_for")
+    excluded = set(not_for.args) if not_for else set()
     names = []
     for name in backends_under_test(metafunc.config):
+        if name in excluded:
+            continue
         backend = installed.get(name)
         # A named backend that is missing still gets its tests: the fixture then fails loudly.
         if backend is None or (op in backend.ops and backend.ops[op].serves(device_type)):

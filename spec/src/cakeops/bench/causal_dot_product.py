@@ -1,0 +1,71 @@
+"""``causal_dot_product`` against the masked-matmul and cumsum composites and ``torch.compile``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import cakeops
+from cakeops.bench import format_table, measure
+
+# name -> (N, H, L, E, M)
+CASES = {
+    "N2 H4 L2048 E64 M64": (2, 4, 2048, 64, 64),
+    "N1 H8 L8192 E64 M64": (1, 8, 8192, 64, 64),
+    "N8 H8 L512 E128 M128": (8, 8, 512, 128, 128),
+}
+QUICK_CASES = {
+    "N1 H2 L1024 E32 M32": (1, 2, 1024, 32, 32),
+}
+
+
+def masked(q, k, v):
+    """The masked form a user writes: ``tril(q k^T) v`` (an ``L x L`` matrix per head)."""
+    return torch.tril(q @ k.transpose(-1, -2)) @ v
+
+
+def cumsum(q, k, v):
+    """Prefix sums of ``k_j v_j^T`` (one ``E x M`` state per position)."""
+    states = torch.cumsum(k.unsqueeze(-1) * v.unsqueeze(-2), dim=2)
+    return (q.unsqueeze(-2) @ states).squeeze(-2)
+
+
+def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
+    compiled = torch.compile(masked, dynamic=False)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, (N, H, L, E, M) in (QUICK_CASES if quick else CASES).items():
+            q = (torch.randn(N, H, L, E, device=device) * E**-0.5).to(dtype).requires_grad_()
+            k = (torch.randn(N, H, L, E, device=device) * E**-0.5).to(dtype).requires_grad_()
+            v = torch.randn(N, H, L, M, device=device, dtype=dtype, requires_grad=True)
+            g = torch.randn(N, H, L, M, device=device, dtype=dtype)
+            backend = cakeops.explain(cakeops.causal_dot_product, q, k, v).backend
+            contenders = {}
+            for label, fn in (
+                (f"cakeops [{backend}]", cakeops.causal_dot_product),
+                ("masked composite", masked),
+                ("cumsum composite", cumsum),
+                ("torch.compile(masked)", compiled),
+            ):
+
+                def fwd(fn=fn, q=q, k=k, v=v):
+                    return fn(q, k, v)
+
+                def step(fwd=fwd, q=q, k=k, v=v, g=g):
+                    return torch.autograd.grad(fwd(), (q, k, v), g)
+
+                contenders[label] = (fwd, step)
+            results = measure(contenders, device, repeats=2 if quick else 3)
+            dt = str(dtype).removeprefix("torch.")
+            print(
+                format_table(
+                    f"\ncausal_dot_product fwd+bwd, {name}, {dt}", results, "masked composite"
+                )
+            )
+            ours = results[f"cakeops [{backend}]"]
+            fastest = min(results, key=lambda r: results[r]["time_s"])
+            mem = ours["peak_bytes"] / results["masked composite"]["peak_bytes"]
+            print(f"  fastest: {fastest}; cakeops peak memory / masked composite's: {mem:.3f}")
+            rows.append({"case": name, "dtype": dt, "backend": backend, "results": results})
+    return rows

@@ -1,0 +1,196 @@
+"""Conformance of ``causal_dot_product`` (ops.md section 2) for the backend under test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import cakeops
+from cakeops.reference import causal_dot_product as ref
+from cakeops.testing import (
+    assert_matches,
+    assert_saves_exactly,
+    peak_memory,
+    reference_outputs,
+    run_with_grads,
+)
+
+OP = "causal_dot_product"
+
+# name -> (N, H, L, E, M)
+CASES = {
+    "basic": (2, 3, 37, 8, 8),
+    "e-ne-m": (1, 2, 70, 5, 9),
+    "l1": (2, 2, 1, 4, 4),
+    "e1": (1, 2, 33, 1, 6),
+    "m1": (1, 2, 33, 6, 1),
+    "l257": (1, 1, 257, 16, 16),
+    "l-multiple-of-64": (1, 2, 128, 8, 8),
+}
+LONG_L = 8192
+#: The largest chunk the memory bound allows a backend: peak extra memory must stay within
+#: a small multiple of N*H*(L*CHUNK_BOUND + E*M) elements beyond the inputs and gradients.
+CHUNK_BOUND = 256
+
+
+def make_inputs(N, H, L, E, M, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(device, dtype)
+
+    # Feature-map-like scales keep the sums over L of comparable size to each term.
+    q = rand(N, H, L, E, scale=max(E, 1) ** -0.5).requires_grad_()
+    k = rand(N, H, L, E, scale=max(E, 1) ** -0.5).requires_grad_()
+    v = rand(N, H, L, M).requires_grad_()
+    g = rand(N, H, L, M)
+    return q, k, v, g
+
+
+def check_against_reference(q, k, v, g, got, math=ref.math):
+    ref_out, ref_grads = reference_outputs(math, {"q": q, "k": k, "v": v}, (), g)
+    out, dq, dk, dv = got
+    assert_matches(out, ref_out, "out", q.dtype)
+    assert_matches(dq, ref_grads["q"], "dq", q.dtype)
+    assert_matches(dk, ref_grads["k"], "dk", k.dtype)
+    assert_matches(dv, ref_grads["v"], "dv", v.dtype)
+
+
+def op(q, k, v):
+    return cakeops.causal_dot_product(q, k, v)
+
+
+class TestCausalDotProduct:
+    op = OP
+
+    @pytest.mark.parametrize("case", list(CASES))
+    def test_matches_reference(self, backend, dtype, device, case):
+        q, k, v, g = make_inputs(*CASES[case], dtype, device)
+        check_against_reference(q, k, v, g, run_with_grads(op, (q, k, v), g))
+
+    @pytest.mark.cakeops_dtypes(torch.float32, torch.bfloat16)
+    def test_long_sequence_error_stays_within_tolerance(self, backend, dtype, device):
+        q, k, v, g = make_inputs(1, 1, LONG_L, 16, 16, dtype, device)
+        got = run_with_grads(op, (q, k, v), g)
+        check_against_reference(q, k, v, g, got, math=ref.math_scan)
+
+    @pytest.mark.cakeops_not_for("reference", reason="the float64 reference is the L x L form")
+    def test_long_sequence_memory_is_chunked(self, backend, device):
+        N, H, L, E, M = 1, 1, LONG_L, 16, 16
+        q, k, v, g = make_inputs(N, H, L, E, M, torch.float32, device)
+        peak = peak_memory(lambda: run_with_grads(op, (q, k, v), g), device)
+        io_bytes = sum(t.numel() * t.element_size() for t in (q, k, v, g))
+        bound = 4 * io_bytes + 4 * N * H * (L * CHUNK_BOUND + E * M) * 4
+        square = N * H * L * L * 4
+        assert square > 4 * bound  # the bound tells an L x L matrix apart
+        assert peak <= bound, f"peak {peak / 2**20:.1f} MiB exceeds {bound / 2**20:.1f} MiB"
+
+    @pytest.mark.cakeops_dtypes(torch.float64)
+    @pytest.mark.parametrize("shape", [(1, 2, 5, 3, 4), (2, 1, 9, 2, 2)])
+    def test_gradcheck(self, backend, dtype, device, shape):
+        q, k, v, _ = make_inputs(*shape, dtype, device)
+        assert torch.autograd.gradcheck(op, (q, k, v))
+
+    def test_saves_exactly_the_inputs(self, backend, device):
+        q, k, v, g = make_inputs(1, 2, 20, 4, 6, torch.float32, device)
+        out = assert_saves_exactly(op, (q, k, v), ("q", "k", "v"))
+        out.backward(g)
+
+    def test_checkpoint_gives_same_gradients(self, backend, device):
+        q, k, v, g = make_inputs(2, 2, 70, 8, 8, torch.float32, device)
+        plain = run_with_grads(op, (q, k, v), g)
+        checkpointed = run_with_grads(
+            lambda *t: checkpoint(op, *t, use_reentrant=False), (q, k, v), g
+        )
+        for a, b in zip(plain, checkpointed, strict=True):
+            assert torch.equal(a, b)
+
+    def test_deterministic(self, backend, dtype, device):
+        q, k, v, g = make_inputs(2, 2, 150, 8, 8, dtype, device)
+        first = run_with_grads(op, (q, k, v), g)
+        second = run_with_grads(op, (q, k, v), g)
+        for a, b in zip(first, second, strict=True):
+            assert torch.equal(a, b)
+
+    @pytest.mark.parametrize("shape", [(1, 2, 0, 4, 4), (0, 2, 5, 4, 4), (1, 2, 5, 0, 3)])
+    def test_empty(self, backend, dtype, device, shape):
+        q, k, v, g = make_inputs(*shape, dtype, device)
+        out, dq, dk, dv = run_with_grads(op, (q, k, v), g)
+        assert out.shape == (*shape[:3], shape[4])
+        assert torch.equal(out, torch.zeros_like(out))  # E = 0: every dot product is 0
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        assert torch.equal(dv, torch.zeros_like(dv))
+
+    def test_transposed_inputs(self, backend, dtype, device):
+        # fast-transformers' layer passes (N, L, H, E) tensors transposed to (N, H, L, E).
+        N, L, H, E, M = 2, 45, 3, 6, 5
+        gen = torch.Generator().manual_seed(1)
+
+        def nlhe(dim, scale):
+            t = torch.randn(N, L, H, dim, generator=gen, dtype=torch.float64) * scale
+            return t.to(device, dtype).transpose(1, 2).requires_grad_()
+
+        q, k, v = nlhe(E, E**-0.5), nlhe(E, E**-0.5), nlhe(M, 1.0)
+        g = torch.randn(N, H, L, M, generator=gen, dtype=torch.float64).to(device, dtype)
+        assert not q.is_contiguous()
+        check_against_reference(q, k, v, g, run_with_grads(op, (q, k, v), g))
+
+    def test_nan_propagates_forward_in_time_only(self, backend, dtype, device):
+        q, k, v, _ = make_inputs(1, 2, 40, 4, 4, dtype, device)
+        with torch.no_grad():
+            k[0, 1, 17, 2] = float("nan")
+        out = op(q, k, v).detach()
+        ref_out = ref.math(q.detach(), k.detach(), v.detach())
+        assert torch.equal(torch.isnan(out), torch.isnan(ref_out))
+        assert torch.isfinite(out[0, 1, :17]).all() and torch.isnan(out[0, 1, 17:]).all()
+        assert torch.isfinite(out[0, 0]).all()
+
+    def test_opcheck(self, backend, device):
+        q, k, v, g = make_inputs(1, 2, 9, 3, 5, torch.float32, device)
+        torch.library.opcheck(torch.ops.cakeops.causal_dot_product.default, (q, k, v))
+        torch.library.opcheck(
+            torch.ops.cakeops.causal_dot_product_backward.default,
+            (g, q.detach(), k.detach(), v.detach(), backend),
+        )
+
+    def test_compile_fullgraph(self, backend, device):
+        q, k, v, g = make_inputs(1, 2, 33, 4, 4, torch.float32, device)
+        torch._dynamo.reset()
+        compiled = torch.compile(op, fullgraph=True)
+        eager = run_with_grads(op, (q, k, v), g)
+        for a, b in zip(eager, run_with_grads(compiled, (q, k, v), g), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _bad_inputs(device):
+    q = torch.randn(1, 2, 5, 4, device=device)
+    v = torch.randn(1, 2, 5, 3, device=device)
+    return {
+        # name: (args, error type, argument named in the message)
+        "q-not-tensor": ((q.tolist(), q, v), TypeError, "q"),
+        "q-rank-3": ((q[0], q[0], v[0]), ValueError, "q"),
+        "v-rank-5": ((q, q, v[None]), ValueError, "v"),
+        "k-length": ((q, q[:, :, :4], v), ValueError, "k"),
+        "k-heads": ((q, q[:, :1], v), ValueError, "k"),
+        "k-feature": ((q, q[..., :3], v), ValueError, "k"),
+        "v-length": ((q, q, v[:, :, :4]), ValueError, "v"),
+        "v-batch": ((q, q, torch.cat([v, v])), ValueError, "v"),
+        "k-dtype": ((q, q.double(), v), TypeError, "k"),
+        "v-dtype": ((q, q, v.half()), TypeError, "v"),
+        "int-dtype": ((q.long(), q.long(), v.long()), TypeError, "q"),
+        "mixed-devices": ((q, q, v.to("meta")), ValueError, "v"),
+    }
+
+
+class TestCausalDotProductBadInput:
+    op = OP
+
+    @pytest.mark.parametrize("case", list(_bad_inputs("cpu")))
+    def test_bad_input_raises(self, backend, device, case):
+        args, error, argument = _bad_inputs(device)[case]
+        with pytest.raises(error) as info:
+            cakeops.causal_dot_product(*args)
+        message = str(info.value)
+        assert message.startswith(f"{OP}: argument '{argument}' expected")
+        assert "got" in message
