@@ -86,10 +86,48 @@ def format_table(title: str, results: dict[str, dict[str, float]], baseline: str
     return "\n".join(lines)
 
 
+def to_markdown(record: dict[str, Any]) -> str:
+    """The record of a run as Markdown tables, one per op, case and dtype."""
+    m = record["machine"]
+    lines = [
+        f"Measured {record['date']} on {m['device']} ({m['processor']}, {m['threads']} threads, "
+        f"{m['platform']}), torch {m['torch']}, with `{record['command']}`.",
+        "",
+        "Time is the median of forward+backward; *speed-up* is the baseline's time over the row's; "
+        "*peak* is the memory allocated during forward+backward beyond the inputs; *saved* is "
+        "what the autograd graph holds between forward and backward.",
+    ]
+    for op, rows in record["results"].items():
+        lines += ["", f"### `{op}`"]
+        for row in rows:
+            results, baseline = row["results"], row["baseline"]
+            lines += [
+                "",
+                f"**{row['case']}, {row['dtype']}** (baseline: {baseline})",
+                "",
+                "| implementation | time (ms) | speed-up | peak (MiB) | saved (MiB) |",
+                "| --- | ---: | ---: | ---: | ---: |",
+            ]
+            base = results[baseline]["time_s"]
+            for label, r in results.items():
+                lines.append(
+                    f"| {label} | {r['time_s'] * 1e3:.1f} | {base / r['time_s']:.2f}x | "
+                    f"{r['peak_bytes'] / 2**20:.1f} | {r['saved_bytes'] / 2**20:.1f} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
 def run(
-    ops: list[str], device: str = "cpu", quick: bool = False, json_path: str | None = None
+    ops: list[str],
+    device: str = "cpu",
+    quick: bool = False,
+    json_path: str | None = None,
+    markdown_path: str | None = None,
+    command: str = "cakeops bench",
 ) -> int:
-    """Run the benchmarks of ``ops``, print tables, optionally write JSON. Returns an exit code."""
+    """Run the benchmarks of ``ops``, print tables, write JSON and Markdown when asked.
+
+    Returns an exit code."""
     import importlib
 
     dev = torch.device(device)
@@ -102,6 +140,7 @@ def run(
             "threads": torch.get_num_threads(),
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         },
+        "command": command,
         "results": {},
     }
     print(
@@ -111,9 +150,13 @@ def run(
     for op in ops:
         module = importlib.import_module(f"cakeops.bench.{op}")
         record["results"][op] = module.run(dev, quick)
-    if json_path:
-        path = Path(json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=2))
-        print(f"\nwrote {path}")
+    outputs = [
+        (json_path, lambda: json.dumps(record, indent=2)),
+        (markdown_path, lambda: to_markdown(record)),
+    ]
+    for path, text in outputs:
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text())
+            print(f"wrote {path}")
     return 0

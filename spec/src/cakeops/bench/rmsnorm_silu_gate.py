@@ -82,6 +82,7 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
                     "case": name,
                     "dtype": str(dtype).removeprefix("torch."),
                     "backend": backend,
+                    "baseline": "eager composite",
                     "input_bytes": inputs_bytes,
                     "results": results,
                 }

@@ -128,3 +128,24 @@ def device(request: pytest.FixtureRequest):
     import torch
 
     return torch.device(request.config.getoption("cakeops_device"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect (not skip) suite tests that no backend under test applies to, such as the tests of
+    an op the backend does not implement or of a dtype it does not declare."""
+    keep, drop = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        is_suite = getattr(getattr(item, "cls", None), "op", None) is not None
+        backend = callspec.params.get("backend") if callspec else None
+        if (
+            is_suite
+            and "backend" in getattr(item, "fixturenames", ())
+            and not isinstance(backend, str)
+        ):
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
