@@ -7,6 +7,7 @@ from cakeops.testing.test_causal_dot_product import (  # noqa: F401
     TestCausalDotProduct,
     TestCausalDotProductBadInput,
 )
+from cakeops.testing.test_moe_experts import TestMoEExperts, TestMoEExpertsBadInput  # noqa: F401
 from cakeops.testing.test_rmsnorm_silu_gate import (  # noqa: F401
     TestRMSNormSiLUGate,
     TestRMSNormSiLUGateBadInput,

@@ -6,6 +6,7 @@ from cakeops import nn
 from cakeops._spec import TOLERANCES, relative_error, tolerance
 from cakeops.ops import explain
 from cakeops.ops.causal_dot_product import CausalDotProduct, causal_dot_product
+from cakeops.ops.moe_experts import moe_experts
 from cakeops.ops.rmsnorm_silu_gate import RMSNormSiLUGateFunction, rmsnorm_silu_gate
 from cakeops.registry import (
     Backend,
@@ -35,6 +36,7 @@ __all__ = [
     "backends",
     "causal_dot_product",
     "explain",
+    "moe_experts",
     "nn",
     "rediscover",
     "register_backend",

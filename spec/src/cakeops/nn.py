@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from cakeops.ops.moe_experts import moe_experts
 from cakeops.ops.rmsnorm_silu_gate import rmsnorm_silu_gate
 
 
@@ -44,4 +45,61 @@ class RMSNormSiLUGate(torch.nn.Module):
         return (
             f"{self.hidden_size}, eps={self.eps}, group_size={self.group_size}, "
             f"norm_before_gate={self.norm_before_gate}"
+        )
+
+
+class MoEExperts(torch.nn.Module):
+    """The routed SwiGLU experts of an MoE layer: ``forward(x, router_logits) -> (T, D)``.
+
+    Holds ``w_gate``, ``w_up`` ``(E, F, D)`` and ``w_down`` ``(E, D, F)`` (float32 by default:
+    with 16-bit ``x`` they act as master weights, cast on the fly). The router itself (a linear
+    layer producing ``router_logits``) stays with the model. Mixtral: ``renormalize=True``;
+    Qwen2/3-MoE: ``renormalize=norm_topk_prob``.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        top_k: int,
+        renormalize: bool = True,
+        scale: float = 1.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.intermediate_size, self.top_k = intermediate_size, top_k
+        self.renormalize, self.scale = renormalize, scale
+        E, D, F = num_experts, hidden_size, intermediate_size
+        kw = {"device": device, "dtype": dtype or torch.float32}
+        self.w_gate = torch.nn.Parameter(torch.empty(E, F, D, **kw))
+        self.w_up = torch.nn.Parameter(torch.empty(E, F, D, **kw))
+        self.w_down = torch.nn.Parameter(torch.empty(E, D, F, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default initialisation, expert by expert."""
+        for w in (self.w_gate, self.w_up, self.w_down):
+            bound = w.shape[-1] ** -0.5
+            torch.nn.init.uniform_(w, -bound, bound)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        return moe_experts(
+            x,
+            router_logits,
+            self.w_gate,
+            self.w_up,
+            self.w_down,
+            top_k=self.top_k,
+            renormalize=self.renormalize,
+            scale=self.scale,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, top_k={self.top_k}, "
+            f"renormalize={self.renormalize}, scale={self.scale}"
         )

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 ENTRY_POINT_GROUP = "cakeops.backends"
-OPS = ("rmsnorm_silu_gate", "causal_dot_product")
+OPS = ("rmsnorm_silu_gate", "causal_dot_product", "moe_experts")
 
 #: pip distributions of the first-party backends, named in errors when one is not installed.
 KNOWN_DISTRIBUTIONS = {

@@ -20,5 +20,8 @@ backend = Backend(
         "causal_dot_product": OpKernels(
             module="cakeops_torch.causal_dot_product", devices={"*": 10}, dtypes=DTYPES
         ),
+        "moe_experts": OpKernels(
+            module="cakeops_torch.moe_experts", devices={"*": 10}, dtypes=DTYPES
+        ),
     },
 )

@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from cakeops.ops import causal_dot_product, rmsnorm_silu_gate
+from cakeops.ops import causal_dot_product, moe_experts, rmsnorm_silu_gate
 from cakeops.registry import Explanation, explain_inputs
 
 #: Spec module of each op, by op name.
 SPECS = {
     "rmsnorm_silu_gate": rmsnorm_silu_gate,
     "causal_dot_product": causal_dot_product,
+    "moe_experts": moe_experts,
 }
 
 

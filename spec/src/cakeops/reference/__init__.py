@@ -21,5 +21,10 @@ backend = Backend(
             devices={"*": None},
             dtypes=FLOAT_DTYPES,
         ),
+        "moe_experts": OpKernels(
+            module="cakeops.reference.moe_experts",
+            devices={"*": None},
+            dtypes=FLOAT_DTYPES,
+        ),
     },
 )

@@ -1,0 +1,129 @@
+"""The routed SwiGLU experts in plain PyTorch: sorted, dropless, deterministic.
+
+The (token, slot) pairs are sorted by expert once; each expert then runs one grouped pass over its
+own contiguous rows (no dense all-experts compute, no padding to a capacity). The combine sums the
+``(T, top_k, D)`` view of the expert outputs in slot order, and the dispatch backward sums each
+token's copies the same way: no ``index_add_``, no atomics. The backward recomputes the routing
+and the gate/up projections; experts that received no token keep exact zero gradients.
+
+Matmuls run in float32 for 16-bit inputs on the CPU (weights cast per expert, on the fly) and in
+the input dtype with float32 accumulation on accelerators.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class Routing(NamedTuple):
+    probs: torch.Tensor  # (T, E) softmax
+    experts: torch.Tensor  # (T, k) selected experts, ties to the lower id
+    r: torch.Tensor  # (T, k) probabilities of the selected experts
+    weights: torch.Tensor  # (T, k) combine weights
+    order: torch.Tensor  # (T * k,) flat (token, slot) indices sorted by expert
+    token: torch.Tensor  # (T * k,) token of each sorted row
+    bounds: list[int]  # rows of expert e are order[bounds[e]:bounds[e + 1]]
+
+
+def route(router_logits, top_k, renormalize, scale, dtype=torch.float32) -> Routing:
+    """Experts chosen on the float32 softmax (ties to the lower id); probabilities and weights
+    in ``dtype`` (float64 for float64 inputs)."""
+    probs32 = torch.softmax(router_logits.float(), dim=-1)
+    experts = torch.sort(probs32, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    probs = probs32 if dtype == torch.float32 else torch.softmax(router_logits.to(dtype), dim=-1)
+    r = probs.gather(1, experts)
+    weights = r / r.sum(-1, keepdim=True) if renormalize else r
+    flat = experts.flatten()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=probs.shape[1])
+    bounds = [0, *torch.cumsum(counts, 0).tolist()]
+    return Routing(probs, experts, r, weights * scale, order, order // top_k, bounds)
+
+
+def _mm_dtype(x: torch.Tensor) -> torch.dtype:
+    if x.dtype == torch.float64:
+        return torch.float64
+    return x.dtype if x.device.type != "cpu" else torch.float32
+
+
+def _experts(routing: Routing):
+    """``(e, start, end)`` for every expert that received rows."""
+    for e in range(len(routing.bounds) - 1):
+        start, end = routing.bounds[e], routing.bounds[e + 1]
+        if end > start:
+            yield e, start, end
+
+
+def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
+    T, D = x.shape
+    mm = _mm_dtype(x)
+    acc = torch.float64 if mm == torch.float64 else torch.float32
+    routing = route(router_logits, top_k, renormalize, scale, acc)
+    rows = x.to(mm)[routing.token]  # dispatch: (T * k, D) sorted by expert
+    y = torch.empty((T * top_k, D), dtype=acc, device=x.device)
+    for e, s, t in _experts(routing):
+        xe = rows[s:t]
+        h = F.silu((xe @ w_gate[e].to(mm).T).to(acc)).mul_((xe @ w_up[e].to(mm).T).to(acc))
+        y[routing.order[s:t]] = (h.to(mm) @ w_down[e].to(mm).T).to(acc)
+    # combine in slot order: out_t = sum_s w_ts y_(t,s)
+    out = (y.view(T, top_k, D) * routing.weights.to(acc).unsqueeze(-1)).sum(1)
+    return out.to(x.dtype)
+
+
+def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
+    T, D = x.shape
+    mm = _mm_dtype(x)
+    acc = torch.float64 if mm == torch.float64 else torch.float32
+    routing = route(router_logits, top_k, renormalize, scale, acc)
+    rows = x.to(mm)[routing.token]
+    g_rows = g.to(mm)[routing.token]  # each slot's copy of its token's gradient
+    slot_w = routing.weights.flatten()[routing.order].to(acc)
+    dx_rows = torch.empty((T * top_k, D), dtype=acc, device=x.device)
+    dw_flat = torch.empty(T * top_k, dtype=acc, device=x.device)
+    grads = [torch.zeros(w.shape, dtype=acc, device=w.device) for w in (w_gate, w_up, w_down)]
+    for e, s, t in _experts(routing):
+        xe, ge, we = rows[s:t], g_rows[s:t], slot_w[s:t, None]
+        wg, wu, wd = w_gate[e].to(mm), w_up[e].to(mm), w_down[e].to(mm)
+        hg, hu = (xe @ wg.T).to(acc), (xe @ wu.T).to(acc)
+        sig = torch.sigmoid(hg)
+        gate = hg * sig
+        h = gate * hu
+        u = (ge @ wd).to(acc)  # g_t W_down: dL/dh before the routing weight
+        dw_flat[routing.order[s:t]] = (h * u).sum(-1)  # <y, g> = <h W_down^T, g> = <h, g W_down>
+        dh = u.mul_(we)
+        grads[2][e] = (ge.to(acc) * we).T @ h  # dW_down = dy^T h with dy = w g
+        dhu = dh * gate
+        dhg = dh.mul_(hu).mul_(sig.mul_(hg.mul_(1 - sig).add_(1)))  # dh * hu * silu'(hg)
+        xe_acc = xe.to(acc)
+        grads[0][e] = dhg.T @ xe_acc
+        grads[1][e] = dhu.T @ xe_acc
+        dx_rows[routing.order[s:t]] = (dhg.to(mm) @ wg + dhu.to(mm) @ wu).to(acc)
+    # dispatch backward: each token's copies summed in slot order (no routing weight again)
+    dx = dx_rows.view(T, top_k, D).sum(1).to(x.dtype)
+    dlogits = _routing_backward(routing, dw_flat.view(T, top_k), renormalize, scale)
+    return (
+        dx,
+        dlogits.to(router_logits.dtype),
+        *(grad.to(w.dtype) for grad, w in zip(grads, (w_gate, w_up, w_down), strict=True)),
+    )
+
+
+def _routing_backward(routing: Routing, dweights, renormalize, scale):
+    """Logits gradient from ``dL/dw_ts``: through the renormalisation, the top-k gather and the
+    softmax over all E experts."""
+    r = routing.r.to(dweights.dtype)
+    if renormalize:
+        total = r.sum(-1, keepdim=True)
+        dr = scale * (dweights - (dweights * r).sum(-1, keepdim=True) / total) / total
+    else:
+        dr = scale * dweights
+    p = routing.probs.to(dweights.dtype)
+    dp = torch.zeros_like(p).scatter_(1, routing.experts, dr)
+    if renormalize:
+        # sum_e p_e dp_e = sum_s r_s dr_s is exactly 0 here (the weights do not change with a
+        # common factor on r), so the non-selected experts get exact zeros.
+        return p * dp
+    return p * (dp - (p * dp).sum(-1, keepdim=True))

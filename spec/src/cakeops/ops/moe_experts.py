@@ -1,0 +1,244 @@
+"""Spec of ``moe_experts``: the routed SwiGLU expert branch of an MoE layer, dropless.
+
+Routing (float32 always): ``p = softmax(router_logits)`` over all E experts, the ``top_k`` largest
+(ties to the lower expert id), ``w = scale * r / sum(r)`` with ``renormalize`` else ``scale * r``.
+Expert ``e`` on a row: ``y = (silu(x W_gate[e]^T) * (x W_up[e]^T)) W_down[e]^T``; the output is
+``out_t = sum_s w_ts y_(t,s)``: the routing weight is applied once, in the combine.
+
+Kernel signature every backend implements (arguments validated, ``T > 0``)::
+
+    forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale) -> out
+    backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale)
+        -> (dx, dlogits, dw_gate, dw_up, dw_down)
+
+Saved-tensor contract: exactly the five inputs; routing, activations and expert outputs are
+recomputed in the backward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from cakeops import _spec
+from cakeops.ops._glue import backward_preference, checked, pick
+
+OP = "moe_experts"
+SAVED = ("x", "router_logits", "w_gate", "w_up", "w_down")
+DTYPES = _spec.FLOAT_DTYPES
+WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+def check_types(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale) -> float:
+    """Check the Python types of the arguments; return ``scale`` as a float."""
+    for name, value in zip(SAVED, (x, router_logits, w_gate, w_up, w_down), strict=True):
+        _spec.check_tensor(OP, name, value)
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"{OP}: argument 'top_k' expected an int, got {_spec.describe(top_k)}")
+    if not isinstance(renormalize, bool):
+        got = _spec.describe(renormalize)
+        raise TypeError(f"{OP}: argument 'renormalize' expected a bool, got {got}")
+    return _spec.check_number(OP, "scale", scale)
+
+
+def validate(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale) -> None:
+    """Check every argument (raises ``TypeError``/``ValueError`` naming the argument)."""
+    scale = check_types(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"{OP}: argument 'scale' expected a finite number, got {scale!r}")
+    if x.dim() != 2:
+        raise ValueError(
+            f"{OP}: argument 'x' expected 2 dimensions (T, D), got shape {tuple(x.shape)}"
+        )
+    _spec.check_float_dtype(OP, "x", x)
+    _spec.check_float_dtype(OP, "router_logits", router_logits)
+    for name, w in zip(WEIGHTS, (w_gate, w_up, w_down), strict=True):
+        if w.dtype not in (x.dtype, torch.float32):
+            raise TypeError(
+                f"{OP}: argument '{name}' expected dtype {_spec.dtype_name(x.dtype)} (the dtype of "
+                f"x) or float32 (master weights), got {_spec.dtype_name(w.dtype)}"
+            )
+    for name, w in (("w_up", w_up), ("w_down", w_down)):
+        if w.dtype != w_gate.dtype:
+            raise TypeError(
+                f"{OP}: argument '{name}' expected dtype {_spec.dtype_name(w_gate.dtype)} (the "
+                f"dtype of w_gate), got {_spec.dtype_name(w.dtype)}"
+            )
+    _spec.check_same_device(
+        OP, dict(zip(SAVED, (x, router_logits, w_gate, w_up, w_down), strict=True))
+    )
+    T, D = x.shape
+    if router_logits.dim() != 2 or router_logits.shape[0] != T:
+        raise ValueError(
+            f"{OP}: argument 'router_logits' expected shape ({T}, E) (T of x), "
+            f"got {tuple(router_logits.shape)}"
+        )
+    E = router_logits.shape[1]
+    if E < 1:
+        raise ValueError(f"{OP}: argument 'router_logits' expected at least one expert, got E=0")
+    if w_gate.dim() != 3 or w_gate.shape[0] != E or w_gate.shape[2] != D:
+        raise ValueError(
+            f"{OP}: argument 'w_gate' expected shape ({E}, F, {D}) (E of router_logits, D of x), "
+            f"got {tuple(w_gate.shape)}"
+        )
+    F = w_gate.shape[1]
+    if w_up.shape != w_gate.shape:
+        raise ValueError(
+            f"{OP}: argument 'w_up' expected shape {tuple(w_gate.shape)} (the shape of w_gate), "
+            f"got {tuple(w_up.shape)}"
+        )
+    if w_down.shape != (E, D, F):
+        raise ValueError(
+            f"{OP}: argument 'w_down' expected shape ({E}, {D}, {F}), got {tuple(w_down.shape)}"
+        )
+    if not 1 <= top_k <= E:
+        raise ValueError(f"{OP}: argument 'top_k' expected an int in 1..{E}, got {top_k}")
+
+
+def _inputs(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale) -> dict[str, Any]:
+    return {
+        "x": x,
+        "router_logits": router_logits,
+        "w_gate": w_gate,
+        "w_up": w_up,
+        "w_down": w_down,
+        "top_k": top_k,
+        "renormalize": renormalize,
+        "scale": scale,
+    }
+
+
+def bind(x, router_logits, w_gate, w_up, w_down, *, top_k, renormalize=True, scale=1.0):
+    """Validate a call's arguments and return them as the inputs a backend is asked about."""
+    validate(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale)
+    return _inputs(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, float(scale))
+
+
+def example_inputs(
+    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, shape=(8, 16, 24, 4)
+) -> dict[str, Any]:
+    """Small valid inputs (T, D, F, E), for ``cakeops info`` and smoke tests."""
+    T, D, F, E = shape
+
+    def rand(*s):
+        return torch.randn(s, device=device, dtype=dtype) * 0.1
+
+    return {
+        "x": rand(T, D),
+        "router_logits": torch.randn(T, E, device=device),
+        "w_gate": rand(E, F, D),
+        "w_up": rand(E, F, D),
+        "w_down": rand(E, D, F),
+        "top_k": 2,
+    }
+
+
+@torch.library.custom_op("cakeops::moe_experts", mutates_args=())
+def _forward_op(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    scale: float,
+) -> torch.Tensor:
+    args = (x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale)
+    validate(*args)
+    if x.shape[0] == 0:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    backend = pick(OP, _inputs(*args))
+    return checked(OP, backend, "out", backend.kernels(OP).forward(*args), x)
+
+
+@_forward_op.register_fake
+def _(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
+    validate(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _empty_grads(x, router_logits, w_gate, w_up, w_down):
+    return (
+        torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        torch.empty(router_logits.shape, dtype=router_logits.dtype, device=x.device),
+        *(torch.zeros(w.shape, dtype=w.dtype, device=w.device) for w in (w_gate, w_up, w_down)),
+    )
+
+
+@torch.library.custom_op("cakeops::moe_experts_backward", mutates_args=())
+def _backward_op(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``backend``: the preference in force at the forward ("" for the automatic choice)."""
+    args = (x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale)
+    validate(*args)
+    _spec.check_tensor(OP, "grad_output", g)
+    if g.shape != x.shape or g.dtype != x.dtype:
+        raise ValueError(
+            f"{OP}: argument 'grad_output' expected {_spec.dtype_name(x.dtype)} of shape "
+            f"{tuple(x.shape)}, got {_spec.describe(g)}"
+        )
+    if x.shape[0] == 0:
+        return _empty_grads(x, router_logits, w_gate, w_up, w_down)
+    chosen = pick(OP, _inputs(*args), backend)
+    grads = chosen.kernels(OP).backward(g.contiguous(), *args)
+    names = ("dx", "drouter_logits", "dw_gate", "dw_up", "dw_down")
+    likes = (x, router_logits, w_gate, w_up, w_down)
+    return tuple(
+        checked(OP, chosen, name, grad, like)
+        for name, grad, like in zip(names, grads, likes, strict=True)
+    )
+
+
+@_backward_op.register_fake
+def _(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale, backend):
+    validate(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale)
+    return _empty_grads(x, router_logits, w_gate, w_up, w_down)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale = inputs
+    ctx.save_for_backward(x, router_logits, w_gate, w_up, w_down)
+    ctx.params = (top_k, renormalize, scale)
+    ctx.backend = backward_preference(OP)
+
+
+def _backward(ctx, grad):
+    grads = _backward_op(grad, *ctx.saved_tensors, *ctx.params, ctx.backend)
+    return (*grads, None, None, None)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    top_k: int,
+    renormalize: bool = True,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """The routed SwiGLU experts of an MoE layer: softmax top-k routing, dispatch, experts, combine.
+
+    ``x (T, D)``, ``router_logits (T, E)``, ``w_gate`` and ``w_up (E, F, D)``, ``w_down (E, D, F)``
+    (``nn.Linear`` layout) -> ``(T, D)`` in ``x.dtype``. Weights may be float32 while ``x`` is
+    16-bit. Saves only the five inputs; gradients flow to all of them.
+    """
+    scale = check_types(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale)
+    return _forward_op(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale)
