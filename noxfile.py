@@ -12,7 +12,7 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["lint", "tests"]
 
 CONSTRAINTS = ("-c", ".ci/constraints.txt")
-PACKAGES = ("./spec", "./packages/torch")
+PACKAGES = ("./spec", "./packages/torch", "./packages/triton")
 EXAMPLE_BACKEND = "./tests/example_backend"
 
 
@@ -27,6 +27,11 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *session.posargs)
     # The documented command a third-party backend certifies itself with.
     session.run("pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=example", "-q")
+    # The Triton kernels on CPU tensors through Triton's interpreter (no GPU here).
+    session.run(
+        "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=triton", "-q",
+        env={"TRITON_INTERPRET": "1"},
+    )  # fmt: skip
 
 
 @nox.session
@@ -49,7 +54,7 @@ def bench(session: nox.Session) -> None:
     """Side-by-side benchmarks: time ratios, peak and saved memory (``-- --quick``: small)."""
     install(session, "numpy")
     # A full run refreshes the figures the docs show; a --quick run only prints.
-    record = [] if "--quick" in session.posargs else ["--markdown", "docs/bench/cpu.md"]
+    record = [] if "--quick" in session.posargs else ["--markdown", "docs/bench/cpu"]
     session.run("cakeops", "bench", "--json", "bench-results/bench.json", *record, *session.posargs)
 
 

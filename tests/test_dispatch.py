@@ -214,7 +214,8 @@ def test_backward_runs_the_backend_the_forward_chose(spies):
     "choice, expected",
     [
         ("nope", "nope: not installed"),
-        ("triton", "pip install cakeops-triton"),
+        ("numba", "pip install cakeops-numba"),
+        ("triton", "triton: unavailable: no CUDA or ROCm device"),
         ("example", "supports dtypes float32 for rmsnorm_silu_gate, got float64"),
     ],
 )

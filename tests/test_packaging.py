@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DISTRIBUTIONS = [
     ("spec", "cakeops", "cakeops"),
     ("packages/torch", "cakeops-torch", "cakeops_torch"),
+    ("packages/triton", "cakeops-triton", "cakeops_triton"),
 ]
 
 

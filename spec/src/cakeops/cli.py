@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--device", default="cpu")
     p_bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     p_bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p_bench.add_argument("--markdown", metavar="PATH", help="also write Markdown tables")
+    p_bench.add_argument("--markdown", metavar="DIR", help="also write DIR/<op>.md tables")
     args = parser.parse_args(argv)
     if args.command == "info":
         info = gather_info()
@@ -135,6 +135,6 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         quick=args.quick,
         json_path=args.json,
-        markdown_path=args.markdown,
+        markdown_dir=args.markdown,
         command="cakeops " + " ".join(argv if argv is not None else sys.argv[1:]),
     )

@@ -62,10 +62,10 @@ def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
     mm = _mm_dtype(x)
     acc = torch.float64 if mm == torch.float64 else torch.float32
     routing = route(router_logits, top_k, renormalize, scale, acc)
-    rows = x.to(mm)[routing.token]  # dispatch: (T * k, D) sorted by expert
+    rows = x[routing.token]  # dispatch: (T * k, D) sorted by expert, cast per expert
     y = torch.empty((T * top_k, D), dtype=acc, device=x.device)
     for e, s, t in _experts(routing):
-        xe = rows[s:t]
+        xe = rows[s:t].to(mm)
         h = F.silu((xe @ w_gate[e].to(mm).T).to(acc)).mul_((xe @ w_up[e].to(mm).T).to(acc))
         y[routing.order[s:t]] = (h.to(mm) @ w_down[e].to(mm).T).to(acc)
     # combine in slot order: out_t = sum_s w_ts y_(t,s)
@@ -78,14 +78,14 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     mm = _mm_dtype(x)
     acc = torch.float64 if mm == torch.float64 else torch.float32
     routing = route(router_logits, top_k, renormalize, scale, acc)
-    rows = x.to(mm)[routing.token]
-    g_rows = g.to(mm)[routing.token]  # each slot's copy of its token's gradient
+    rows = x[routing.token]
+    g_rows = g[routing.token]  # each slot's copy of its token's gradient
     slot_w = routing.weights.flatten()[routing.order].to(acc)
     dx_rows = torch.empty((T * top_k, D), dtype=acc, device=x.device)
     dw_flat = torch.empty(T * top_k, dtype=acc, device=x.device)
     grads = [torch.zeros(w.shape, dtype=acc, device=w.device) for w in (w_gate, w_up, w_down)]
     for e, s, t in _experts(routing):
-        xe, ge, we = rows[s:t], g_rows[s:t], slot_w[s:t, None]
+        xe, ge, we = rows[s:t].to(mm), g_rows[s:t].to(mm), slot_w[s:t, None]
         wg, wu, wd = w_gate[e].to(mm), w_up[e].to(mm), w_down[e].to(mm)
         hg, hu = (xe @ wg.T).to(acc), (xe @ wu.T).to(acc)
         sig = torch.sigmoid(hg)

@@ -101,35 +101,48 @@ def format_table(title: str, results: dict[str, dict[str, float]], baseline: str
     return "\n".join(lines)
 
 
-def to_markdown(record: dict[str, Any]) -> str:
-    """The record of a run as Markdown tables, one per op, case and dtype."""
+def _machine_line(record: dict[str, Any]) -> str:
     m = record["machine"]
-    lines = [
+    return (
         f"Measured {record['date']} on {m['device']} ({m['processor']}, {m['threads']} threads, "
-        f"{m['platform']}), torch {m['torch']}, with `{record['command']}`.",
-        "",
-        "Time is the median of forward+backward; *speed-up* is the baseline's time over the row's; "
-        "*peak* is the memory allocated during forward+backward beyond the inputs; *saved* is "
-        "what the autograd graph holds between forward and backward.",
-    ]
-    for op, rows in record["results"].items():
-        lines += ["", f"### `{op}`"]
-        for row in rows:
-            results, baseline = row["results"], row["baseline"]
-            lines += [
-                "",
-                f"**{row['case']}, {row['dtype']}** (baseline: {baseline})",
-                "",
-                "| implementation | time (ms) | speed-up | peak (MiB) | saved (MiB) |",
-                "| --- | ---: | ---: | ---: | ---: |",
-            ]
-            base = results[baseline]["time_s"]
-            for label, r in results.items():
-                lines.append(
-                    f"| {label} | {r['time_s'] * 1e3:.1f} | {base / r['time_s']:.2f}x | "
-                    f"{r['peak_bytes'] / 2**20:.1f} | {r['saved_bytes'] / 2**20:.1f} |"
-                )
+        f"{m['platform']}), torch {m['torch']}, with `{record['command']}`. Time is the median "
+        "of forward+backward; *speed-up* is the baseline's time over the row's; *peak* is the "
+        "memory allocated during forward+backward beyond the inputs; *saved* is what the "
+        "autograd graph holds between forward and backward."
+    )
+
+
+def op_markdown(record: dict[str, Any], op: str) -> str:
+    """One op's results as Markdown tables, one per case and dtype."""
+    lines = [_machine_line(record)]
+    for row in record["results"][op]:
+        results, baseline = row["results"], row["baseline"]
+        lines += [
+            "",
+            f"**{row['case']}, {row['dtype']}** (baseline: {baseline})",
+            "",
+            "| implementation | time (ms) | speed-up | peak (MiB) | saved (MiB) |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        base = results[baseline]["time_s"]
+        for label, r in results.items():
+            lines.append(
+                f"| {label} | {r['time_s'] * 1e3:.1f} | {base / r['time_s']:.2f}x | "
+                f"{r['peak_bytes'] / 2**20:.1f} | {r['saved_bytes'] / 2**20:.1f} |"
+            )
     return "\n".join(lines) + "\n"
+
+
+def write_markdown(record: dict[str, Any], directory: str | Path) -> list[Path]:
+    """Write ``<directory>/<op>.md`` for every op in ``record``; the docs include these."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for op in record["results"]:
+        path = directory / f"{op}.md"
+        path.write_text(op_markdown(record, op))
+        written.append(path)
+    return written
 
 
 def run(
@@ -137,10 +150,10 @@ def run(
     device: str = "cpu",
     quick: bool = False,
     json_path: str | None = None,
-    markdown_path: str | None = None,
+    markdown_dir: str | None = None,
     command: str = "cakeops bench",
 ) -> int:
-    """Run the benchmarks of ``ops``, print tables, write JSON and Markdown when asked.
+    """Run the benchmarks of ``ops``, print tables, write JSON and per-op Markdown when asked.
 
     Returns an exit code."""
     import importlib
@@ -165,13 +178,11 @@ def run(
     for op in ops:
         module = importlib.import_module(f"cakeops.bench.{op}")
         record["results"][op] = module.run(dev, quick)
-    outputs = [
-        (json_path, lambda: json.dumps(record, indent=2)),
-        (markdown_path, lambda: to_markdown(record)),
-    ]
-    for path, text in outputs:
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(text())
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(record, indent=2))
+        print(f"wrote {json_path}")
+    if markdown_dir:
+        for path in write_markdown(record, markdown_dir):
             print(f"wrote {path}")
     return 0

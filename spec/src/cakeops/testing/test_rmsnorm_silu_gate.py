@@ -31,6 +31,7 @@ CASES = {
     "one-row": ((1, 96), None, False),
     "odd-d": ((7, 100), 25, True),
     "large-d": ((2, 16384), None, True),
+    "huge-d-gate-first": ((2, 65536), None, False),
 }
 
 

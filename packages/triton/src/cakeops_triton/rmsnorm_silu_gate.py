@@ -1,0 +1,191 @@
+"""Gated RMSNorm in Triton: float32 math, one rounding at the store, ``rstd`` recomputed.
+
+Each program owns ``BLOCK_R`` rows and walks their groups one after the other; inside a group it
+loops over ``BLOCK_G``-wide column chunks, so any group size works (no 64 KB row limit: a group
+is never held in registers whole). The backward writes one float32 ``dweight`` partial per
+program, which the host sums in program order: deterministic, no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_BLOCK_G = 1024
+TILE = 4096  # elements per (BLOCK_R x BLOCK_G) tile
+
+
+@triton.jit
+def _silu_parts(z):
+    sig = 1.0 / (1.0 + tl.exp(-z))
+    return sig, z * sig
+
+
+@triton.jit(do_not_specialize=["R"])
+def _forward_kernel(
+    X, Z, W, Y,
+    R, stride_x, stride_z,
+    eps,
+    D: tl.constexpr, G: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    rows64 = rows.to(tl.int64)
+    for start in range(0, D, G):  # one group at a time
+        # pass 1: mean of squares of v (x, or x * silu(z) when the gate comes first)
+        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for c in range(0, G, BLOCK_G):
+            cols = start + c + tl.arange(0, BLOCK_G)
+            m = row_ok[:, None] & (cols < start + G)[None, :]
+            v = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+            v = v.to(tl.float32)
+            if not NORM_BEFORE_GATE:
+                z = tl.load(Z + rows64[:, None] * stride_z + cols[None, :], mask=m, other=0.0)
+                v = v * _silu_parts(z.to(tl.float32))[1]
+            acc += tl.sum(v * v, axis=1)
+        r = 1.0 / tl.sqrt(acc / G + eps)
+        # pass 2: y = v * r * weight (* silu(z)), rounded once
+        for c in range(0, G, BLOCK_G):
+            cols = start + c + tl.arange(0, BLOCK_G)
+            col_ok = cols < start + G
+            m = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+            z = tl.load(Z + rows64[:, None] * stride_z + cols[None, :], mask=m, other=0.0)
+            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+            gate = _silu_parts(z.to(tl.float32))[1]
+            if NORM_BEFORE_GATE:
+                y = x.to(tl.float32) * r[:, None] * w[None, :] * gate
+            else:
+                y = x.to(tl.float32) * gate * r[:, None] * w[None, :]
+            tl.store(Y + rows64[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _backward_kernel(
+    GO, X, Z, W, DX, DZ, DW_PARTIAL,
+    R, stride_x, stride_z,
+    eps,
+    D: tl.constexpr, G: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    rows64 = rows.to(tl.int64)
+    for start in range(0, D, G):
+        # pass 1: r, recomputed from the inputs
+        ss = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for c in range(0, G, BLOCK_G):
+            cols = start + c + tl.arange(0, BLOCK_G)
+            m = row_ok[:, None] & (cols < start + G)[None, :]
+            v = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+            v = v.to(tl.float32)
+            if not NORM_BEFORE_GATE:
+                z = tl.load(Z + rows64[:, None] * stride_z + cols[None, :], mask=m, other=0.0)
+                v = v * _silu_parts(z.to(tl.float32))[1]
+            ss += tl.sum(v * v, axis=1)
+        r = 1.0 / tl.sqrt(ss / G + eps)
+        # pass 2: mean(a * n) with a = dL/dn
+        an = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for c in range(0, G, BLOCK_G):
+            cols = start + c + tl.arange(0, BLOCK_G)
+            col_ok = cols < start + G
+            m = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+            z = tl.load(Z + rows64[:, None] * stride_z + cols[None, :], mask=m, other=0.0)
+            g = tl.load(GO + rows64[:, None] * D + cols[None, :], mask=m, other=0.0)
+            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+            gate = _silu_parts(z.to(tl.float32))[1]
+            if NORM_BEFORE_GATE:
+                n = x.to(tl.float32) * r[:, None]
+                a = w[None, :] * g.to(tl.float32) * gate
+            else:
+                n = x.to(tl.float32) * gate * r[:, None]
+                a = w[None, :] * g.to(tl.float32)
+            an += tl.sum(a * n, axis=1)
+        mean = an / G
+        # pass 3: dx, dz and this program's dweight partial
+        for c in range(0, G, BLOCK_G):
+            cols = start + c + tl.arange(0, BLOCK_G)
+            col_ok = cols < start + G
+            m = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+            x = x.to(tl.float32)
+            z = tl.load(Z + rows64[:, None] * stride_z + cols[None, :], mask=m, other=0.0)
+            z = z.to(tl.float32)
+            g = tl.load(GO + rows64[:, None] * D + cols[None, :], mask=m, other=0.0)
+            g = g.to(tl.float32)
+            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+            sig, gate = _silu_parts(z)
+            dsilu = sig * (1.0 + z * (1.0 - sig))
+            if NORM_BEFORE_GATE:
+                n = x * r[:, None]
+                a = w[None, :] * g * gate
+            else:
+                n = x * gate * r[:, None]
+                a = w[None, :] * g
+            if G == 1:
+                # r * (a - n * a * n) = a * eps * r^3 exactly; the difference would cancel
+                dv = a * (eps * r * r * r)[:, None]
+            else:
+                dv = r[:, None] * (a - n * mean[:, None])
+            if NORM_BEFORE_GATE:
+                dx = dv
+                dz = g * n * w[None, :] * dsilu
+                dw = g * gate * n
+            else:
+                dx = dv * gate
+                dz = dv * x * dsilu
+                dw = g * n
+            out = rows64[:, None] * D + cols[None, :]
+            tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=m)
+            tl.store(DZ + out, dz.to(DZ.dtype.element_ty), mask=m)
+            dw = tl.where(m, dw, 0.0)
+            tl.store(DW_PARTIAL + pid.to(tl.int64) * D + cols, tl.sum(dw, axis=0), mask=col_ok)
+
+
+def _blocks(group_size: int) -> tuple[int, int]:
+    block_g = min(triton.next_power_of_2(group_size), MAX_BLOCK_G)
+    return max(1, min(64, TILE // block_g)), block_g
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``(R, D)`` with a contiguous last dim; strided rows are read in place."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def forward(x, z, weight, eps, group_size, norm_before_gate):
+    x2, z2 = _rows(x), _rows(z)
+    R, D = x2.shape
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block_r, block_g = _blocks(group_size)
+    grid = (triton.cdiv(R, block_r),)
+    _forward_kernel[grid](
+        x2, z2, weight.contiguous(), y,
+        R, x2.stride(0), z2.stride(0),
+        eps,
+        D=D, G=group_size, NORM_BEFORE_GATE=norm_before_gate,
+        BLOCK_R=block_r, BLOCK_G=block_g,
+    )  # fmt: skip
+    return y
+
+
+def backward(g, x, z, weight, eps, group_size, norm_before_gate):
+    x2, z2 = _rows(x), _rows(z)
+    R, D = x2.shape
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+    block_r, block_g = _blocks(group_size)
+    programs = triton.cdiv(R, block_r)
+    partial = torch.empty((programs, D), dtype=torch.float32, device=x.device)
+    _backward_kernel[(programs,)](
+        g, x2, z2, weight.contiguous(), dx, dz, partial,
+        R, x2.stride(0), z2.stride(0),
+        eps,
+        D=D, G=group_size, NORM_BEFORE_GATE=norm_before_gate,
+        BLOCK_R=block_r, BLOCK_G=block_g,
+    )  # fmt: skip
+    return dx, dz, partial.sum(0).to(weight.dtype)
