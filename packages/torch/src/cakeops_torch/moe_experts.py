@@ -12,35 +12,10 @@ the input dtype with float32 accumulation on accelerators.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
-
-class Routing(NamedTuple):
-    probs: torch.Tensor  # (T, E) softmax
-    experts: torch.Tensor  # (T, k) selected experts, ties to the lower id
-    r: torch.Tensor  # (T, k) probabilities of the selected experts
-    weights: torch.Tensor  # (T, k) combine weights
-    order: torch.Tensor  # (T * k,) flat (token, slot) indices sorted by expert
-    token: torch.Tensor  # (T * k,) token of each sorted row
-    bounds: list[int]  # rows of expert e are order[bounds[e]:bounds[e + 1]]
-
-
-def route(router_logits, top_k, renormalize, scale, dtype=torch.float32) -> Routing:
-    """Experts chosen on the float32 softmax (ties to the lower id); probabilities and weights
-    in ``dtype`` (float64 for float64 inputs)."""
-    probs32 = torch.softmax(router_logits.float(), dim=-1)
-    experts = torch.sort(probs32, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    probs = probs32 if dtype == torch.float32 else torch.softmax(router_logits.to(dtype), dim=-1)
-    r = probs.gather(1, experts)
-    weights = r / r.sum(-1, keepdim=True) if renormalize else r
-    flat = experts.flatten()
-    order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=probs.shape[1])
-    bounds = [0, *torch.cumsum(counts, 0).tolist()]
-    return Routing(probs, experts, r, weights * scale, order, order // top_k, bounds)
+from cakeops.ops.moe_experts import Routing, route, routing_backward
 
 
 def _mm_dtype(x: torch.Tensor) -> torch.dtype:
@@ -103,27 +78,9 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
         dx_rows[routing.order[s:t]] = (dhg.to(mm) @ wg + dhu.to(mm) @ wu).to(acc)
     # dispatch backward: each token's copies summed in slot order (no routing weight again)
     dx = dx_rows.view(T, top_k, D).sum(1).to(x.dtype)
-    dlogits = _routing_backward(routing, dw_flat.view(T, top_k), renormalize, scale)
+    dlogits = routing_backward(routing, dw_flat.view(T, top_k), renormalize, scale)
     return (
         dx,
         dlogits.to(router_logits.dtype),
         *(grad.to(w.dtype) for grad, w in zip(grads, (w_gate, w_up, w_down), strict=True)),
     )
-
-
-def _routing_backward(routing: Routing, dweights, renormalize, scale):
-    """Logits gradient from ``dL/dw_ts``: through the renormalisation, the top-k gather and the
-    softmax over all E experts."""
-    r = routing.r.to(dweights.dtype)
-    if renormalize:
-        total = r.sum(-1, keepdim=True)
-        dr = scale * (dweights - (dweights * r).sum(-1, keepdim=True) / total) / total
-    else:
-        dr = scale * dweights
-    p = routing.probs.to(dweights.dtype)
-    dp = torch.zeros_like(p).scatter_(1, routing.experts, dr)
-    if renormalize:
-        # sum_e p_e dp_e = sum_s r_s dr_s is exactly 0 here (the weights do not change with a
-        # common factor on r), so the non-selected experts get exact zeros.
-        return p * dp
-    return p * (dp - (p * dp).sum(-1, keepdim=True))

@@ -40,5 +40,8 @@ backend = TritonBackend(
         "causal_dot_product": OpKernels(
             module="cakeops_triton.causal_dot_product", devices=DEVICES, dtypes=DTYPES
         ),
+        "moe_experts": OpKernels(
+            module="cakeops_triton.moe_experts", devices=DEVICES, dtypes=DTYPES
+        ),
     },
 )

@@ -1,0 +1,223 @@
+"""The routed SwiGLU experts in Triton: grouped GEMMs over rows sorted by expert.
+
+Routing and the sort by expert use the spec's helpers (PyTorch ops, cheap next to the matmuls).
+Two kernels do the rest, each one launch for all experts:
+
+- ``_grouped_mm``: ``out[rows of e] = A[rows of e] @ W[e]^T`` (or ``@ W[e]``, by strides), its
+  row tiles mapped to experts by a host-built table, the rows of ``A`` optionally gathered through
+  an index (the dispatch is a load, never a gathered or padded copy of ``x``);
+- ``_grouped_weight_grad``: ``dW[e] = A[rows of e]^T @ B[rows of e]``, each program walking one
+  expert's rows in order (deterministic; an expert with no rows stores exact zeros).
+
+The combine and the dispatch backward sum each token's ``top_k`` slots in slot order in PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from cakeops.ops.moe_experts import Routing, route, routing_backward
+
+BLOCK_M, BLOCK_N, BLOCK_K = 32, 32, 32
+
+
+@triton.jit(do_not_specialize=["ROWS"])
+def _grouped_mm(
+    A, IDX, W, OUT, TILE_EXPERT, TILE_ROW, ENDS,
+    ROWS, stride_a, stride_we, stride_wn, stride_wk,
+    K: tl.constexpr, N: tl.constexpr, GATHER: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
+    rows = tl.load(TILE_ROW + pid_m) + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(ENDS + e)
+    if GATHER:
+        src = tl.load(IDX + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        a = tl.load(
+            A + src[:, None] * stride_a + kk[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            W + e * stride_we + kk[:, None] * stride_wk + cols[None, :] * stride_wn,
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        if a.dtype != w.dtype:  # float32 master weights with 16-bit activations
+            w = w.to(a.dtype)
+        acc += tl.dot(a, w, input_precision=PRECISION)
+    out = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(OUT + out, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _grouped_weight_grad(
+    A, IDX_A, B, IDX_B, DW, STARTS, ENDS,
+    stride_a, stride_b,
+    P: tl.constexpr, Q: tl.constexpr, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    e = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    q = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    start = tl.load(STARTS + e)
+    end = tl.load(ENDS + e)
+    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        ok = rows < end
+        if GATHER_A:
+            ra = tl.load(IDX_A + rows, mask=ok, other=0).to(tl.int64)
+        else:
+            ra = rows.to(tl.int64)
+        if GATHER_B:
+            rb = tl.load(IDX_B + rows, mask=ok, other=0).to(tl.int64)
+        else:
+            rb = rows.to(tl.int64)
+        a = tl.load(
+            A + ra[:, None] * stride_a + p[None, :], mask=ok[:, None] & (p < P)[None, :], other=0.0
+        )
+        b = tl.load(
+            B + rb[:, None] * stride_b + q[None, :], mask=ok[:, None] & (q < Q)[None, :], other=0.0
+        )
+        acc += tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), input_precision=PRECISION)
+    out = e * P * Q + p.to(tl.int64)[:, None] * Q + q[None, :]
+    tl.store(DW + out, acc, mask=(p < P)[:, None] & (q < Q)[None, :])
+
+
+def _precision(t: torch.Tensor) -> str:
+    on_gpu = t.device.type != "cpu"
+    return "tf32" if on_gpu and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def _tiles(routing: Routing, device) -> tuple[torch.Tensor, ...]:
+    """Row-tile table: for each tile, its expert and first row; plus each expert's row range."""
+    bounds = torch.tensor(routing.bounds, device=device, dtype=torch.int64)
+    starts, ends = bounds[:-1], bounds[1:]
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    experts = torch.arange(len(tiles), device=device)
+    tile_expert = torch.repeat_interleave(experts, tiles)
+    first_tile = torch.cumsum(tiles, 0) - tiles
+    within = torch.arange(tile_expert.numel(), device=device) - first_tile[tile_expert]
+    tile_row = starts[tile_expert] + within * BLOCK_M
+    return tile_expert.to(torch.int32), tile_row.to(torch.int32), starts, ends
+
+
+def _mm(a, idx, w, tables, n_out: int, k_in: int, w_strides) -> torch.Tensor:
+    """Grouped ``a @ W[e]^T`` (``w_strides = (expert, n, k)`` pick the layout); float32 result."""
+    tile_expert, tile_row, _, ends = tables
+    rows = idx.numel() if idx is not None else a.shape[0]
+    out = torch.empty((rows, n_out), dtype=torch.float32, device=a.device)
+    if tile_expert.numel() == 0:
+        return out
+    grid = (tile_expert.numel(), triton.cdiv(n_out, BLOCK_N))
+    _grouped_mm[grid](
+        a, idx if idx is not None else a, w, out, tile_expert, tile_row, ends,
+        rows, a.stride(0), *w_strides,
+        K=k_in, N=n_out, GATHER=idx is not None, PRECISION=_precision(a),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    )  # fmt: skip
+    return out
+
+
+def _weight_grad(a, idx_a, b, idx_b, tables, num_experts: int) -> torch.Tensor:
+    """``dW[e] = A_e^T B_e`` for every expert, float32 ``(E, P, Q)``."""
+    _, _, starts, ends = tables
+    P, Q = a.shape[1], b.shape[1]
+    dw = torch.empty((num_experts, P, Q), dtype=torch.float32, device=a.device)
+    grid = (num_experts, triton.cdiv(P, BLOCK_M), triton.cdiv(Q, BLOCK_N))
+    _grouped_weight_grad[grid](
+        a, idx_a if idx_a is not None else a, b, idx_b if idx_b is not None else b, dw,
+        starts, ends, a.stride(0), b.stride(0),
+        P=P, Q=Q, GATHER_A=idx_a is not None, GATHER_B=idx_b is not None,
+        PRECISION=_precision(a), BLOCK_P=BLOCK_M, BLOCK_Q=BLOCK_N, BLOCK_R=BLOCK_K,
+    )  # fmt: skip
+    return dw
+
+
+def _activations_dtype(x: torch.Tensor) -> torch.dtype:
+    """Matmul inputs stay 16-bit on GPUs (tensor cores); the interpreter computes in float32."""
+    return torch.float32 if x.device.type == "cpu" else x.dtype
+
+
+def _gate_up(x, routing, w_gate, w_up, tables):
+    _, F_, D = w_gate.shape
+    idx = routing.token.to(torch.int32)
+    xin = x.contiguous().to(_activations_dtype(x))
+    hg = _mm(
+        xin, idx, w_gate, tables, F_, D, (w_gate.stride(0), w_gate.stride(1), w_gate.stride(2))
+    )
+    hu = _mm(xin, idx, w_up, tables, F_, D, (w_up.stride(0), w_up.stride(1), w_up.stride(2)))
+    return xin, idx, hg, hu
+
+
+def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
+    T, D = x.shape
+    routing = route(router_logits, top_k, renormalize, scale)
+    tables = _tiles(routing, x.device)
+    _, _, hg, hu = _gate_up(x, routing, w_gate, w_up, tables)
+    h = F.silu(hg).mul_(hu).to(_activations_dtype(x))
+    wd = w_down
+    y = _mm(h, None, wd, tables, D, wd.shape[2], (wd.stride(0), wd.stride(1), wd.stride(2)))
+    slots = torch.empty_like(y)
+    slots[routing.order] = y
+    return (slots.view(T, top_k, D) * routing.weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
+    T, D = x.shape
+    E, F_, _ = w_gate.shape
+    routing = route(router_logits, top_k, renormalize, scale)
+    tables = _tiles(routing, x.device)
+    xin, idx, hg, hu = _gate_up(x, routing, w_gate, w_up, tables)
+    act = _activations_dtype(x)
+    gin = g.contiguous().to(act)
+    wd = w_down
+    # u = g W_down[e]: K = D, N = F, so W[e][k, n] is w_down[e][d, f]
+    u = _mm(gin, idx, wd, tables, F_, D, (wd.stride(0), wd.stride(2), wd.stride(1)))
+    sig = torch.sigmoid(hg)
+    gate = hg * sig
+    h = gate * hu
+    slot_w = routing.weights.flatten()[routing.order].unsqueeze(-1)
+    dw_flat = torch.empty(T * top_k, dtype=torch.float32, device=x.device)
+    dw_flat[routing.order] = (h * u).sum(-1)  # <y, g> = <h, g W_down>
+    dh = u.mul_(slot_w)
+    dhu = dh * gate
+    dhg = dh.mul_(hu).mul_(sig.mul_(hg.mul_(1 - sig).add_(1)))  # dh * hu * silu'(hg)
+    gw = gin[routing.token].float().mul_(slot_w)  # dy = w g, per sorted row
+    d_down = _weight_grad(gw, None, h, None, tables, E)
+    d_gate = _weight_grad(dhg, None, xin, idx, tables, E)
+    d_up = _weight_grad(dhu, None, xin, idx, tables, E)
+    # dx rows = dhg W_gate[e] + dhu W_up[e]: K = F, N = D, W[e][k, n] is w_gate[e][f, d]
+    dhg_in, dhu_in = dhg.to(act), dhu.to(act)
+    dx_rows = _mm(
+        dhg_in, None, w_gate, tables, D, F_, (w_gate.stride(0), w_gate.stride(2), w_gate.stride(1))
+    )
+    dx_rows += _mm(
+        dhu_in, None, w_up, tables, D, F_, (w_up.stride(0), w_up.stride(2), w_up.stride(1))
+    )
+    slots = torch.empty_like(dx_rows)
+    slots[routing.order] = dx_rows
+    dx = slots.view(T, top_k, D).sum(1).to(x.dtype)
+    dlogits = routing_backward(routing, dw_flat.view(T, top_k), renormalize, scale)
+    return (
+        dx,
+        dlogits.to(router_logits.dtype),
+        d_gate.to(w_gate.dtype),
+        d_up.to(w_up.dtype),
+        d_down.to(w_down.dtype),
+    )
