@@ -68,6 +68,14 @@ def check_float_dtype(op: str, name: str, value: torch.Tensor, allowed=FLOAT_DTY
         )
 
 
+def check_dtype_like(op: str, name: str, value: torch.Tensor, ref_name: str, ref: torch.Tensor):
+    if value.dtype != ref.dtype:
+        raise TypeError(
+            f"{op}: argument '{name}' expected dtype {dtype_name(ref.dtype)} (the dtype of "
+            f"{ref_name}), got {dtype_name(value.dtype)}"
+        )
+
+
 def check_same_device(op: str, tensors: dict[str, torch.Tensor]) -> None:
     (first, ref), *rest = tensors.items()
     for name, value in rest:

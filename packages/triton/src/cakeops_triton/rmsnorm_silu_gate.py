@@ -22,6 +22,27 @@ def _silu_parts(z):
     return sig, z * sig
 
 
+@triton.jit
+def _group_rstd(
+    X, Z, rows64, row_ok, start, stride_x, stride_z, eps,
+    G: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """``rsqrt(mean(v^2) + eps)`` over the group starting at column ``start`` of each row, with
+    ``v = x`` (or ``x * silu(z)`` when the gate comes first)."""
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c in range(0, G, BLOCK_G):
+        cols = start + c + tl.arange(0, BLOCK_G)
+        m = row_ok[:, None] & (cols < start + G)[None, :]
+        v = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+        v = v.to(tl.float32)
+        if not NORM_BEFORE_GATE:
+            z = tl.load(Z + rows64[:, None] * stride_z + cols[None, :], mask=m, other=0.0)
+            v = v * _silu_parts(z.to(tl.float32))[1]
+        acc += tl.sum(v * v, axis=1)
+    return 1.0 / tl.sqrt(acc / G + eps)
+
+
 @triton.jit(do_not_specialize=["R"])
 def _forward_kernel(
     X, Z, W, Y,
@@ -34,19 +55,11 @@ def _forward_kernel(
     row_ok = rows < R
     rows64 = rows.to(tl.int64)
     for start in range(0, D, G):  # one group at a time
-        # pass 1: mean of squares of v (x, or x * silu(z) when the gate comes first)
-        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for c in range(0, G, BLOCK_G):
-            cols = start + c + tl.arange(0, BLOCK_G)
-            m = row_ok[:, None] & (cols < start + G)[None, :]
-            v = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
-            v = v.to(tl.float32)
-            if not NORM_BEFORE_GATE:
-                z = tl.load(Z + rows64[:, None] * stride_z + cols[None, :], mask=m, other=0.0)
-                v = v * _silu_parts(z.to(tl.float32))[1]
-            acc += tl.sum(v * v, axis=1)
-        r = 1.0 / tl.sqrt(acc / G + eps)
-        # pass 2: y = v * r * weight (* silu(z)), rounded once
+        r = _group_rstd(
+            X, Z, rows64, row_ok, start, stride_x, stride_z, eps,
+            G, NORM_BEFORE_GATE, BLOCK_R, BLOCK_G,
+        )  # fmt: skip
+        # y = v * r * weight (* silu(z)), rounded once
         for c in range(0, G, BLOCK_G):
             cols = start + c + tl.arange(0, BLOCK_G)
             col_ok = cols < start + G
@@ -75,19 +88,11 @@ def _backward_kernel(
     row_ok = rows < R
     rows64 = rows.to(tl.int64)
     for start in range(0, D, G):
-        # pass 1: r, recomputed from the inputs
-        ss = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for c in range(0, G, BLOCK_G):
-            cols = start + c + tl.arange(0, BLOCK_G)
-            m = row_ok[:, None] & (cols < start + G)[None, :]
-            v = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
-            v = v.to(tl.float32)
-            if not NORM_BEFORE_GATE:
-                z = tl.load(Z + rows64[:, None] * stride_z + cols[None, :], mask=m, other=0.0)
-                v = v * _silu_parts(z.to(tl.float32))[1]
-            ss += tl.sum(v * v, axis=1)
-        r = 1.0 / tl.sqrt(ss / G + eps)
-        # pass 2: mean(a * n) with a = dL/dn
+        r = _group_rstd(  # recomputed from the inputs
+            X, Z, rows64, row_ok, start, stride_x, stride_z, eps,
+            G, NORM_BEFORE_GATE, BLOCK_R, BLOCK_G,
+        )  # fmt: skip
+        # mean(a * n) with a = dL/dn
         an = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for c in range(0, G, BLOCK_G):
             cols = start + c + tl.arange(0, BLOCK_G)
@@ -106,7 +111,7 @@ def _backward_kernel(
                 a = w[None, :] * g.to(tl.float32)
             an += tl.sum(a * n, axis=1)
         mean = an / G
-        # pass 3: dx, dz and this program's dweight partial
+        # dx, dz and this program's dweight partial
         for c in range(0, G, BLOCK_G):
             cols = start + c + tl.arange(0, BLOCK_G)
             col_ok = cols < start + G

@@ -40,12 +40,8 @@ def validate(q, k, v) -> None:
                 f"{'M' if name == 'v' else 'E'}), got shape {tuple(t.shape)}"
             )
     _spec.check_float_dtype(OP, "q", q)
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(
-                f"{OP}: argument '{name}' expected dtype {_spec.dtype_name(q.dtype)} (the dtype "
-                f"of q), got {_spec.dtype_name(t.dtype)}"
-            )
+    _spec.check_dtype_like(OP, "k", k, "q", q)
+    _spec.check_dtype_like(OP, "v", v, "q", q)
     _spec.check_same_device(OP, {"q": q, "k": k, "v": v})
     if k.shape != q.shape:
         raise ValueError(

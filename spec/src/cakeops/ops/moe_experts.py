@@ -60,12 +60,8 @@ def validate(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale) 
                 f"{OP}: argument '{name}' expected dtype {_spec.dtype_name(x.dtype)} (the dtype of "
                 f"x) or float32 (master weights), got {_spec.dtype_name(w.dtype)}"
             )
-    for name, w in (("w_up", w_up), ("w_down", w_down)):
-        if w.dtype != w_gate.dtype:
-            raise TypeError(
-                f"{OP}: argument '{name}' expected dtype {_spec.dtype_name(w_gate.dtype)} (the "
-                f"dtype of w_gate), got {_spec.dtype_name(w.dtype)}"
-            )
+    _spec.check_dtype_like(OP, "w_up", w_up, "w_gate", w_gate)
+    _spec.check_dtype_like(OP, "w_down", w_down, "w_gate", w_gate)
     _spec.check_same_device(
         OP, dict(zip(SAVED, (x, router_logits, w_gate, w_up, w_down), strict=True))
     )

@@ -50,11 +50,7 @@ def validate(x, z, weight, eps, group_size, norm_before_gate) -> int:
     if x.dim() < 1:
         raise ValueError(f"{OP}: argument 'x' expected at least 1 dimension (..., D), got a scalar")
     _spec.check_float_dtype(OP, "x", x)
-    if z.dtype != x.dtype:
-        raise TypeError(
-            f"{OP}: argument 'z' expected dtype {_spec.dtype_name(x.dtype)} (the dtype of x), "
-            f"got {_spec.dtype_name(z.dtype)}"
-        )
+    _spec.check_dtype_like(OP, "z", z, "x", x)
     if weight.dtype not in (x.dtype, torch.float32):
         raise TypeError(
             f"{OP}: argument 'weight' expected dtype {_spec.dtype_name(x.dtype)} (the dtype of x) "
