@@ -58,7 +58,11 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     slot_w = routing.weights.flatten()[routing.order].to(acc)
     dx_rows = torch.empty((T * top_k, D), dtype=acc, device=x.device)
     dw_flat = torch.empty(T * top_k, dtype=acc, device=x.device)
-    grads = [torch.zeros(w.shape, dtype=acc, device=w.device) for w in (w_gate, w_up, w_down)]
+    # Each expert's weight gradient is one float32-accumulated matmul over its rows, stored in the
+    # weight's dtype as it is produced: no float32 buffer for all experts at once.
+    grads = [
+        torch.zeros_like(w, memory_format=torch.contiguous_format) for w in (w_gate, w_up, w_down)
+    ]
     for e, s, t in _experts(routing):
         xe, ge, we = rows[s:t].to(mm), g_rows[s:t].to(mm), slot_w[s:t, None]
         wg, wu, wd = w_gate[e].to(mm), w_up[e].to(mm), w_down[e].to(mm)
@@ -82,5 +86,5 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     return (
         dx,
         dlogits.to(router_logits.dtype),
-        *(grad.to(w.dtype) for grad, w in zip(grads, (w_gate, w_up, w_down), strict=True)),
+        *grads,
     )
