@@ -43,6 +43,38 @@ def _group_rstd(
     return 1.0 / tl.sqrt(acc / G + eps)
 
 
+@triton.jit
+def _chunk(
+    X, Z, W, GO, rows64, row_ok, cols, group_end, stride_x, stride_z,
+    D: tl.constexpr, HAS_GRAD: tl.constexpr,
+):  # fmt: skip
+    """One ``BLOCK_R x BLOCK_G`` chunk of x, z (and the incoming gradient) and its weights, in
+    float32, with the mask of valid entries."""
+    col_ok = cols < group_end
+    m = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    z = tl.load(Z + rows64[:, None] * stride_z + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if HAS_GRAD:
+        g = tl.load(GO + rows64[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    else:
+        g = x
+    return m, x, z, w, g
+
+
+@triton.jit
+def _norm_terms(x, z, w, g, r, NORM_BEFORE_GATE: tl.constexpr):
+    """``(sigma(z), silu(z), n, a)``: the normalised ``n`` and its incoming gradient ``a``."""
+    sig, gate = _silu_parts(z)
+    if NORM_BEFORE_GATE:
+        n = x * r[:, None]
+        a = w[None, :] * g * gate
+    else:
+        n = x * gate * r[:, None]
+        a = w[None, :] * g
+    return sig, gate, n, a
+
+
 @triton.jit(do_not_specialize=["R"])
 def _forward_kernel(
     X, Z, W, Y,
@@ -62,16 +94,14 @@ def _forward_kernel(
         # y = v * r * weight (* silu(z)), rounded once
         for c in range(0, G, BLOCK_G):
             cols = start + c + tl.arange(0, BLOCK_G)
-            col_ok = cols < start + G
-            m = row_ok[:, None] & col_ok[None, :]
-            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
-            z = tl.load(Z + rows64[:, None] * stride_z + cols[None, :], mask=m, other=0.0)
-            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-            gate = _silu_parts(z.to(tl.float32))[1]
+            m, x, z, w, _ = _chunk(
+                X, Z, W, X, rows64, row_ok, cols, start + G, stride_x, stride_z, D, False
+            )  # fmt: skip
+            gate = _silu_parts(z)[1]
             if NORM_BEFORE_GATE:
-                y = x.to(tl.float32) * r[:, None] * w[None, :] * gate
+                y = x * r[:, None] * w[None, :] * gate
             else:
-                y = x.to(tl.float32) * gate * r[:, None] * w[None, :]
+                y = x * gate * r[:, None] * w[None, :]
             tl.store(Y + rows64[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
 
 
@@ -96,41 +126,20 @@ def _backward_kernel(
         an = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for c in range(0, G, BLOCK_G):
             cols = start + c + tl.arange(0, BLOCK_G)
-            col_ok = cols < start + G
-            m = row_ok[:, None] & col_ok[None, :]
-            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
-            z = tl.load(Z + rows64[:, None] * stride_z + cols[None, :], mask=m, other=0.0)
-            g = tl.load(GO + rows64[:, None] * D + cols[None, :], mask=m, other=0.0)
-            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-            gate = _silu_parts(z.to(tl.float32))[1]
-            if NORM_BEFORE_GATE:
-                n = x.to(tl.float32) * r[:, None]
-                a = w[None, :] * g.to(tl.float32) * gate
-            else:
-                n = x.to(tl.float32) * gate * r[:, None]
-                a = w[None, :] * g.to(tl.float32)
+            m, x, z, w, g = _chunk(
+                X, Z, W, GO, rows64, row_ok, cols, start + G, stride_x, stride_z, D, True
+            )  # fmt: skip
+            _, _, n, a = _norm_terms(x, z, w, g, r, NORM_BEFORE_GATE)
             an += tl.sum(a * n, axis=1)
         mean = an / G
         # dx, dz and this program's dweight partial
         for c in range(0, G, BLOCK_G):
             cols = start + c + tl.arange(0, BLOCK_G)
-            col_ok = cols < start + G
-            m = row_ok[:, None] & col_ok[None, :]
-            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
-            x = x.to(tl.float32)
-            z = tl.load(Z + rows64[:, None] * stride_z + cols[None, :], mask=m, other=0.0)
-            z = z.to(tl.float32)
-            g = tl.load(GO + rows64[:, None] * D + cols[None, :], mask=m, other=0.0)
-            g = g.to(tl.float32)
-            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-            sig, gate = _silu_parts(z)
+            m, x, z, w, g = _chunk(
+                X, Z, W, GO, rows64, row_ok, cols, start + G, stride_x, stride_z, D, True
+            )  # fmt: skip
+            sig, gate, n, a = _norm_terms(x, z, w, g, r, NORM_BEFORE_GATE)
             dsilu = sig * (1.0 + z * (1.0 - sig))
-            if NORM_BEFORE_GATE:
-                n = x * r[:, None]
-                a = w[None, :] * g * gate
-            else:
-                n = x * gate * r[:, None]
-                a = w[None, :] * g
             if G == 1:
                 # r * (a - n * a * n) = a * eps * r^3 exactly; the difference would cancel
                 dv = a * (eps * r * r * r)[:, None]
@@ -148,7 +157,9 @@ def _backward_kernel(
             tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=m)
             tl.store(DZ + out, dz.to(DZ.dtype.element_ty), mask=m)
             dw = tl.where(m, dw, 0.0)
-            tl.store(DW_PARTIAL + pid.to(tl.int64) * D + cols, tl.sum(dw, axis=0), mask=col_ok)
+            tl.store(
+                DW_PARTIAL + pid.to(tl.int64) * D + cols, tl.sum(dw, axis=0), mask=cols < start + G
+            )
 
 
 def _blocks(group_size: int) -> tuple[int, int]:
