@@ -49,7 +49,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: what is installed and chosen here, then a small forward/backward."""
-    install(session)
+    install(session, "numpy")  # torch warns at start-up without it
     session.run("cakeops", "info")
     session.run("python", "docs/examples/quickstart.py")
 
