@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from cakeops._spec import dtype_name
+
 ENTRY_POINT_GROUP = "cakeops.backends"
 OPS = ("rmsnorm_silu_gate", "causal_dot_product", "moe_experts")
 
@@ -87,16 +89,13 @@ class Backend:
         if kernels is None:
             return [f"does not implement {op}"]
         reasons = []
-        tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
-        device_type = tensors[0].device.type if tensors else "cpu"
+        device_type, first = _device_type(inputs), _first_tensor(inputs)
         if not kernels.serves(device_type):
             served = ", ".join(sorted(kernels.devices))
             reasons.append(f"serves devices {served} for {op}, got {device_type}")
-        if tensors and tensors[0].dtype not in kernels.dtypes:
-            supported = ", ".join(_dtype_name(d) for d in kernels.dtypes)
-            reasons.append(
-                f"supports dtypes {supported} for {op}, got {_dtype_name(tensors[0].dtype)}"
-            )
+        if first is not None and first.dtype not in kernels.dtypes:
+            supported = ", ".join(dtype_name(d) for d in kernels.dtypes)
+            reasons.append(f"supports dtypes {supported} for {op}, got {dtype_name(first.dtype)}")
         return reasons
 
     def kernels(self, op: str) -> ModuleType:
@@ -108,8 +107,14 @@ class Backend:
         return module
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _first_tensor(inputs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The op's first tensor argument: its device and dtype drive the selection."""
+    return next((t for t in inputs.values() if isinstance(t, torch.Tensor)), None)
+
+
+def _device_type(inputs: Mapping[str, Any]) -> str:
+    first = _first_tensor(inputs)
+    return first.device.type if first is not None else "cpu"
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,8 +290,7 @@ class Explanation:
 
 def explain_inputs(op: str, inputs: Mapping[str, Any]) -> Explanation:
     """Selection for ``op`` on validated ``inputs`` (a mapping of argument name to value)."""
-    tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
-    device_type = tensors[0].device.type if tensors else "cpu"
+    device_type = _device_type(inputs)
     installed = backends()
     forced = forced_choice(op)
     reasons: dict[str, list[str]] = {}
@@ -321,9 +325,7 @@ def select(op: str, inputs: Mapping[str, Any]) -> Backend:
     forced = forced_choice(op)
     if forced is None:
         # Fast path: the first implicit candidate usually accepts the inputs.
-        tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
-        device_type = tensors[0].device.type if tensors else "cpu"
-        for backend in _implicit_candidates(op, device_type):
+        for backend in _implicit_candidates(op, _device_type(inputs)):
             if not backend.not_supported_reasons(op, inputs):
                 return backend
     else:
