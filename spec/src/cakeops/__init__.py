@@ -3,7 +3,7 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from cakeops import nn
-from cakeops._spec import TOLERANCES, relative_error, tolerance
+from cakeops._spec import TOLERANCES, compute_dtype, relative_error, tolerance
 from cakeops.ops import explain
 from cakeops.ops.causal_dot_product import CausalDotProduct, causal_dot_product
 from cakeops.ops.moe_experts import moe_experts
@@ -35,6 +35,7 @@ __all__ = [
     "RMSNormSiLUGateFunction",
     "backends",
     "causal_dot_product",
+    "compute_dtype",
     "explain",
     "moe_experts",
     "nn",

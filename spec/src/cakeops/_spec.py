@@ -18,6 +18,12 @@ TOLERANCES: dict[torch.dtype, float] = {
 }
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision every op computes in for inputs of ``dtype``: float64 for float64, else
+    float32 (16-bit inputs are loaded as they are and accumulated in float32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def tolerance(dtype: torch.dtype) -> float:
     """The spec's tolerance for results of ``dtype``."""
     return TOLERANCES[dtype]

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from cakeops import compute_dtype
+
 CHUNK = 64
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _chunks(L: int, reverse: bool = False):
@@ -29,7 +27,7 @@ def _t(x: torch.Tensor) -> torch.Tensor:
 
 
 def forward(q, k, v):
-    ct = _compute_dtype(q.dtype)
+    ct = compute_dtype(q.dtype)
     N, H, L, E = q.shape
     out = torch.empty((N, H, L, v.shape[-1]), dtype=q.dtype, device=q.device)
     state = torch.zeros((N, H, E, v.shape[-1]), dtype=ct, device=q.device)  # sum_j k_j v_j^T
@@ -44,7 +42,7 @@ def forward(q, k, v):
 
 
 def backward(g, q, k, v):
-    ct = _compute_dtype(q.dtype)
+    ct = compute_dtype(q.dtype)
     N, H, L, E = q.shape
     M = v.shape[-1]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cakeops import compute_dtype
 from cakeops.ops.moe_experts import Routing, route, routing_backward
 
 
@@ -35,7 +36,7 @@ def _experts(routing: Routing):
 def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
     T, D = x.shape
     mm = _mm_dtype(x)
-    acc = torch.float64 if mm == torch.float64 else torch.float32
+    acc = compute_dtype(x.dtype)
     routing = route(router_logits, top_k, renormalize, scale, acc)
     rows = x[routing.token]  # dispatch: (T * k, D) sorted by expert, cast per expert
     y = torch.empty((T * top_k, D), dtype=acc, device=x.device)
@@ -51,7 +52,7 @@ def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
 def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
     T, D = x.shape
     mm = _mm_dtype(x)
-    acc = torch.float64 if mm == torch.float64 else torch.float32
+    acc = compute_dtype(x.dtype)
     routing = route(router_logits, top_k, renormalize, scale, acc)
     rows = x[routing.token]
     g_rows = g[routing.token]  # each slot's copy of its token's gradient

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from cakeops import compute_dtype
+
 BLOCK_ELEMENTS = 1 << 18
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _blocks(rows: int, D: int):
@@ -48,7 +46,7 @@ def _scale_groups(t: torch.Tensor, r: torch.Tensor, group_size: int) -> torch.Te
 
 
 def forward(x, z, weight, eps, group_size, norm_before_gate):
-    ct = _compute_dtype(x.dtype)
+    ct = compute_dtype(x.dtype)
     xr, zr = _rows(x), _rows(z)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     yr = y.view(-1, x.shape[-1])
@@ -81,7 +79,7 @@ def _norm_backward(gn, n, r, group_size, eps):
 
 
 def backward(g, x, z, weight, eps, group_size, norm_before_gate):
-    ct = _compute_dtype(x.dtype)
+    ct = compute_dtype(x.dtype)
     D = x.shape[-1]
     gr, xr, zr = _rows(g), _rows(x), _rows(z)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -33,14 +33,11 @@ def backward_preference(op: str) -> str:
     return ",".join(forced[0]) if forced else ""
 
 
-def checked(
-    op: str, backend: Backend, name: str, got: torch.Tensor, like: torch.Tensor, dtype=None
-) -> torch.Tensor:
-    """``got`` made contiguous, after checking it has ``like``'s shape and device and ``dtype``."""
-    dtype = dtype or like.dtype
-    if got.shape != like.shape or got.dtype != dtype or got.device != like.device:
+def checked(op: str, backend: Backend, name: str, got: torch.Tensor, like: torch.Tensor):
+    """``got`` made contiguous, after checking it has ``like``'s shape, dtype and device."""
+    if got.shape != like.shape or got.dtype != like.dtype or got.device != like.device:
         raise RuntimeError(
             f"{op}: backend {backend.name!r} returned {name} as {_spec.describe(got)}, expected "
-            f"{_spec.dtype_name(dtype)} of shape {tuple(like.shape)} on {like.device}"
+            f"{_spec.dtype_name(like.dtype)} of shape {tuple(like.shape)} on {like.device}"
         )
     return got.contiguous()
