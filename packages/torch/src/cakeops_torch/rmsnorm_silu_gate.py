@@ -5,19 +5,39 @@ temporaries stay in cache and are small enough for the allocator to reuse, so th
 elementwise passes of the math cost cache bandwidth, not memory bandwidth and page faults.
 Results are written straight into the outputs; ``dweight`` is summed block by block in a fixed
 order (deterministic).
+
+On CPU, inputs of at least ``COMPILE_MIN_ELEMENTS`` run each block through one inductor-compiled
+function instead (``torch.compile`` of ``_fused_forward``/``_fused_backward``): a single fused
+loop rather than a dozen elementwise passes. Rows are marked dynamic, so a new row count does not
+recompile. ``CAKEOPS_TORCH_COMPILE=0`` turns this off; if compiling fails (no C++ compiler, an
+unsupported Python), a warning says so once and the eager kernels run.
 """
 
 from __future__ import annotations
+
+import functools
+import os
+import warnings
 
 import torch
 
 from cakeops import compute_dtype
 
 BLOCK_ELEMENTS = 1 << 18
+# The fused loop keeps no temporaries but one float32 dweight term per element: bigger blocks,
+# fewer calls.
+COMPILED_BLOCK_ELEMENTS = 1 << 21
+COMPILE_MIN_ELEMENTS = 1 << 16
+COMPILE_ENV = "CAKEOPS_TORCH_COMPILE"
+_COMPILED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_compile_error: str | None = None
+_RECOMPILE_LIMIT = (
+    "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+)
 
 
-def _blocks(rows: int, D: int):
-    step = max(1, BLOCK_ELEMENTS // max(D, 1))
+def _blocks(rows: int, D: int, elements: int = BLOCK_ELEMENTS):
+    step = max(1, elements // max(D, 1))
     for start in range(0, rows, step):
         yield slice(start, min(start + step, rows))
 
@@ -45,11 +65,99 @@ def _scale_groups(t: torch.Tensor, r: torch.Tensor, group_size: int) -> torch.Te
     return t
 
 
+def _fused_forward(y, x, z, w, eps: float, group_size: int, norm_before_gate: bool) -> None:
+    """One block of the forward as a single expression written into ``y``, for inductor to fuse
+    into one loop."""
+    xf, zf, wf = x.float(), z.float(), w.float()
+    gate = torch.nn.functional.silu(zf)
+    v = xf if norm_before_gate else xf * gate
+    vg = v.unflatten(-1, (-1, group_size))
+    n = (vg * torch.rsqrt(vg.square().mean(-1, keepdim=True) + eps)).flatten(-2) * wf
+    y.copy_(n * gate if norm_before_gate else n)
+
+
+def _fused_backward(
+    dx_out, dz_out, g, x, z, w, eps: float, group_size: int, norm_before_gate: bool
+) -> torch.Tensor:
+    """One block of the backward, writing ``dx_out`` and ``dz_out``; returns the per-row
+    ``dweight`` terms.
+
+    The terms are summed over rows outside: inductor's CPU code for a reduction across rows walks
+    the block once per vector of columns, several times slower than the eager column sum.
+    """
+    gf, xf, zf, wf = g.float(), x.float(), z.float(), w.float()
+    sig = torch.sigmoid(zf)
+    gate = zf * sig
+    dsilu = sig * (1 + zf * (1 - sig))
+    v = xf if norm_before_gate else xf * gate
+    vg = v.unflatten(-1, (-1, group_size))
+    r = torch.rsqrt(vg.square().mean(-1, keepdim=True) + eps)
+    ng = vg * r
+    gy = gf * gate if norm_before_gate else gf
+    gn = (gy * wf).unflatten(-1, (-1, group_size))
+    if group_size == 1:  # the exact form of r * (gn - n * mean(gn * n)), see _norm_backward
+        dv = (gn * (r * r * r * eps)).flatten(-2)
+    else:
+        dv = (r * (gn - ng * (gn * ng).mean(-1, keepdim=True))).flatten(-2)
+    n = ng.flatten(-2)
+    if norm_before_gate:
+        dx, dz = dv, gf * n * wf * dsilu
+    else:
+        dx, dz = dv * gate, dv * xf * dsilu
+    dx_out.copy_(dx)
+    dz_out.copy_(dz)
+    return gy * n
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
+
+
+def _use_compiled(x: torch.Tensor) -> bool:
+    return (
+        _compile_error is None
+        and x.device.type == "cpu"
+        and x.dtype in _COMPILED_DTYPES
+        and x.numel() >= COMPILE_MIN_ELEMENTS
+        and os.environ.get(COMPILE_ENV, "1") != "0"
+    )
+
+
+def _run_compiled(fn, *args) -> bool:
+    """Run ``fn`` compiled, its row blocks marked dynamic; ``False`` if compiling failed."""
+    global _compile_error
+    for t in args:
+        if isinstance(t, torch.Tensor) and t.dim() == 2:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    try:
+        # Each dtype, D, group size and variant is a graph of its own: allow more of them than
+        # dynamo's default before it gives up compiling these two functions.
+        with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT: 64}):
+            return _compiled(fn)(*args)
+    except Exception as e:  # any compiler failure means: use the eager kernels
+        _compile_error = f"{type(e).__name__}: {e}"
+        warnings.warn(
+            f"cakeops-torch: torch.compile of rmsnorm_silu_gate failed, using the eager kernels "
+            f"({_compile_error.splitlines()[0]})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+
+
 def forward(x, z, weight, eps, group_size, norm_before_gate):
-    ct = compute_dtype(x.dtype)
     xr, zr = _rows(x), _rows(z)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     yr = y.view(-1, x.shape[-1])
+    if _use_compiled(x):
+        for b in _blocks(xr.shape[0], xr.shape[1], COMPILED_BLOCK_ELEMENTS):
+            args = (yr[b], xr[b], zr[b], weight, eps, group_size, norm_before_gate)
+            if _run_compiled(_fused_forward, *args) is False:
+                break
+        else:
+            return y
+    ct = compute_dtype(x.dtype)
     w = weight.to(ct)
     for b in _blocks(xr.shape[0], xr.shape[1]):
         zb = zr[b].to(ct)
@@ -85,8 +193,18 @@ def backward(g, x, z, weight, eps, group_size, norm_before_gate):
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
     dxr, dzr = dx.view(-1, D), dz.view(-1, D)
-    w = weight.to(ct)
     dweight = torch.zeros(D, dtype=ct, device=x.device)
+    if _use_compiled(x):
+        for b in _blocks(xr.shape[0], D, COMPILED_BLOCK_ELEMENTS):
+            args = (dxr[b], dzr[b], gr[b], xr[b], zr[b], weight, eps, group_size, norm_before_gate)
+            terms = _run_compiled(_fused_backward, *args)
+            if terms is False:
+                dweight.zero_()
+                break
+            dweight.add_(terms.sum(0))
+        else:
+            return dx, dz, dweight.to(weight.dtype)
+    w = weight.to(ct)
     for b in _blocks(xr.shape[0], D):
         gb, xb, zb = gr[b].to(ct), xr[b].to(ct), zr[b].to(ct)
         sig = torch.sigmoid(zb)

@@ -58,20 +58,38 @@ def measure(
 ) -> dict[str, dict[str, float]]:
     """``contenders``: label -> (forward only, forward+backward).
 
-    A contender whose first (warm-up) step takes over ``slow_s`` seconds is timed once, on the
-    same run that measures its peak memory: the profiler's overhead is small next to such a step.
+    Timed steps alternate between the contenders (round-robin, median per contender), so that a
+    shared machine's drifting speed shifts every contender alike and the ratios stay fair. Peak
+    memory is measured after all timing, so the profiler it needs on CPU never overlaps a timed
+    step. A contender whose first (warm-up) step takes over ``slow_s`` seconds is timed once, on
+    the run that measures its peak memory: the profiler's overhead is small next to such a step.
     """
-    results = {}
-    for label, (forward, step) in contenders.items():
+    slow, fast = {}, []
+    for label, (_forward, step) in contenders.items():
         start = time.perf_counter()
         step()
         _sync(device)
         if time.perf_counter() - start > slow_s:
+            slow[label] = None
+        else:
+            step()  # a second warm-up: the first may have compiled or populated caches
+            fast.append(label)
+    times: dict[str, list[float]] = {label: [] for label in fast}
+    for _ in range(repeats):
+        for label in fast:
+            _sync(device)
+            start = time.perf_counter()
+            contenders[label][1]()
+            _sync(device)
+            times[label].append(time.perf_counter() - start)
+    results = {}
+    for label, (forward, step) in contenders.items():
+        if label in slow:
             start = time.perf_counter()
             peak = peak_memory(step, device)
             seconds = time.perf_counter() - start
         else:
-            seconds = time_it(step, device, repeats, warmup=1)
+            seconds = statistics.median(times[label])
             peak = peak_memory(step, device)
         results[label] = {
             "time_s": seconds,
@@ -106,9 +124,9 @@ def _machine_line(record: dict[str, Any]) -> str:
     return (
         f"Measured {record['date']} on {m['device']} ({m['processor']}, {m['threads']} threads, "
         f"{m['platform']}), torch {m['torch']}, with `{record['command']}`. Time is the median "
-        "of forward+backward; *speed-up* is the baseline's time over the row's; *peak* is the "
-        "memory allocated during forward+backward beyond the inputs; *saved* is what the "
-        "autograd graph holds between forward and backward."
+        "of forward+backward, the contenders timed in alternation; *speed-up* is the baseline's "
+        "time over the row's; *peak* is the memory allocated during forward+backward beyond the "
+        "inputs; *saved* is what the autograd graph holds between forward and backward."
     )
 
 

@@ -66,7 +66,7 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
                     return torch.autograd.grad(fwd(), (x, z, w), g)
 
                 contenders[label] = (fwd, step)
-            results = measure(contenders, device, repeats=2 if quick else 5)
+            results = measure(contenders, device, repeats=2 if quick else 9)
             title = f"\nrmsnorm_silu_gate fwd+bwd, {name}, {str(dtype).removeprefix('torch.')}"
             print(format_table(title, results, baseline="eager composite"))
             ours_r = results[f"cakeops [{backend}]"]

@@ -1,0 +1,159 @@
+"""The torch backend's own paths that the conformance suite's small shapes do not all reach.
+
+The CPU rmsnorm kernels switch to one inductor-compiled loop from ``COMPILE_MIN_ELEMENTS``;
+these tests lower that threshold so the compiled path runs on small inputs, check it against the
+float64 reference, and check that it can be turned off and survives a failing compiler. The
+moe_experts kernels use grouped matmuls where ``torch._grouped_mm`` takes the operands; these
+tests pin down which inputs take which path, and the grouped one with empty experts and split runs.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import cakeops
+from cakeops.testing import run_with_grads
+from cakeops.testing import test_moe_experts as moe_suite
+from cakeops.testing.test_rmsnorm_silu_gate import check_against_reference, make_inputs, run
+from cakeops_torch import moe_experts as moe_kernels
+from cakeops_torch import rmsnorm_silu_gate as kernels
+
+
+@pytest.fixture
+def compiled_path(monkeypatch):
+    """Every input takes the compiled path; yields the list of compiled blocks that ran."""
+    monkeypatch.setattr(kernels, "COMPILE_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(kernels, "_compile_error", None)
+    monkeypatch.delenv(kernels.COMPILE_ENV, raising=False)
+    ran = []
+    run_compiled = kernels._run_compiled
+
+    def counting(fn, *args):
+        result = run_compiled(fn, *args)
+        if result is not False:
+            ran.append(fn.__name__)
+        return result
+
+    monkeypatch.setattr(kernels, "_run_compiled", counting)
+    with cakeops.use_backend("torch"):
+        yield ran
+
+
+# (shape, group_size, norm_before_gate): grouped both ways, one feature per group (the exact
+# form of its gradient), whole rows with several row blocks (the last one shorter).
+CASES = {
+    "grouped": ((6, 48), 16, True),
+    "grouped-gate-first": ((2, 3, 48), 16, False),
+    "d1": ((9, 1), None, True),
+    "blocks": ((2 * 16 + 5, 64), None, False),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_path_matches_reference(compiled_path, monkeypatch, dtype, case):
+    shape, group_size, nbg = CASES[case]
+    blocks = 1
+    if case == "blocks":
+        monkeypatch.setattr(kernels, "COMPILED_BLOCK_ELEMENTS", 16 * 64)
+        blocks = 3
+    x, z, w, g = make_inputs(shape, dtype, "cpu")
+    got = run(x, z, w, g, group_size, nbg)
+    assert compiled_path == ["_fused_forward"] * blocks + ["_fused_backward"] * blocks
+    check_against_reference(x, z, w, g, group_size, nbg, got)
+    again = run(x, z, w, g, group_size, nbg)
+    for a, b in zip(got, again, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_compiled_path_takes_float32_master_weight(compiled_path):
+    x, z, w, g = make_inputs((5, 64), torch.bfloat16, "cpu", weight_dtype=torch.float32)
+    got = run(x, z, w, g, 32, True)
+    assert compiled_path and got[3].dtype == torch.float32
+    check_against_reference(x, z, w, g, 32, True, got)
+
+
+def test_compiled_path_inside_torch_compile(compiled_path):
+    x, z, w, g = make_inputs((8, 64), torch.float32, "cpu")
+
+    def f(x, z, w):
+        return cakeops.rmsnorm_silu_gate(x, z, w, group_size=16, norm_before_gate=False)
+
+    got = torch.compile(f, fullgraph=True)(x, z, w)
+    assert compiled_path == ["_fused_forward"]
+    expected = f(x, z, w)
+    assert torch.equal(got, expected)
+    grads = torch.autograd.grad(got, (x, z, w), g)
+    check_against_reference(x, z, w, g, 16, False, (got.detach(), *grads))
+
+
+def test_env_var_turns_compiling_off(compiled_path, monkeypatch):
+    monkeypatch.setenv(kernels.COMPILE_ENV, "0")
+    x, z, w, g = make_inputs((4, 32), torch.float32, "cpu")
+    check_against_reference(x, z, w, g, None, True, run(x, z, w, g))
+    assert compiled_path == []
+
+
+def test_failing_compiler_falls_back_with_a_warning(compiled_path, monkeypatch):
+    def broken(fn):
+        def call(*args):
+            raise RuntimeError("no C++ compiler")
+
+        return call
+
+    monkeypatch.setattr(kernels, "_compiled", broken)
+    x, z, w, g = make_inputs((4, 32), torch.float32, "cpu")
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        got = run(x, z, w, g, 8, False)
+    check_against_reference(x, z, w, g, 8, False, got)
+    assert kernels._compile_error is not None
+    # Later calls go straight to the eager kernels, without a warning each time.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(x, z, w, g, 8, False)
+
+
+@pytest.fixture
+def grouped_spy(monkeypatch):
+    """Records which moe_experts backward pass ran: the grouped matmuls or the per-expert loop."""
+    ran = []
+    for name in ("_grouped_backward", "_loop_backward"):
+        original = getattr(moe_kernels, name)
+
+        def spy(*args, _original=original, _name=name):
+            ran.append(_name)
+            return _original(*args)
+
+        monkeypatch.setattr(moe_kernels, name, spy)
+    with cakeops.use_backend("torch"):
+        yield ran
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+@pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
+@pytest.mark.parametrize("group_elements", [1 << 24, 64], ids=["one-run", "runs"])
+def test_moe_grouped_matmul_path(grouped_spy, monkeypatch, skew, group_elements):
+    """Aligned float32 on the CPU takes ``torch._grouped_mm``, in one run of experts or several
+    (a bound of 64 elements puts every expert in a run of its own); empty experts stay zero."""
+    monkeypatch.setattr(moe_kernels, "GROUP_ELEMENTS", group_elements)
+    tensors, g = moe_suite.make_inputs(12, 8, 12, 5, torch.float32, "cpu", skew=skew)
+    got = run_with_grads(moe_suite.op_with(2), tensors, g)
+    assert grouped_spy == ["_grouped_backward"]
+    moe_suite.check_against_reference(tensors, g, (2, True, 1.0), got)
+    if skew:
+        for grad in got[3:]:
+            assert torch.equal(grad[1:4], torch.zeros_like(grad[1:4]))
+
+
+@pytest.mark.parametrize(
+    "D, F, dtype", [(10, 12, torch.float32), (8, 6, torch.float32), (8, 12, torch.bfloat16)]
+)
+def test_moe_loop_where_grouped_matmul_does_not_apply(grouped_spy, D, F, dtype):
+    """Rows not 16-byte aligned, or 16-bit on the CPU (computed in float32 per expert): the loop."""
+    tensors, g = moe_suite.make_inputs(12, D, F, 4, dtype, "cpu")
+    got = run_with_grads(moe_suite.op_with(2), tensors, g)
+    assert grouped_spy == ["_loop_backward"]
+    moe_suite.check_against_reference(tensors, g, (2, True, 1.0), got)
