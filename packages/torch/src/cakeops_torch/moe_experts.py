@@ -8,6 +8,12 @@ and the gate/up projections; experts that received no token keep exact zero grad
 
 Matmuls run in float32 for 16-bit inputs on the CPU (weights cast per expert, on the fly) and in
 the input dtype with float32 accumulation on accelerators.
+
+Where ``torch._grouped_mm`` exists and takes the inputs (weights in the matmul dtype, so no weight
+copy; rows 16-byte aligned; float32 on the CPU, 16-bit on CUDA), each projection of a run of
+experts is one grouped matmul over their sorted rows instead of one matmul per expert. The runs
+hold at most ``GROUP_ELEMENTS`` elements of the widest temporary, so memory stays bounded like the
+loop's. Anywhere else the per-expert loop runs.
 """
 
 from __future__ import annotations
@@ -25,12 +31,41 @@ def _mm_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.device.type != "cpu" else torch.float32
 
 
+GROUP_ELEMENTS = 1 << 24
+
+
 def _experts(routing: Routing):
     """``(e, start, end)`` for every expert that received rows."""
     for e in range(len(routing.bounds) - 1):
         start, end = routing.bounds[e], routing.bounds[e + 1]
         if end > start:
             yield e, start, end
+
+
+def _grouped(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands as they are."""
+    if not hasattr(torch, "_grouped_mm") or any(w.dtype != x.dtype for w in weights):
+        return False
+    allowed = {"cpu": (torch.float32,), "cuda": (torch.bfloat16,)}.get(x.device.type, ())
+    align = 16 // x.element_size()
+    return x.dtype in allowed and x.shape[1] % align == 0 and weights[0].shape[1] % align == 0
+
+
+def _runs(routing: Routing, width: int):
+    """Runs of consecutive experts ``(e0, e1, start, end, offs)``: rows ``start:end`` belong to
+    experts ``e0..e1-1``, ``offs`` their end offsets relative to ``start`` (int32), at most
+    ``GROUP_ELEMENTS`` elements of ``(rows, width)`` per run (a bigger expert runs alone)."""
+    bounds, E = routing.bounds, len(routing.bounds) - 1
+    e0 = 0
+    while e0 < E:
+        e1 = e0 + 1
+        while e1 < E and (bounds[e1 + 1] - bounds[e0]) * width <= GROUP_ELEMENTS:
+            e1 += 1
+        start, end = bounds[e0], bounds[e1]
+        if end > start:
+            offs = torch.tensor(bounds[e0 + 1 : e1 + 1], dtype=torch.int32) - start
+            yield e0, e1, start, end, offs.to(routing.order.device)
+        e0 = e1
 
 
 def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
@@ -40,18 +75,30 @@ def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
     routing = route(router_logits, top_k, renormalize, scale, acc)
     rows = x[routing.token]  # dispatch: (T * k, D) sorted by expert, cast per expert
     y = torch.empty((T * top_k, D), dtype=acc, device=x.device)
+    if _grouped(x, w_gate, w_up, w_down):
+        F_ = w_gate.shape[1]
+        for e0, e1, s, t, offs in _runs(routing, max(F_, D)):
+            xe = rows[s:t]
+            hg = torch._grouped_mm(xe, w_gate[e0:e1].transpose(1, 2), offs=offs).to(acc)
+            hu = torch._grouped_mm(xe, w_up[e0:e1].transpose(1, 2), offs=offs).to(acc)
+            h = F.silu(hg).mul_(hu).to(x.dtype)
+            out = torch._grouped_mm(h, w_down[e0:e1].transpose(1, 2), offs=offs)
+            y[routing.order[s:t]] = out.to(acc)
+        return _combine(y, routing, T, top_k, D, acc).to(x.dtype)
     for e, s, t in _experts(routing):
         xe = rows[s:t].to(mm)
         h = F.silu((xe @ w_gate[e].to(mm).T).to(acc)).mul_((xe @ w_up[e].to(mm).T).to(acc))
         y[routing.order[s:t]] = (h.to(mm) @ w_down[e].to(mm).T).to(acc)
-    # combine in slot order: out_t = sum_s w_ts y_(t,s)
-    out = (y.view(T, top_k, D) * routing.weights.to(acc).unsqueeze(-1)).sum(1)
-    return out.to(x.dtype)
+    return _combine(y, routing, T, top_k, D, acc).to(x.dtype)
+
+
+def _combine(y, routing, T, top_k, D, acc):
+    """``out_t = sum_s w_ts y_(t,s)``, summed in slot order."""
+    return (y.view(T, top_k, D) * routing.weights.to(acc).unsqueeze(-1)).sum(1)
 
 
 def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
     T, D = x.shape
-    mm = _mm_dtype(x)
     acc = compute_dtype(x.dtype)
     routing = route(router_logits, top_k, renormalize, scale, acc)
     rows = x[routing.token]
@@ -64,6 +111,18 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     grads = [
         torch.zeros_like(w, memory_format=torch.contiguous_format) for w in (w_gate, w_up, w_down)
     ]
+    backward_pass = _grouped_backward if _grouped(x, w_gate, w_up, w_down) else _loop_backward
+    backward_pass(routing, rows, g_rows, slot_w, (w_gate, w_up, w_down), dx_rows, dw_flat, grads)
+    # dispatch backward: each token's copies summed in slot order (no routing weight again)
+    dx = dx_rows.view(T, top_k, D).sum(1).to(x.dtype)
+    dlogits = routing_backward(routing, dw_flat.view(T, top_k), renormalize, scale)
+    return dx, dlogits.to(router_logits.dtype), *grads
+
+
+def _loop_backward(routing, rows, g_rows, slot_w, weights, dx_rows, dw_flat, grads):
+    """One pass per expert; fills ``dx_rows``, ``dw_flat`` (``<y, g>`` per slot) and ``grads``."""
+    w_gate, w_up, w_down = weights
+    mm, acc = _mm_dtype(rows), dx_rows.dtype
     for e, s, t in _experts(routing):
         xe, ge, we = rows[s:t].to(mm), g_rows[s:t].to(mm), slot_w[s:t, None]
         wg, wu, wd = w_gate[e].to(mm), w_up[e].to(mm), w_down[e].to(mm)
@@ -81,11 +140,35 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
         grads[0][e] = dhg.T @ xe_acc
         grads[1][e] = dhu.T @ xe_acc
         dx_rows[routing.order[s:t]] = (dhg.to(mm) @ wg + dhu.to(mm) @ wu).to(acc)
-    # dispatch backward: each token's copies summed in slot order (no routing weight again)
-    dx = dx_rows.view(T, top_k, D).sum(1).to(x.dtype)
-    dlogits = routing_backward(routing, dw_flat.view(T, top_k), renormalize, scale)
-    return (
-        dx,
-        dlogits.to(router_logits.dtype),
-        *grads,
-    )
+
+
+def _grouped_backward(routing, rows, g_rows, slot_w, weights, dx_rows, dw_flat, grads):
+    """``_loop_backward`` with every projection a grouped matmul over a run of experts."""
+    w_gate, w_up, w_down = weights
+    acc = dx_rows.dtype
+    dt = rows.dtype
+    F_, D = w_gate.shape[1], w_gate.shape[2]
+    for e0, e1, s, t, offs in _runs(routing, max(F_, D)):
+        xe, ge, we = rows[s:t], g_rows[s:t], slot_w[s:t, None]
+        hg = torch._grouped_mm(xe, w_gate[e0:e1].transpose(1, 2), offs=offs).to(acc)
+        hu = torch._grouped_mm(xe, w_up[e0:e1].transpose(1, 2), offs=offs).to(acc)
+        sig = torch.sigmoid(hg)
+        gate = hg * sig
+        h = gate * hu
+        u = torch._grouped_mm(ge, w_down[e0:e1], offs=offs).to(acc)  # g_t W_down
+        dw_flat[routing.order[s:t]] = (h * u).sum(-1)
+        dh = u.mul_(we)
+        dy = (ge.to(acc) * we).to(dt)
+        grads[2][e0:e1] = torch._grouped_mm(dy.T, h.to(dt), offs=offs)
+        dhu = (dh * gate).to(dt)
+        dhg = dh.mul_(hu).mul_(sig.mul_(hg.mul_(1 - sig).add_(1))).to(dt)
+        grads[0][e0:e1] = torch._grouped_mm(dhg.T, xe, offs=offs)
+        grads[1][e0:e1] = torch._grouped_mm(dhu.T, xe, offs=offs)
+        dx = torch._grouped_mm(dhg, w_gate[e0:e1], offs=offs).to(acc)
+        dx_rows[routing.order[s:t]] = dx.add_(torch._grouped_mm(dhu, w_up[e0:e1], offs=offs))
+    # An expert without rows: the grouped matmul's output for it is not guaranteed to be zero.
+    empty = [
+        e for e in range(len(routing.bounds) - 1) if routing.bounds[e + 1] == routing.bounds[e]
+    ]
+    for grad in grads:
+        grad[empty] = 0
