@@ -134,7 +134,7 @@ def grouped_spy(monkeypatch):
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
 @pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
-@pytest.mark.parametrize("group_elements", [1 << 24, 64], ids=["one-run", "runs"])
+@pytest.mark.parametrize("group_elements", [1 << 21, 64], ids=["one-run", "runs"])
 def test_moe_grouped_matmul_path(grouped_spy, monkeypatch, skew, group_elements):
     """Aligned float32 on the CPU takes ``torch._grouped_mm``, in one run of experts or several
     (a bound of 64 elements puts every expert in a run of its own); empty experts stay zero."""

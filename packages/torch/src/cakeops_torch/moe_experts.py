@@ -31,7 +31,7 @@ def _mm_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.device.type != "cpu" else torch.float32
 
 
-GROUP_ELEMENTS = 1 << 24
+GROUP_ELEMENTS = 1 << 21
 
 
 def _experts(routing: Routing):
