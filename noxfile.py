@@ -17,7 +17,7 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["lint", "tests"]
 
 CONSTRAINTS = ("-c", ".ci/constraints.txt")
-PACKAGES = ("./spec", "./packages/torch", "./packages/triton")
+PACKAGES = ("./spec", "./packages/torch", "./packages/triton", "./packages/numba")
 EXAMPLE_BACKEND = "./tests/example_backend"
 
 
@@ -36,6 +36,11 @@ def tests(session: nox.Session) -> None:
     session.run(
         "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=triton", "-q",
         env={"TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    # The numba-cuda kernels on CPU tensors in numba's CUDA simulator.
+    session.run(
+        "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=numba", "-q",
+        env={"NUMBA_ENABLE_CUDASIM": "1"},
     )  # fmt: skip
 
 
@@ -110,6 +115,11 @@ def gpu(session: nox.Session) -> None:
         "python", "-m", "pytest", "--pyargs", "cakeops.testing", "--cakeops-device=cuda",
         "-q", "-p", "no:cacheprovider", f"--junitxml={out / 'gpu-suite.xml'}",
         env=env, success_codes=[0, 1],  # a failing check is reported; the benchmarks still run
+    )  # fmt: skip
+    # Device-only checks of the backends' own plumbing (numba: zero-copy hand-over, streams).
+    session.run(
+        "python", "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra",
+        f"--junitxml={out / 'gpu-plumbing.xml'}", env=env, success_codes=[0, 1],
     )  # fmt: skip
     session.run(
         "python", "-m", "cakeops.bench.gpu", "--json", str(out / "gpu.json"), env=env

@@ -214,12 +214,15 @@ def test_backward_runs_the_backend_the_forward_chose(spies):
     "choice, expected",
     [
         ("nope", "nope: not installed"),
-        ("numba", "pip install cakeops-numba"),
+        ("ghost", "ghost: not installed; install it with `pip install cakeops-ghost`"),
+        ("numba", "numba: unavailable: no CUDA device"),
         ("triton", "triton: unavailable: no CUDA or ROCm device"),
         ("example", "supports dtypes float32 for rmsnorm_silu_gate, got float64"),
     ],
 )
 def test_explicit_choice_that_cannot_run_raises_with_every_reason(choice, expected, monkeypatch):
+    # A backend the project knows by name but that is not installed gets the pip command.
+    monkeypatch.setitem(registry.KNOWN_DISTRIBUTIONS, "ghost", "cakeops-ghost")
     monkeypatch.setenv("CAKEOPS_BACKEND", choice)
     with pytest.raises(cakeops.BackendError) as info:
         cakeops.rmsnorm_silu_gate(*inputs(torch.float64))

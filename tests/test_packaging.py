@@ -15,6 +15,7 @@ DISTRIBUTIONS = [
     ("spec", "cakeops", "cakeops"),
     ("packages/torch", "cakeops-torch", "cakeops_torch"),
     ("packages/triton", "cakeops-triton", "cakeops_triton"),
+    ("packages/numba", "cakeops-numba", "cakeops_numba"),
 ]
 
 

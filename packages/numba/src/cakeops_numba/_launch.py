@@ -1,0 +1,47 @@
+"""Handing PyTorch tensors to numba-cuda kernels: zero-copy views and PyTorch's stream."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from numba import cuda
+
+from cakeops_numba import SIMULATOR
+
+# Threads per block. The simulator runs every thread as a Python thread: keep blocks small there.
+THREADS = 32 if SIMULATOR else 128
+
+
+def view(t: torch.Tensor):
+    """``t`` as an array a kernel can take, sharing its memory (strides kept)."""
+    if t.device.type == "cuda":
+        # The kernels run on PyTorch's current stream, so no synchronisation on hand-over.
+        return cuda.as_cuda_array(t.detach(), sync=False)
+    if not SIMULATOR:
+        raise RuntimeError("cakeops-numba: CPU tensors need NUMBA_ENABLE_CUDASIM=1")
+    # The simulator copies a plain numpy argument to its fake device (and refuses strided ones);
+    # its device-array type wraps the tensor's memory as it is.
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    return FakeCUDAArray(t.detach().numpy())
+
+
+def blocks_for(rows: int, device: torch.device) -> int:
+    """Blocks of a grid-stride launch over ``rows``: a few per multiprocessor, fewer in the
+    simulator."""
+    if device.type != "cuda":
+        return max(1, min(rows, 2))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(rows, 8 * sms))
+
+
+@contextlib.contextmanager
+def on_stream(device: torch.device) -> Iterator[object]:
+    """PyTorch's current stream on ``device`` as a numba stream (``0`` in the simulator)."""
+    if device.type != "cuda":
+        yield 0
+        return
+    with cuda.gpus[device.index or 0]:
+        yield cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
