@@ -5,7 +5,10 @@ Two kernels do the rest, each one launch for all experts:
 
 - ``_grouped_mm``: ``out[rows of e] = A[rows of e] @ W[e]^T`` (or ``@ W[e]``, by strides), its
   row tiles mapped to experts by a host-built table, the rows of ``A`` optionally gathered through
-  an index (the dispatch is a load, never a gathered or padded copy of ``x``);
+  an index (the dispatch is a load, never a gathered or padded copy of ``x``). With a second
+  weight (``PAIR``) one pass over the rows multiplies them by ``W_gate[e]`` and ``W_up[e]``
+  together and stores ``silu(gate) * up`` (the forward: no gate/up buffers) or both products
+  (the backward, which needs them apart);
 - ``_grouped_weight_grad``: ``dW[e] = A[rows of e]^T @ B[rows of e]``, each program walking one
   expert's rows in order (deterministic; an expert with no rows stores exact zeros).
 
@@ -14,21 +17,38 @@ The combine and the dispatch backward sum each token's ``top_k`` slots in slot o
 
 from __future__ import annotations
 
+import os
+
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from cakeops.ops.moe_experts import Routing, route, routing_backward
 
-BLOCK_M, BLOCK_N, BLOCK_K = 32, 32, 32
+INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
+# Row tiles are laid out on the host (the tile table), so BLOCK_M is fixed; the autotuner picks
+# the rest per (N, K, mode) -- never per token count. The interpreter gets one small config.
+BLOCK_M = 32 if INTERPRET else 64
+BLOCK_N, BLOCK_K = 32, 32
+if INTERPRET:
+    _CONFIGS = [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32})]
+else:
+    _CONFIGS = [
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+        for bn, bk, w, st in (
+            (64, 32, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4), (256, 32, 8, 3),
+        )
+    ]  # fmt: skip
+PLAIN, SWIGLU, BOTH = 0, 1, 2  # what _grouped_mm stores
 
 
+@triton.autotune(configs=_CONFIGS, key=["N", "K", "MODE", "GATHER"])
 @triton.jit(do_not_specialize=["ROWS"])
 def _grouped_mm(
-    A, IDX, W, OUT, TILE_EXPERT, TILE_ROW, ENDS,
-    ROWS, stride_a, stride_we, stride_wn, stride_wk,
-    K: tl.constexpr, N: tl.constexpr, GATHER: tl.constexpr, PRECISION: tl.constexpr,
+    A, IDX, W, W2, OUT, OUT2, TILE_EXPERT, TILE_ROW, ENDS,
+    ROWS, stride_a, stride_we, stride_wn, stride_wk, stride_we2, stride_wn2, stride_wk2,
+    K: tl.constexpr, N: tl.constexpr, GATHER: tl.constexpr, MODE: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -43,6 +63,7 @@ def _grouped_mm(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < K
@@ -51,16 +72,29 @@ def _grouped_mm(
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
+        w_mask = k_ok[:, None] & col_ok[None, :]
         w = tl.load(
             W + e * stride_we + kk[:, None] * stride_wk + cols[None, :] * stride_wn,
-            mask=k_ok[:, None] & col_ok[None, :],
+            mask=w_mask,
             other=0.0,
         )
-        if a.dtype != w.dtype:  # float32 master weights with 16-bit activations
-            w = w.to(a.dtype)
-        acc += tl.dot(a, w, input_precision=PRECISION)
+        # float32 master weights with 16-bit activations run at the activations' precision
+        acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
+        if MODE != PLAIN:  # the same rows against the up projection
+            w2 = tl.load(
+                W2 + e * stride_we2 + kk[:, None] * stride_wk2 + cols[None, :] * stride_wn2,
+                mask=w_mask,
+                other=0.0,
+            )
+            acc2 += tl.dot(a, w2.to(a.dtype), input_precision=PRECISION)
     out = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    tl.store(OUT + out, acc, mask=row_ok[:, None] & col_ok[None, :])
+    ok = row_ok[:, None] & col_ok[None, :]
+    if MODE == SWIGLU:
+        tl.store(OUT + out, acc / (1.0 + tl.exp(-acc)) * acc2, mask=ok)
+    else:
+        tl.store(OUT + out, acc, mask=ok)
+        if MODE == BOTH:
+            tl.store(OUT2 + out, acc2, mask=ok)
 
 
 @triton.jit
@@ -117,21 +151,27 @@ def _tiles(routing: Routing, device) -> tuple[torch.Tensor, ...]:
     return tile_expert.to(torch.int32), tile_row.to(torch.int32), starts, ends
 
 
-def _mm(a, idx, w, tables, n_out: int, k_in: int, w_strides) -> torch.Tensor:
-    """Grouped ``a @ W[e]^T`` (``w_strides = (expert, n, k)`` pick the layout); float32 result."""
+def _mm(a, idx, w, tables, n_out: int, k_in: int, w_strides, w2=None, w2_strides=None, mode=PLAIN):
+    """Grouped ``a @ W[e]^T`` (``w_strides = (expert, n, k)`` pick the layout); float32 result.
+
+    With ``w2`` and ``mode`` ``SWIGLU``: ``silu(a W[e]^T) * (a W2[e]^T)``; ``BOTH``: the pair."""
     tile_expert, tile_row, _, ends = tables
     rows = idx.numel() if idx is not None else a.shape[0]
     out = torch.empty((rows, n_out), dtype=torch.float32, device=a.device)
-    if tile_expert.numel() == 0:
-        return out
-    grid = (tile_expert.numel(), triton.cdiv(n_out, BLOCK_N))
-    _grouped_mm[grid](
-        a, idx if idx is not None else a, w, out, tile_expert, tile_row, ends,
-        rows, a.stride(0), *w_strides,
-        K=k_in, N=n_out, GATHER=idx is not None, PRECISION=_precision(a),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-    )  # fmt: skip
-    return out
+    out2 = torch.empty_like(out) if mode == BOTH else out
+    if tile_expert.numel() > 0:
+
+        def grid(meta):
+            return (tile_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))
+
+        _grouped_mm[grid](
+            a, idx if idx is not None else a, w, w if w2 is None else w2, out, out2,
+            tile_expert, tile_row, ends, rows, a.stride(0), *w_strides,
+            *(w_strides if w2_strides is None else w2_strides),
+            K=k_in, N=n_out, GATHER=idx is not None, MODE=mode, PRECISION=_precision(a),
+            BLOCK_M=BLOCK_M,
+        )  # fmt: skip
+    return (out, out2) if mode == BOTH else out
 
 
 def _weight_grad(a, idx_a, b, idx_b, tables, num_experts: int) -> torch.Tensor:
@@ -154,23 +194,24 @@ def _activations_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if x.device.type == "cpu" else x.dtype
 
 
-def _gate_up(x, routing, w_gate, w_up, tables):
+def _gate_up(x, routing, w_gate, w_up, tables, mode):
+    """The gate and up projections of the dispatched rows in one pass: ``silu(gate) * up``
+    (``SWIGLU``) or both (``BOTH``)."""
     _, F_, D = w_gate.shape
     idx = routing.token.to(torch.int32)
     xin = x.contiguous().to(_activations_dtype(x))
-    hg = _mm(
-        xin, idx, w_gate, tables, F_, D, (w_gate.stride(0), w_gate.stride(1), w_gate.stride(2))
-    )
-    hu = _mm(xin, idx, w_up, tables, F_, D, (w_up.stride(0), w_up.stride(1), w_up.stride(2)))
-    return xin, idx, hg, hu
+    out = _mm(
+        xin, idx, w_gate, tables, F_, D, (w_gate.stride(0), w_gate.stride(1), w_gate.stride(2)),
+        w_up, (w_up.stride(0), w_up.stride(1), w_up.stride(2)), mode,
+    )  # fmt: skip
+    return xin, idx, out
 
 
 def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
     T, D = x.shape
     routing = route(router_logits, top_k, renormalize, scale)
     tables = _tiles(routing, x.device)
-    _, _, hg, hu = _gate_up(x, routing, w_gate, w_up, tables)
-    h = F.silu(hg).mul_(hu).to(_activations_dtype(x))
+    h = _gate_up(x, routing, w_gate, w_up, tables, SWIGLU)[2].to(_activations_dtype(x))
     wd = w_down
     y = _mm(h, None, wd, tables, D, wd.shape[2], (wd.stride(0), wd.stride(1), wd.stride(2)))
     slots = torch.empty_like(y)
@@ -183,7 +224,7 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     E, F_, _ = w_gate.shape
     routing = route(router_logits, top_k, renormalize, scale)
     tables = _tiles(routing, x.device)
-    xin, idx, hg, hu = _gate_up(x, routing, w_gate, w_up, tables)
+    xin, idx, (hg, hu) = _gate_up(x, routing, w_gate, w_up, tables, BOTH)
     act = _activations_dtype(x)
     gin = g.contiguous().to(act)
     wd = w_down
