@@ -11,13 +11,25 @@ views) and partial tiles are masked, not padded.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_L = 16
+INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
+# Chunk length and warps tuned per (E, M, direction, precision) -- never per sequence length.
+if INTERPRET:
+    _CONFIGS = [triton.Config({"BLOCK_L": 16})]
+else:
+    _CONFIGS = [
+        triton.Config({"BLOCK_L": bl}, num_warps=w, num_stages=st)
+        for bl, w, st in ((16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 8, 3))
+    ]
 
 
+@triton.autotune(configs=_CONFIGS, key=["E", "M", "REVERSE", "UPCAST", "PRECISION"])
+@triton.heuristics({"BLOCK_M": lambda args: max(16, min(64, triton.next_power_of_2(args["M"])))})
 @triton.jit(do_not_specialize=["L"])
 def _causal_kernel(
     A, B, C, OUT,
@@ -81,8 +93,10 @@ def _run(a, b, c, reverse: bool) -> torch.Tensor:
     upcast = interpret or a.dtype == torch.float32
     tf32 = a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not interpret
     block_e = max(16, triton.next_power_of_2(E))
-    block_m = max(16, min(64, triton.next_power_of_2(M)))
-    grid = (N * H, triton.cdiv(M, block_m))
+
+    def grid(meta):
+        return (N * H, triton.cdiv(M, meta["BLOCK_M"]))
+
     _causal_kernel[grid](
         a, b, c, out,
         L, H,
@@ -90,7 +104,7 @@ def _run(a, b, c, reverse: bool) -> torch.Tensor:
         b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1), c.stride(2),
         E=E, M=M, REVERSE=reverse, UPCAST=upcast, PRECISION="tf32" if tf32 else "ieee",
-        BLOCK_L=BLOCK_L, BLOCK_E=block_e, BLOCK_M=block_m,
+        BLOCK_E=block_e,
     )  # fmt: skip
     return out
 
