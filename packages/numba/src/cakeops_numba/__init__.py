@@ -59,5 +59,11 @@ backend = NumbaBackend(
         "rmsnorm_silu_gate": OpKernels(
             module="cakeops_numba.rmsnorm_silu_gate", devices=DEVICES, dtypes=DTYPES
         ),
+        "causal_dot_product": OpKernels(
+            module="cakeops_numba.causal_dot_product", devices=DEVICES, dtypes=DTYPES
+        ),
+        "moe_experts": OpKernels(
+            module="cakeops_numba.moe_experts", devices=DEVICES, dtypes=DTYPES
+        ),
     },
 )

@@ -17,6 +17,7 @@ from numba import cuda, float32
 from cakeops_numba._launch import THREADS, blocks_for, on_stream, view
 
 SMALL_GROUP = 32
+SIM_SWITCH_INTERVAL_S = 1e-3  # long loops between barriers: see _launch
 
 
 @cuda.jit(device=True)
@@ -173,7 +174,7 @@ def forward(x, z, weight, eps, group_size, norm_before_gate):
     if xr.numel() == 0:
         return y
     grid = blocks_for(xr.shape[0], x.device)
-    with on_stream(x.device) as stream:
+    with on_stream(x.device, SIM_SWITCH_INTERVAL_S) as stream:
         _forward[grid, THREADS, stream](
             view(xr), view(_rows(z)), view(weight), view(y.view(xr.shape)),
             float32(eps), group_size, norm_before_gate,
@@ -190,7 +191,7 @@ def backward(g, x, z, weight, eps, group_size, norm_before_gate):
         return dx, dz, torch.zeros_like(weight)
     grid = blocks_for(xr.shape[0], x.device)
     partials = torch.zeros((grid, D), dtype=torch.float32, device=x.device)
-    with on_stream(x.device) as stream:
+    with on_stream(x.device, SIM_SWITCH_INTERVAL_S) as stream:
         _backward[grid, THREADS, stream](
             view(xr), view(_rows(z)), view(weight), view(_rows(g)),
             view(dx.view(xr.shape)), view(dz.view(xr.shape)), view(partials),

@@ -1,0 +1,89 @@
+"""Causal linear attention in numba-cuda, chunked.
+
+One kernel computes ``out_i = sum_{j in causal(i)} (a_i . b_j) c_j`` over chunks of ``CHUNK``
+positions. A block owns one ``(n, h)`` and ``THREADS`` value columns, one thread per column. Per
+chunk, the block computes the chunk's causally masked scores ``a_i . b_j`` once into shared
+memory; each thread then forms its column of the output from the scores and from its column of
+the running float32 ``E x M`` state, and adds the chunk to that column. There is one state per
+``(n, h)`` for the whole sequence (a float32 scratch in global memory, since E is not bounded),
+never one per step. ``causal(i)`` is ``j <= i``, or ``j >= i`` with ``reverse`` (chunks walked
+from the end). The backward is three more runs: ``dq = (g, v, k)`` forward, ``dk = (v, g, q)``
+and ``dv = (k, q, g)`` in reverse. Every sum runs in a fixed order: deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+from numba import cuda, float32
+
+from cakeops_numba._launch import THREADS, on_stream, view
+
+CHUNK = 16
+
+
+@cuda.jit
+def _causal(a, b, c, out, state, reverse):
+    """``a, b``: (N, H, L, E); ``c``, ``out``: (N, H, L, M); ``state``: (N * H, E, M) zeros."""
+    scores = cuda.shared.array((CHUNK, CHUNK), float32)
+    tid = cuda.threadIdx.x
+    nh = cuda.blockIdx.x
+    _, H, L, E = a.shape
+    M = c.shape[3]
+    n, h = nh // H, nh % H
+    m = cuda.blockIdx.y * THREADS + tid
+    chunks = (L + CHUNK - 1) // CHUNK
+    for step in range(chunks):
+        start = (chunks - 1 - step) * CHUNK if reverse else step * CHUNK
+        # The chunk's masked scores, computed once by the whole block.
+        for k in range(tid, CHUNK * CHUNK, THREADS):
+            i, j = k // CHUNK, k % CHUNK
+            s = float32(0.0)
+            causal = j >= i if reverse else j <= i
+            if causal and start + i < L and start + j < L:
+                for e in range(E):
+                    s += float32(a[n, h, start + i, e]) * float32(b[n, h, start + j, e])
+            scores[i, j] = s
+        cuda.syncthreads()
+        if m < M:
+            col = cuda.local.array(CHUNK, float32)  # this thread's column of the chunk's c
+            for j in range(CHUNK):
+                col[j] = float32(c[n, h, start + j, m]) if start + j < L else float32(0.0)
+            for i in range(min(CHUNK, L - start)):
+                acc = float32(0.0)
+                for j in range(CHUNK):
+                    acc += scores[i, j] * col[j]
+                for e in range(E):
+                    acc += float32(a[n, h, start + i, e]) * state[nh, e, m]
+                out[n, h, start + i, m] = acc
+            for e in range(E):
+                acc = state[nh, e, m]
+                for j in range(min(CHUNK, L - start)):
+                    acc += float32(b[n, h, start + j, e]) * col[j]
+                state[nh, e, m] = acc
+        cuda.syncthreads()  # the next chunk's scores overwrite these
+
+
+def _run(a, b, c, reverse: bool) -> torch.Tensor:
+    N, H, L, E = a.shape
+    M = c.shape[-1]
+    out = torch.empty((N, H, L, M), dtype=c.dtype, device=c.device)
+    if out.numel() == 0:
+        return out
+    if E == 0:
+        return out.zero_()
+    state = torch.zeros((N * H, E, M), dtype=torch.float32, device=c.device)
+    grid = (N * H, (M + THREADS - 1) // THREADS)
+    with on_stream(c.device) as stream:
+        _causal[grid, THREADS, stream](view(a), view(b), view(c), view(out), view(state), reverse)
+    return out
+
+
+def forward(q, k, v):
+    return _run(q, k, v, reverse=False)
+
+
+def backward(g, q, k, v):
+    dq = _run(g, v, k, reverse=False)  # dq_i = sum_{j<=i} (g_i . v_j) k_j
+    dk = _run(v, g, q, reverse=True)  # dk_j = sum_{i>=j} (v_j . g_i) q_i
+    dv = _run(k, q, g, reverse=True)  # dv_j = sum_{i>=j} (k_j . q_i) g_i
+    return dq, dk, dv
