@@ -28,7 +28,7 @@ def install(session: nox.Session, *extra: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole suite: conformance on every in-tree backend, dispatch, CLI, packaging."""
-    install(session, EXAMPLE_BACKEND, "pytest", "hatchling", "numpy")
+    install(session, EXAMPLE_BACKEND, "pytest", "hatchling", "numpy", "matplotlib")
     session.run("pytest", *session.posargs)
     # The documented command a third-party backend certifies itself with.
     session.run("pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=example", "-q")
@@ -65,9 +65,10 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Side-by-side benchmarks: time ratios, peak and saved memory (``-- --quick``: small)."""
-    install(session, "numpy")
-    # A full run refreshes the figures the docs show; a --quick run only prints.
-    record = [] if "--quick" in session.posargs else ["--markdown", "docs/bench/cpu"]
+    install(session, "numpy", "matplotlib")
+    # A full run refreshes the figures and plots the docs show; a --quick run only prints.
+    record = ["--markdown", "docs/bench/cpu", "--plots", "docs/content/bench/cpu"]
+    record = [] if "--quick" in session.posargs else record
     session.run("cakeops", "bench", "--json", "bench-results/bench.json", *record, *session.posargs)
 
 

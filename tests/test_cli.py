@@ -34,3 +34,39 @@ def test_info_json_reflects_a_forced_backend():
     # example declares float32 only, so a forced example leaves float64 with no backend
     info = json.loads(run("cakeops", "info", "--json", env={"CAKEOPS_BACKEND": "example"}))
     assert info["picks"]["rmsnorm_silu_gate"]["cpu"]["float64"] == "none"
+
+
+def test_bench_renders_tables_and_plots_from_a_saved_record(tmp_path):
+    times = {"cakeops [torch]": 0.5, "eager composite": 1.0}
+    record = {
+        "date": "2026-11-29T00:00:00+00:00",
+        "machine": {
+            "platform": "Linux", "processor": "x86_64", "torch": "2.13.0", "threads": 2,
+            "device": "cpu",
+        },
+        "command": "cakeops bench",
+        "results": {
+            op: [
+                {
+                    "case": "rows 8, D 4", "dtype": "float32", "backend": "torch",
+                    "baseline": "eager composite", "input_bytes": 64,
+                    "results": {
+                        label: {"time_s": t, "peak_bytes": 2**20 * t, "saved_bytes": 64}
+                        for label, t in times.items()
+                    },
+                }
+            ]
+            for op in ("rmsnorm_silu_gate", "moe_experts")
+        },
+    }  # fmt: skip
+    saved = tmp_path / "bench.json"
+    saved.write_text(json.dumps(record))
+    out = run(
+        "cakeops", "bench", "--from-json", str(saved), "--op", "rmsnorm_silu_gate",
+        "--markdown", str(tmp_path / "md"), "--plots", str(tmp_path / "png"),
+    )  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "png").iterdir()) == ["rmsnorm_silu_gate.png"]
+    assert (tmp_path / "png" / "rmsnorm_silu_gate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (tmp_path / "md" / "rmsnorm_silu_gate.md").read_text()
+    assert "| cakeops [torch] | 500.0 | 2.00x | 0.5 | 0.0 |" in table
+    assert "wrote" in out and not (tmp_path / "md" / "moe_experts.md").exists()

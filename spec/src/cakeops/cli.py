@@ -119,6 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     p_bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p_bench.add_argument("--markdown", metavar="DIR", help="also write DIR/<op>.md tables")
+    p_bench.add_argument(
+        "--plots", metavar="DIR", help="also write DIR/<op>.png (time, peak memory; matplotlib)"
+    )
+    p_bench.add_argument(
+        "--from-json",
+        metavar="PATH",
+        help="measure nothing: write --markdown/--plots from a saved --json record",
+    )
     args = parser.parse_args(argv)
     if args.command == "info":
         info = gather_info()
@@ -128,13 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _print_info(info)
         return 0
-    from cakeops.bench import run
+    from cakeops.bench import rerender, run
 
+    if args.from_json:
+        return rerender(args.from_json, args.op, args.markdown, args.plots)
     return run(
         ops=args.op or list(SPECS),
         device=args.device,
         quick=args.quick,
         json_path=args.json,
         markdown_dir=args.markdown,
+        plots_dir=args.plots,
         command="cakeops " + " ".join(argv if argv is not None else sys.argv[1:]),
     )

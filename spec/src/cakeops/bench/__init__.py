@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import textwrap
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -163,6 +164,78 @@ def write_markdown(record: dict[str, Any], directory: str | Path) -> list[Path]:
     return written
 
 
+def write_plots(record: dict[str, Any], directory: str | Path) -> list[Path]:
+    """Write ``<directory>/<op>.png`` for every op in ``record``: forward+backward time (log
+    scale) and peak memory per case, one bar per implementation. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("plots need matplotlib (pip install matplotlib)") from e
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    m = record["machine"]
+    written = []
+    for op, rows in record["results"].items():
+        labels = [f"{textwrap.fill(row['case'], 16)}\n{row['dtype']}" for row in rows]
+        impls = list(dict.fromkeys(name for row in rows for name in row["results"]))
+        fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 2.6 * len(rows)), 4.2), dpi=110)
+        width = 0.8 / len(impls)
+        for ax, key, scale, unit in (
+            (axes[0], "time_s", 1e3, "time (ms, log scale)"),
+            (axes[1], "peak_bytes", 2.0**-20, "peak memory (MiB)"),
+        ):
+            for i, impl in enumerate(impls):
+                xs = [c + (i - (len(impls) - 1) / 2) * width for c in range(len(rows))]
+                ys = [row["results"].get(impl, {}).get(key, float("nan")) * scale for row in rows]
+                ax.bar(xs, ys, width, label=impl)
+            ax.set_xticks(range(len(rows)), labels, fontsize=7)
+            ax.set_ylabel(unit)
+            if key == "time_s":
+                ax.set_yscale("log")
+        axes[0].legend(fontsize=7)
+        fig.suptitle(
+            f"{op} forward+backward: {m['device']} ({m['processor']}, {m['threads']} threads), "
+            f"torch {m['torch']}, {record['date'][:10]}",
+            fontsize=9,
+        )
+        fig.tight_layout()
+        path = directory / f"{op}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _write_outputs(record, json_path, markdown_dir, plots_dir) -> None:
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(record, indent=2))
+        print(f"wrote {json_path}")
+    if markdown_dir:
+        for path in write_markdown(record, markdown_dir):
+            print(f"wrote {path}")
+    if plots_dir:
+        for path in write_plots(record, plots_dir):
+            print(f"wrote {path}")
+
+
+def rerender(
+    json_path: str,
+    ops: list[str] | None,
+    markdown_dir: str | None = None,
+    plots_dir: str | None = None,
+) -> int:
+    """Tables and plots from a saved record (``cakeops bench --from-json``), no measuring."""
+    record = json.loads(Path(json_path).read_text())
+    if ops:
+        record["results"] = {op: r for op, r in record["results"].items() if op in ops}
+    _write_outputs(record, None, markdown_dir, plots_dir)
+    return 0
+
+
 def run(
     ops: list[str],
     device: str = "cpu",
@@ -170,10 +243,10 @@ def run(
     json_path: str | None = None,
     markdown_dir: str | None = None,
     command: str = "cakeops bench",
+    plots_dir: str | None = None,
 ) -> int:
-    """Run the benchmarks of ``ops``, print tables, write JSON and per-op Markdown when asked.
-
-    Returns an exit code."""
+    """Run the benchmarks of ``ops``, print tables, write JSON, per-op Markdown and plots when
+    asked. Returns an exit code."""
     import importlib
 
     dev = torch.device(device)
@@ -193,14 +266,9 @@ def run(
         f"cakeops bench on {record['machine']['device']} ({record['machine']['processor']}, "
         f"{record['machine']['threads']} threads), torch {torch.__version__}"
     )
-    for op in ops:
+    for i, op in enumerate(ops, 1):
+        print(f"\n[{i}/{len(ops)}] {op} ({datetime.now():%H:%M:%S})", flush=True)
         module = importlib.import_module(f"cakeops.bench.{op}")
         record["results"][op] = module.run(dev, quick)
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(record, indent=2))
-        print(f"wrote {json_path}")
-    if markdown_dir:
-        for path in write_markdown(record, markdown_dir):
-            print(f"wrote {path}")
+    _write_outputs(record, json_path, markdown_dir, plots_dir)
     return 0
