@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from numba import cuda, float32
 
+from cakeops.ops.causal_dot_product import backward_by_scans
 from cakeops_numba._launch import THREADS, on_stream, view
 
 CHUNK = 16
@@ -83,7 +84,4 @@ def forward(q, k, v):
 
 
 def backward(g, q, k, v):
-    dq = _run(g, v, k, reverse=False)  # dq_i = sum_{j<=i} (g_i . v_j) k_j
-    dk = _run(v, g, q, reverse=True)  # dk_j = sum_{i>=j} (v_j . g_i) q_i
-    dv = _run(k, q, g, reverse=True)  # dv_j = sum_{i>=j} (k_j . q_i) g_i
-    return dq, dk, dv
+    return backward_by_scans(_run, g, q, k, v)

@@ -21,7 +21,14 @@ import math
 import torch
 from numba import cuda, float32
 
-from cakeops.ops.moe_experts import Routing, route, routing_backward
+from cakeops.ops.moe_experts import (
+    Routing,
+    combine,
+    dispatch_backward,
+    route,
+    routing_backward,
+    swiglu_backward,
+)
 from cakeops_numba import SIMULATOR
 from cakeops_numba._launch import on_stream, view
 
@@ -152,34 +159,24 @@ def _grad(a, idx_a, b, idx_b, tables, num_experts: int) -> torch.Tensor:
 
 
 def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
-    T, D = x.shape
+    D = x.shape[1]
     routing = route(router_logits, top_k, renormalize, scale)
     tables = _tiles(routing, x.device)
     idx = routing.token
     h = _mm(x, idx, w_gate, tables, w_gate.shape[1], False, w_up, SWIGLU)
-    y = _mm(h, None, w_down, tables, D, False)
-    slots = torch.empty_like(y)
-    slots[routing.order] = y
-    return (slots.view(T, top_k, D) * routing.weights.unsqueeze(-1)).sum(1).to(x.dtype)
+    return combine(_mm(h, None, w_down, tables, D, False), routing).to(x.dtype)
 
 
 def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
-    T, D = x.shape
+    D = x.shape[1]
     E, F_, _ = w_gate.shape
     routing = route(router_logits, top_k, renormalize, scale)
     tables = _tiles(routing, x.device)
     idx = routing.token
     hg, hu = _mm(x, idx, w_gate, tables, F_, False, w_up, BOTH)
     u = _mm(g, idx, w_down, tables, F_, True)  # g W_down[e]: w_down[e] is (D, F) = (K, N)
-    sig = torch.sigmoid(hg)
-    gate = hg * sig
-    h = gate * hu
+    h, dweights, dhg, dhu = swiglu_backward(hg, hu, u, routing)
     slot_w = routing.weights.flatten()[routing.order].unsqueeze(-1)
-    dw_flat = torch.empty(T * top_k, dtype=torch.float32, device=x.device)
-    dw_flat[routing.order] = (h * u).sum(-1)  # <y, g> = <h, g W_down>
-    dh = u.mul_(slot_w)
-    dhu = dh * gate
-    dhg = dh.mul_(hu).mul_(sig.mul_(hg.mul_(1 - sig).add_(1)))  # dh * hu * silu'(hg)
     gw = g[idx].float().mul_(slot_w)  # dy = w g, per sorted row
     d_down = _grad(gw, None, h, None, tables, E)
     d_gate = _grad(dhg, None, x, idx, tables, E)
@@ -187,12 +184,9 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     # dx rows = dhg W_gate[e] + dhu W_up[e]: w_gate[e] is (F, D) = (K, N)
     dx_rows = _mm(dhg, None, w_gate, tables, D, True)
     dx_rows += _mm(dhu, None, w_up, tables, D, True)
-    slots = torch.empty_like(dx_rows)
-    slots[routing.order] = dx_rows
-    dx = slots.view(T, top_k, D).sum(1).to(x.dtype)
-    dlogits = routing_backward(routing, dw_flat.view(T, top_k), renormalize, scale)
+    dlogits = routing_backward(routing, dweights, renormalize, scale)
     return (
-        dx,
+        dispatch_backward(dx_rows, routing).to(x.dtype),
         dlogits.to(router_logits.dtype),
         d_gate.to(w_gate.dtype),
         d_up.to(w_up.dtype),

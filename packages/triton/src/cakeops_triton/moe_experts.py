@@ -23,7 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from cakeops.ops.moe_experts import Routing, route, routing_backward
+from cakeops.ops.moe_experts import (
+    Routing,
+    combine,
+    dispatch_backward,
+    route,
+    routing_backward,
+    swiglu_backward,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
 # Row tiles are laid out on the host (the tile table), so BLOCK_M is fixed; the autotuner picks
@@ -208,19 +215,17 @@ def _gate_up(x, routing, w_gate, w_up, tables, mode):
 
 
 def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
-    T, D = x.shape
+    D = x.shape[1]
     routing = route(router_logits, top_k, renormalize, scale)
     tables = _tiles(routing, x.device)
     h = _gate_up(x, routing, w_gate, w_up, tables, SWIGLU)[2].to(_activations_dtype(x))
     wd = w_down
     y = _mm(h, None, wd, tables, D, wd.shape[2], (wd.stride(0), wd.stride(1), wd.stride(2)))
-    slots = torch.empty_like(y)
-    slots[routing.order] = y
-    return (slots.view(T, top_k, D) * routing.weights.unsqueeze(-1)).sum(1).to(x.dtype)
+    return combine(y, routing).to(x.dtype)
 
 
 def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
-    T, D = x.shape
+    D = x.shape[1]
     E, F_, _ = w_gate.shape
     routing = route(router_logits, top_k, renormalize, scale)
     tables = _tiles(routing, x.device)
@@ -230,15 +235,8 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     wd = w_down
     # u = g W_down[e]: K = D, N = F, so W[e][k, n] is w_down[e][d, f]
     u = _mm(gin, idx, wd, tables, F_, D, (wd.stride(0), wd.stride(2), wd.stride(1)))
-    sig = torch.sigmoid(hg)
-    gate = hg * sig
-    h = gate * hu
+    h, dweights, dhg, dhu = swiglu_backward(hg, hu, u, routing)
     slot_w = routing.weights.flatten()[routing.order].unsqueeze(-1)
-    dw_flat = torch.empty(T * top_k, dtype=torch.float32, device=x.device)
-    dw_flat[routing.order] = (h * u).sum(-1)  # <y, g> = <h, g W_down>
-    dh = u.mul_(slot_w)
-    dhu = dh * gate
-    dhg = dh.mul_(hu).mul_(sig.mul_(hg.mul_(1 - sig).add_(1)))  # dh * hu * silu'(hg)
     gw = gin[routing.token].float().mul_(slot_w)  # dy = w g, per sorted row
     d_down = _weight_grad(gw, None, h, None, tables, E)
     d_gate = _weight_grad(dhg, None, xin, idx, tables, E)
@@ -251,12 +249,9 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     dx_rows += _mm(
         dhu_in, None, w_up, tables, D, F_, (w_up.stride(0), w_up.stride(2), w_up.stride(1))
     )
-    slots = torch.empty_like(dx_rows)
-    slots[routing.order] = dx_rows
-    dx = slots.view(T, top_k, D).sum(1).to(x.dtype)
-    dlogits = routing_backward(routing, dw_flat.view(T, top_k), renormalize, scale)
+    dlogits = routing_backward(routing, dweights, renormalize, scale)
     return (
-        dx,
+        dispatch_backward(dx_rows, routing).to(x.dtype),
         dlogits.to(router_logits.dtype),
         d_gate.to(w_gate.dtype),
         d_up.to(w_up.dtype),

@@ -152,3 +152,17 @@ class CausalDotProduct:
     @staticmethod
     def apply(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return causal_dot_product(queries, keys, values)
+
+
+# --------------------------------------------------------------------------------------------
+# A helper for backends whose kernel is one causal scan.
+
+
+def backward_by_scans(scan, g, q, k, v):
+    """``(dq, dk, dv)`` as three runs of a causal scan ``scan(a, b, c, reverse)``, which computes
+    ``out_i = sum_{j <= i} (a_i . b_j) c_j`` (``j >= i`` with ``reverse``): ``dq = (g, v, k)``
+    forward in time, ``dk = (v, g, q)`` and ``dv = (k, q, g)`` in reverse."""
+    dq = scan(g, v, k, False)  # dq_i = sum_{j<=i} (g_i . v_j) k_j
+    dk = scan(v, g, q, True)  # dk_j = sum_{i>=j} (v_j . g_i) q_i
+    dv = scan(k, q, g, True)  # dv_j = sum_{i>=j} (k_j . q_i) g_i
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -285,3 +285,45 @@ def routing_backward(routing: Routing, dweights, renormalize, scale):
         # common factor on r), so the non-selected experts get exact zeros.
         return p * dp
     return p * (dp - (p * dp).sum(-1, keepdim=True))
+
+
+def combine(y_sorted: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``out_t = sum_s w_ts y_(t,s)`` from expert outputs in sorted-row order, summed over each
+    token's slots in slot order (deterministic: no ``index_add_``)."""
+    slots = torch.empty_like(y_sorted)
+    slots[routing.order] = y_sorted
+    T, k = routing.weights.shape
+    return (slots.view(T, k, -1) * routing.weights.to(slots.dtype).unsqueeze(-1)).sum(1)
+
+
+def dispatch_backward(dx_sorted: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """The input gradient from each sorted row's gradient: a token's copies summed in slot
+    order, with no second routing-weight factor."""
+    slots = torch.empty_like(dx_sorted)
+    slots[routing.order] = dx_sorted
+    T, k = routing.weights.shape
+    return slots.view(T, k, -1).sum(1)
+
+
+class SwiGLUGrads(NamedTuple):
+    h: torch.Tensor  # (rows, F) silu(gate) * up, the down projection's input
+    dweights: torch.Tensor  # (T, k) dL/dw_ts = <y_ts, g_t>
+    d_gate: torch.Tensor  # (rows, F) gradient at the gate pre-activation
+    d_up: torch.Tensor  # (rows, F) gradient at the up pre-activation
+
+
+def swiglu_backward(hg: torch.Tensor, hu: torch.Tensor, u: torch.Tensor, routing: Routing):
+    """The SwiGLU's part of the backward, per sorted row, from the recomputed gate and up
+    pre-activations ``hg``, ``hu`` and ``u = g_t W_down[e]`` (float32, consumed in place).
+
+    ``<y, g> = <h W_down^T, g> = <h, u>``, so the expert output is never recomputed; the routing
+    weight multiplies ``u`` once."""
+    sig = torch.sigmoid(hg)
+    gate = hg * sig
+    h = gate * hu
+    dweights = torch.empty(routing.order.numel(), dtype=u.dtype, device=u.device)
+    dweights[routing.order] = (h * u).sum(-1)
+    dh = u.mul_(routing.weights.flatten()[routing.order].to(u.dtype).unsqueeze(-1))
+    d_up = dh * gate
+    d_gate = dh.mul_(hu).mul_(sig.mul_(hg.mul_(1 - sig).add_(1)))  # dh * hu * silu'(hg)
+    return SwiGLUGrads(h, dweights.view_as(routing.weights), d_gate, d_up)
