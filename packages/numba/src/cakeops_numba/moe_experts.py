@@ -22,11 +22,11 @@ import torch
 from numba import cuda, float32
 
 from cakeops.ops.moe_experts import (
-    Routing,
     combine,
     dispatch_backward,
     route,
     routing_backward,
+    row_tiles,
     swiglu_backward,
 )
 from cakeops_numba import SIMULATOR
@@ -113,18 +113,6 @@ def _weight_grad(a, idx_a, b, idx_b, dw, starts, ends, gather_a, gather_b):
         dw[e, p, q] = acc
 
 
-def _tiles(routing: Routing, device) -> tuple[torch.Tensor, ...]:
-    """Row-tile table: for each tile, its expert and first row; plus each expert's row range."""
-    bounds = torch.tensor(routing.bounds, device=device, dtype=torch.int64)
-    starts, ends = bounds[:-1], bounds[1:]
-    tiles = (ends - starts + TILE - 1) // TILE
-    tile_expert = torch.repeat_interleave(torch.arange(len(tiles), device=device), tiles)
-    first_tile = torch.cumsum(tiles, 0) - tiles
-    within = torch.arange(tile_expert.numel(), device=device) - first_tile[tile_expert]
-    tile_row = starts[tile_expert] + within * TILE
-    return tile_expert, tile_row, starts, ends
-
-
 def _mm(a, idx, w, tables, n_out: int, trans: bool, w2=None, mode=PLAIN):
     """Grouped ``a @ W[e]^T`` (``trans``: ``a @ W[e]``), float32; see ``_grouped_mm``."""
     tile_expert, tile_row, _, ends = tables
@@ -161,7 +149,7 @@ def _grad(a, idx_a, b, idx_b, tables, num_experts: int) -> torch.Tensor:
 def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
     D = x.shape[1]
     routing = route(router_logits, top_k, renormalize, scale)
-    tables = _tiles(routing, x.device)
+    tables = row_tiles(routing, TILE, x.device)
     idx = routing.token
     h = _mm(x, idx, w_gate, tables, w_gate.shape[1], False, w_up, SWIGLU)
     return combine(_mm(h, None, w_down, tables, D, False), routing).to(x.dtype)
@@ -171,7 +159,7 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     D = x.shape[1]
     E, F_, _ = w_gate.shape
     routing = route(router_logits, top_k, renormalize, scale)
-    tables = _tiles(routing, x.device)
+    tables = row_tiles(routing, TILE, x.device)
     idx = routing.token
     hg, hu = _mm(x, idx, w_gate, tables, F_, False, w_up, BOTH)
     u = _mm(g, idx, w_down, tables, F_, True)  # g W_down[e]: w_down[e] is (D, F) = (K, N)

@@ -24,11 +24,11 @@ import triton
 import triton.language as tl
 
 from cakeops.ops.moe_experts import (
-    Routing,
     combine,
     dispatch_backward,
     route,
     routing_backward,
+    row_tiles,
     swiglu_backward,
 )
 
@@ -145,16 +145,9 @@ def _precision(t: torch.Tensor) -> str:
     return "tf32" if on_gpu and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
-def _tiles(routing: Routing, device) -> tuple[torch.Tensor, ...]:
-    """Row-tile table: for each tile, its expert and first row; plus each expert's row range."""
-    bounds = torch.tensor(routing.bounds, device=device, dtype=torch.int64)
-    starts, ends = bounds[:-1], bounds[1:]
-    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
-    experts = torch.arange(len(tiles), device=device)
-    tile_expert = torch.repeat_interleave(experts, tiles)
-    first_tile = torch.cumsum(tiles, 0) - tiles
-    within = torch.arange(tile_expert.numel(), device=device) - first_tile[tile_expert]
-    tile_row = starts[tile_expert] + within * BLOCK_M
+def _tiles(routing, device) -> tuple[torch.Tensor, ...]:
+    """The spec's row-tile table for ``BLOCK_M``-row tiles, the tile columns as int32."""
+    tile_expert, tile_row, starts, ends = row_tiles(routing, BLOCK_M, device)
     return tile_expert.to(torch.int32), tile_row.to(torch.int32), starts, ends
 
 

@@ -327,3 +327,16 @@ def swiglu_backward(hg: torch.Tensor, hu: torch.Tensor, u: torch.Tensor, routing
     d_up = dh * gate
     d_gate = dh.mul_(hu).mul_(sig.mul_(hg.mul_(1 - sig).add_(1)))  # dh * hu * silu'(hg)
     return SwiGLUGrads(h, dweights.view_as(routing.weights), d_gate, d_up)
+
+
+def row_tiles(routing: Routing, block: int, device) -> tuple[torch.Tensor, ...]:
+    """For grouped-GEMM kernels over the sorted rows: each row tile's expert and first row (tiles
+    of ``block`` rows, never spanning two experts), and each expert's row range
+    ``(tile_expert, tile_row, starts, ends)``, int64 on ``device``."""
+    bounds = torch.tensor(routing.bounds, device=device, dtype=torch.int64)
+    starts, ends = bounds[:-1], bounds[1:]
+    tiles = (ends - starts + block - 1) // block
+    tile_expert = torch.repeat_interleave(torch.arange(len(tiles), device=device), tiles)
+    first_tile = torch.cumsum(tiles, 0) - tiles
+    within = torch.arange(tile_expert.numel(), device=device) - first_tile[tile_expert]
+    return tile_expert, starts[tile_expert] + within * block, starts, ends
