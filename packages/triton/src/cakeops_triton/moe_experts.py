@@ -6,13 +6,19 @@ Two kernels do the rest, each one launch for all experts:
 - ``_grouped_mm``: ``out[rows of e] = A[rows of e] @ W[e]^T`` (or ``@ W[e]``, by strides), its
   row tiles mapped to experts by a host-built table, the rows of ``A`` optionally gathered through
   an index (the dispatch is a load, never a gathered or padded copy of ``x``). With a second
-  weight (``PAIR``) one pass over the rows multiplies them by ``W_gate[e]`` and ``W_up[e]``
-  together and stores ``silu(gate) * up`` (the forward: no gate/up buffers) or both products
-  (the backward, which needs them apart);
+  weight one pass over the rows multiplies them by ``W_gate[e]`` and ``W_up[e]`` together and
+  stores ``silu(gate) * up`` (``SWIGLU``, the forward: no gate/up buffers) or both products
+  (``BOTH``, the backward, which needs them apart); with a second operand too (``SUM2``) it
+  accumulates ``A W[e]^T + A2 W2[e]^T`` (the input gradient through gate and up, one pass). Its
+  epilogue can scale each row by a per-row factor and store it at another row (``DST``): that is
+  the combine -- the down projection writes ``w_ts y_ts`` straight into its ``(token, slot)``
+  place -- and the dispatch backward;
 - ``_grouped_weight_grad``: ``dW[e] = A[rows of e]^T @ B[rows of e]``, each program walking one
-  expert's rows in order (deterministic; an expert with no rows stores exact zeros).
+  expert's rows in order (deterministic; an expert with no rows stores exact zeros), ``A``'s rows
+  optionally gathered and scaled by a per-row factor as they load.
 
-The combine and the dispatch backward sum each token's ``top_k`` slots in slot order in PyTorch.
+What is left to PyTorch is summing each token's ``top_k`` slots in slot order (deterministic, no
+atomics) and the routing itself.
 """
 
 from __future__ import annotations
@@ -24,8 +30,6 @@ import triton
 import triton.language as tl
 
 from cakeops.ops.moe_experts import (
-    combine,
-    dispatch_backward,
     route,
     routing_backward,
     row_tiles,
@@ -46,16 +50,16 @@ else:
             (64, 32, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4), (256, 32, 8, 3),
         )
     ]  # fmt: skip
-PLAIN, SWIGLU, BOTH = 0, 1, 2  # what _grouped_mm stores
+PLAIN, SWIGLU, BOTH, SUM2 = 0, 1, 2, 3  # what _grouped_mm computes and stores
 
 
 @triton.autotune(configs=_CONFIGS, key=["N", "K", "MODE", "GATHER"])
 @triton.jit(do_not_specialize=["ROWS"])
 def _grouped_mm(
-    A, IDX, W, W2, OUT, OUT2, TILE_EXPERT, TILE_ROW, ENDS,
+    A, A2, IDX, W, W2, OUT, OUT2, DST, SCALE, TILE_EXPERT, TILE_ROW, ENDS,
     ROWS, stride_a, stride_we, stride_wn, stride_wk, stride_we2, stride_wn2, stride_wk2,
     K: tl.constexpr, N: tl.constexpr, GATHER: tl.constexpr, MODE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SCATTER: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -87,14 +91,28 @@ def _grouped_mm(
         )
         # float32 master weights with 16-bit activations run at the activations' precision
         acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
-        if MODE != PLAIN:  # the same rows against the up projection
+        if MODE != PLAIN:  # the second weight (the up projection)
             w2 = tl.load(
                 W2 + e * stride_we2 + kk[:, None] * stride_wk2 + cols[None, :] * stride_wn2,
                 mask=w_mask,
                 other=0.0,
             )
-            acc2 += tl.dot(a, w2.to(a.dtype), input_precision=PRECISION)
-    out = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            if MODE == SUM2:  # ... against a second operand, into the same sum
+                a2 = tl.load(
+                    A2 + src[:, None] * stride_a + kk[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                acc += tl.dot(a2, w2.to(a2.dtype), input_precision=PRECISION)
+            else:  # ... against the same rows, kept apart
+                acc2 += tl.dot(a, w2.to(a.dtype), input_precision=PRECISION)
+    if SCALED:
+        acc *= tl.load(SCALE + rows, mask=row_ok, other=0.0)[:, None]
+    if SCATTER:
+        dst = tl.load(DST + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        dst = rows.to(tl.int64)
+    out = dst[:, None] * N + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
     if MODE == SWIGLU:
         tl.store(OUT + out, acc / (1.0 + tl.exp(-acc)) * acc2, mask=ok)
@@ -106,10 +124,10 @@ def _grouped_mm(
 
 @triton.jit
 def _grouped_weight_grad(
-    A, IDX_A, B, IDX_B, DW, STARTS, ENDS,
+    A, IDX_A, SCALE_A, B, IDX_B, DW, STARTS, ENDS,
     stride_a, stride_b,
     P: tl.constexpr, Q: tl.constexpr, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SCALED_A: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     e = tl.program_id(0).to(tl.int64)
@@ -131,11 +149,13 @@ def _grouped_weight_grad(
             rb = rows.to(tl.int64)
         a = tl.load(
             A + ra[:, None] * stride_a + p[None, :], mask=ok[:, None] & (p < P)[None, :], other=0.0
-        )
+        ).to(tl.float32)
+        if SCALED_A:
+            a *= tl.load(SCALE_A + rows, mask=ok, other=0.0)[:, None]
         b = tl.load(
             B + rb[:, None] * stride_b + q[None, :], mask=ok[:, None] & (q < Q)[None, :], other=0.0
         )
-        acc += tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), input_precision=PRECISION)
+        acc += tl.dot(tl.trans(a), b.to(tl.float32), input_precision=PRECISION)
     out = e * P * Q + p.to(tl.int64)[:, None] * Q + q[None, :]
     tl.store(DW + out, acc, mask=(p < P)[:, None] & (q < Q)[None, :])
 
@@ -151,11 +171,24 @@ def _tiles(routing, device) -> tuple[torch.Tensor, ...]:
     return tile_expert.to(torch.int32), tile_row.to(torch.int32), starts, ends
 
 
-def _mm(a, idx, w, tables, n_out: int, k_in: int, w_strides, w2=None, w2_strides=None, mode=PLAIN):
+def _strides(w: torch.Tensor, transpose: bool = False) -> tuple[int, int, int]:
+    """``(expert, n, k)`` strides reading ``w[e]`` as ``W[e]`` (``a @ W[e]^T``) or, transposed,
+    as ``W[e]^T`` (``a @ W[e]``)."""
+    return (w.stride(0), w.stride(2), w.stride(1)) if transpose else w.stride()
+
+
+def _mm(
+    a, idx, w, tables, n_out: int, k_in: int, w_strides, *,
+    w2=None, w2_strides=None, a2=None, mode=PLAIN, dst=None, scale=None,
+):  # fmt: skip
     """Grouped ``a @ W[e]^T`` (``w_strides = (expert, n, k)`` pick the layout); float32 result.
 
-    With ``w2`` and ``mode`` ``SWIGLU``: ``silu(a W[e]^T) * (a W2[e]^T)``; ``BOTH``: the pair."""
+    With ``w2`` and ``mode`` ``SWIGLU``: ``silu(a W[e]^T) * (a W2[e]^T)``; ``BOTH``: the pair;
+    ``SUM2`` (with ``a2``): ``a W[e]^T + a2 W2[e]^T``. Row ``i`` of the result is multiplied by
+    ``scale[i]`` and stored at row ``dst[i]`` when those are given (``dst`` a permutation).
+    """
     tile_expert, tile_row, _, ends = tables
+    assert a2 is None or a2.stride() == a.stride(), "a and a2 share their row stride"
     rows = idx.numel() if idx is not None else a.shape[0]
     out = torch.empty((rows, n_out), dtype=torch.float32, device=a.device)
     out2 = torch.empty_like(out) if mode == BOTH else out
@@ -165,26 +198,29 @@ def _mm(a, idx, w, tables, n_out: int, k_in: int, w_strides, w2=None, w2_strides
             return (tile_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))
 
         _grouped_mm[grid](
-            a, idx if idx is not None else a, w, w if w2 is None else w2, out, out2,
+            a, a if a2 is None else a2, a if idx is None else idx, w, w if w2 is None else w2,
+            out, out2, out if dst is None else dst, out if scale is None else scale,
             tile_expert, tile_row, ends, rows, a.stride(0), *w_strides,
             *(w_strides if w2_strides is None else w2_strides),
-            K=k_in, N=n_out, GATHER=idx is not None, MODE=mode, PRECISION=_precision(a),
-            BLOCK_M=BLOCK_M,
+            K=k_in, N=n_out, GATHER=idx is not None, MODE=mode, SCATTER=dst is not None,
+            SCALED=scale is not None, PRECISION=_precision(a), BLOCK_M=BLOCK_M,
         )  # fmt: skip
     return (out, out2) if mode == BOTH else out
 
 
-def _weight_grad(a, idx_a, b, idx_b, tables, num_experts: int) -> torch.Tensor:
-    """``dW[e] = A_e^T B_e`` for every expert, float32 ``(E, P, Q)``."""
+def _weight_grad(a, idx_a, b, idx_b, tables, num_experts: int, scale_a=None) -> torch.Tensor:
+    """``dW[e] = A_e^T B_e`` for every expert (``A``'s rows times ``scale_a``), float32
+    ``(E, P, Q)``."""
     _, _, starts, ends = tables
     P, Q = a.shape[1], b.shape[1]
     dw = torch.empty((num_experts, P, Q), dtype=torch.float32, device=a.device)
     grid = (num_experts, triton.cdiv(P, BLOCK_M), triton.cdiv(Q, BLOCK_N))
     _grouped_weight_grad[grid](
-        a, idx_a if idx_a is not None else a, b, idx_b if idx_b is not None else b, dw,
-        starts, ends, a.stride(0), b.stride(0),
+        a, a if idx_a is None else idx_a, a if scale_a is None else scale_a,
+        b, b if idx_b is None else idx_b, dw, starts, ends, a.stride(0), b.stride(0),
         P=P, Q=Q, GATHER_A=idx_a is not None, GATHER_B=idx_b is not None,
-        PRECISION=_precision(a), BLOCK_P=BLOCK_M, BLOCK_Q=BLOCK_N, BLOCK_R=BLOCK_K,
+        SCALED_A=scale_a is not None, PRECISION=_precision(a),
+        BLOCK_P=BLOCK_M, BLOCK_Q=BLOCK_N, BLOCK_R=BLOCK_K,
     )  # fmt: skip
     return dw
 
@@ -201,10 +237,17 @@ def _gate_up(x, routing, w_gate, w_up, tables, mode):
     idx = routing.token.to(torch.int32)
     xin = x.contiguous().to(_activations_dtype(x))
     out = _mm(
-        xin, idx, w_gate, tables, F_, D, (w_gate.stride(0), w_gate.stride(1), w_gate.stride(2)),
-        w_up, (w_up.stride(0), w_up.stride(1), w_up.stride(2)), mode,
+        xin, idx, w_gate, tables, F_, D, _strides(w_gate),
+        w2=w_up, w2_strides=_strides(w_up), mode=mode,
     )  # fmt: skip
     return xin, idx, out
+
+
+def _slot_sum(slots: torch.Tensor, routing) -> torch.Tensor:
+    """``(T * top_k, D)`` rows in ``(token, slot)`` order summed over each token's slots, in
+    slot order."""
+    T, k = routing.weights.shape
+    return slots.view(T, k, -1).sum(1)
 
 
 def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
@@ -212,9 +255,13 @@ def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
     routing = route(router_logits, top_k, renormalize, scale)
     tables = _tiles(routing, x.device)
     h = _gate_up(x, routing, w_gate, w_up, tables, SWIGLU)[2].to(_activations_dtype(x))
-    wd = w_down
-    y = _mm(h, None, wd, tables, D, wd.shape[2], (wd.stride(0), wd.stride(1), wd.stride(2)))
-    return combine(y, routing).to(x.dtype)
+    slot_w = routing.weights.flatten()[routing.order].contiguous()
+    # the combine in the epilogue: w_ts * y_ts stored at its (token, slot) row
+    slots = _mm(
+        h, None, w_down, tables, D, w_down.shape[2], _strides(w_down),
+        dst=routing.order, scale=slot_w,
+    )  # fmt: skip
+    return _slot_sum(slots, routing).to(x.dtype)
 
 
 def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
@@ -225,26 +272,24 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     xin, idx, (hg, hu) = _gate_up(x, routing, w_gate, w_up, tables, BOTH)
     act = _activations_dtype(x)
     gin = g.contiguous().to(act)
-    wd = w_down
     # u = g W_down[e]: K = D, N = F, so W[e][k, n] is w_down[e][d, f]
-    u = _mm(gin, idx, wd, tables, F_, D, (wd.stride(0), wd.stride(2), wd.stride(1)))
+    u = _mm(gin, idx, w_down, tables, F_, D, _strides(w_down, transpose=True))
     h, dweights, dhg, dhu = swiglu_backward(hg, hu, u, routing)
-    slot_w = routing.weights.flatten()[routing.order].unsqueeze(-1)
-    gw = gin[routing.token].float().mul_(slot_w)  # dy = w g, per sorted row
-    d_down = _weight_grad(gw, None, h, None, tables, E)
+    slot_w = routing.weights.flatten()[routing.order].contiguous()
+    # dW_down[e] = (w g)_e^T h_e: the rows of g gathered and scaled as they load
+    d_down = _weight_grad(gin, idx, h, None, tables, E, scale_a=slot_w)
     d_gate = _weight_grad(dhg, None, xin, idx, tables, E)
     d_up = _weight_grad(dhu, None, xin, idx, tables, E)
-    # dx rows = dhg W_gate[e] + dhu W_up[e]: K = F, N = D, W[e][k, n] is w_gate[e][f, d]
-    dhg_in, dhu_in = dhg.to(act), dhu.to(act)
-    dx_rows = _mm(
-        dhg_in, None, w_gate, tables, D, F_, (w_gate.stride(0), w_gate.stride(2), w_gate.stride(1))
-    )
-    dx_rows += _mm(
-        dhu_in, None, w_up, tables, D, F_, (w_up.stride(0), w_up.stride(2), w_up.stride(1))
-    )
+    # dx rows = dhg W_gate[e] + dhu W_up[e] in one pass (K = F, N = D), each stored at its
+    # (token, slot) row: the dispatch backward is then the slot sum, with no weight factor
+    dx_slots = _mm(
+        dhg.to(act), None, w_gate, tables, D, F_, _strides(w_gate, transpose=True),
+        w2=w_up, w2_strides=_strides(w_up, transpose=True), a2=dhu.to(act), mode=SUM2,
+        dst=routing.order,
+    )  # fmt: skip
     dlogits = routing_backward(routing, dweights, renormalize, scale)
     return (
-        dispatch_backward(dx_rows, routing).to(x.dtype),
+        _slot_sum(dx_slots, routing).to(x.dtype),
         dlogits.to(router_logits.dtype),
         d_gate.to(w_gate.dtype),
         d_up.to(w_up.dtype),
