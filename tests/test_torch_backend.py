@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+import torch._inductor.exc
 
 import cakeops
 from cakeops.testing import run_with_grads
@@ -100,13 +101,13 @@ def test_env_var_turns_compiling_off(compiled_path, monkeypatch):
 def test_failing_compiler_falls_back_with_a_warning(compiled_path, monkeypatch):
     def broken(fn):
         def call(*args):
-            raise RuntimeError("no C++ compiler")
+            raise torch._inductor.exc.CppCompileError(["c++", "kernel.cpp"], "no C++ compiler")
 
         return call
 
     monkeypatch.setattr(kernels, "_compiled", broken)
     x, z, w, g = make_inputs((4, 32), torch.float32, "cpu")
-    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+    with pytest.warns(RuntimeWarning, match="CppCompileError"):
         got = run(x, z, w, g, 8, False)
     check_against_reference(x, z, w, g, 8, False, got)
     assert kernels._compile_error is not None
@@ -114,6 +115,23 @@ def test_failing_compiler_falls_back_with_a_warning(compiled_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         run(x, z, w, g, 8, False)
+
+
+def test_runtime_error_in_compiled_path_propagates(compiled_path, monkeypatch):
+    """Out of memory (or any error that is not the compiler's) is the caller's to see: no silent
+    fallback, and the compiled path stays on."""
+
+    def out_of_memory(fn):
+        def call(*args):
+            raise torch.OutOfMemoryError("CPU out of memory")
+
+        return call
+
+    monkeypatch.setattr(kernels, "_compiled", out_of_memory)
+    x, z, w, g = make_inputs((4, 32), torch.float32, "cpu")
+    with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
+        run(x, z, w, g)
+    assert kernels._compile_error is None
 
 
 @pytest.fixture

@@ -124,6 +124,20 @@ def _use_compiled(x: torch.Tensor) -> bool:
     )
 
 
+def _compiler_errors() -> tuple[type[BaseException], ...]:
+    """What a failing ``torch.compile`` raises: dynamo's exceptions (inductor's wrapped in them)
+    and a C++/CUDA compile error raised as is. Anything else (out of memory, bad input) is the
+    caller's and propagates."""
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    names = ("CppCompileError", "CUDACompileError")
+    return (
+        torch._dynamo.exc.TorchDynamoException,
+        *(getattr(torch._inductor.exc, n) for n in names if hasattr(torch._inductor.exc, n)),
+    )
+
+
 def _run_compiled(fn, *args) -> bool:
     """Run ``fn`` compiled, its row blocks marked dynamic; ``False`` if compiling failed."""
     global _compile_error
@@ -135,7 +149,7 @@ def _run_compiled(fn, *args) -> bool:
         # dynamo's default before it gives up compiling these two functions.
         with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT: 64}):
             return _compiled(fn)(*args)
-    except Exception as e:  # any compiler failure means: use the eager kernels
+    except _compiler_errors() as e:  # the compiler failed: use the eager kernels from now on
         _compile_error = f"{type(e).__name__}: {e}"
         warnings.warn(
             f"cakeops-torch: torch.compile of rmsnorm_silu_gate failed, using the eager kernels "
