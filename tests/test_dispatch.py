@@ -215,7 +215,7 @@ def test_backward_runs_the_backend_the_forward_chose(spies):
     [
         ("nope", "nope: not installed"),
         ("ghost", "ghost: not installed; install it with `pip install cakeops-ghost`"),
-        ("numba", "numba: unavailable: no CUDA device"),
+        ("numba", "numba: serves devices cuda for rmsnorm_silu_gate, got cpu"),
         ("triton", "triton: unavailable: no CUDA or ROCm device"),
         ("example", "supports dtypes float32 for rmsnorm_silu_gate, got float64"),
     ],

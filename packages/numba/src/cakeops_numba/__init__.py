@@ -1,17 +1,22 @@
-"""The ``numba`` backend: CUDA kernels written with numba-cuda.
+"""The ``numba`` backend: CUDA kernels written with numba-cuda, CPU kernels where they win.
 
-Tensors reach the kernels without copies through ``__cuda_array_interface__``, outputs are
-allocated by PyTorch and kernels launch on PyTorch's current stream. With
-``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported) the same kernels run on CPU tensors in
-numba's CUDA simulator, but only when the backend is chosen explicitly (the conformance suite
-does). On CUDA it ranks below ``triton`` and above ``torch``.
+On CUDA, tensors reach the kernels without copies through ``__cuda_array_interface__``, outputs
+are allocated by PyTorch and kernels launch on PyTorch's current stream; it ranks below
+``triton`` and above ``torch``. On the CPU, ``njit`` kernels serve the ops where they beat the
+``torch`` backend on the op's benchmark shapes (``causal_dot_product``; see
+``packages/numba/benchmarks``), as the automatic choice there.
+
+With ``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported) the CUDA kernels run on CPU
+tensors in numba's CUDA simulator instead, only when the backend is chosen explicitly (the
+conformance suite does).
 
 bfloat16 is not supported: PyTorch's ``__cuda_array_interface__`` has no bfloat16 type code, so
-numba cannot receive such a tensor without a copy.
+numba cannot receive such a tensor without a copy (and numpy, on the CPU, has no bfloat16).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Mapping
@@ -23,15 +28,32 @@ from cakeops import Backend, OpKernels
 
 DTYPES = (torch.float16, torch.float32)
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
-# Below triton (100) on GPUs; on the CPU only in the simulator, and only when forced.
-DEVICES: dict[str, int | None] = {"cuda": 50, **({"cpu": None} if SIMULATOR else {})}
-BFLOAT16_REASON = "bfloat16: PyTorch's __cuda_array_interface__ has no bfloat16 type code"
+CUDA_PRIORITY = 50  # below triton (100), above torch (10)
+CPU_PRIORITY = 20  # above torch (10), for the ops with a CPU kernel
+
+
+def devices(cpu_kernel: bool) -> dict[str, int | None]:
+    """Where an op is served: CUDA always; the CPU through its ``njit`` kernel if it has one, or
+    in the simulator through the CUDA kernels, then only when forced."""
+    if SIMULATOR:
+        return {"cuda": CUDA_PRIORITY, "cpu": None}
+    return {"cuda": CUDA_PRIORITY, **({"cpu": CPU_PRIORITY} if cpu_kernel else {})}
+
+
+BFLOAT16_REASON = (
+    "bfloat16: PyTorch's __cuda_array_interface__ has no bfloat16 type code (numpy has none)"
+)
 
 
 class NumbaBackend(Backend):
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("numba") is None:
             return "numba is not installed (pip install numba numba-cuda)"
+        return None
+
+    @functools.cached_property
+    def cuda_unavailable_reason(self) -> str | None:
+        """Why the CUDA kernels cannot run here (the CPU kernels need numba only)."""
         if SIMULATOR:
             return None
         if importlib.util.find_spec("numba.cuda") is None:
@@ -46,6 +68,10 @@ class NumbaBackend(Backend):
 
     def not_supported_reasons(self, op: str, inputs: Mapping[str, Any]) -> list[str]:
         reasons = super().not_supported_reasons(op, inputs)
+        first = next((t for t in inputs.values() if isinstance(t, torch.Tensor)), None)
+        on_cuda = first is not None and first.device.type == "cuda"
+        if on_cuda and self.cuda_unavailable_reason is not None:
+            reasons.append(self.cuda_unavailable_reason)
         if any(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in inputs.values()):
             reasons.append(BFLOAT16_REASON)
         return reasons
@@ -54,16 +80,16 @@ class NumbaBackend(Backend):
 backend = NumbaBackend(
     name="numba",
     distribution="cakeops-numba",
-    description="numba-cuda kernels: zero-copy, on PyTorch's stream, deterministic reductions",
+    description="numba-cuda kernels (zero-copy, on PyTorch's stream), njit CPU kernels if faster",
     ops={
         "rmsnorm_silu_gate": OpKernels(
-            module="cakeops_numba.rmsnorm_silu_gate", devices=DEVICES, dtypes=DTYPES
+            module="cakeops_numba.rmsnorm_silu_gate", devices=devices(False), dtypes=DTYPES
         ),
         "causal_dot_product": OpKernels(
-            module="cakeops_numba.causal_dot_product", devices=DEVICES, dtypes=DTYPES
+            module="cakeops_numba.causal_dot_product", devices=devices(True), dtypes=DTYPES
         ),
         "moe_experts": OpKernels(
-            module="cakeops_numba.moe_experts", devices=DEVICES, dtypes=DTYPES
+            module="cakeops_numba.moe_experts", devices=devices(False), dtypes=DTYPES
         ),
     },
 )

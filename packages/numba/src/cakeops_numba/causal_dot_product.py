@@ -9,6 +9,9 @@ the running float32 ``E x M`` state, and adds the chunk to that column. There is
 never one per step. ``causal(i)`` is ``j <= i``, or ``j >= i`` with ``reverse`` (chunks walked
 from the end). The backward is three more runs: ``dq = (g, v, k)`` forward, ``dk = (v, g, q)``
 and ``dv = (k, q, g)`` in reverse. Every sum runs in a fixed order: deterministic.
+
+CPU tensors go to the ``njit`` kernels of :mod:`cakeops_numba.cpu.causal_dot_product` (in the
+simulator, to the CUDA kernel above).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import torch
 from numba import cuda, float32
 
 from cakeops.ops.causal_dot_product import backward_by_scans
+from cakeops_numba import SIMULATOR
 from cakeops_numba._launch import THREADS, on_stream, view
+from cakeops_numba.cpu import causal_dot_product as cpu
 
 CHUNK = 16
 
@@ -79,9 +84,17 @@ def _run(a, b, c, reverse: bool) -> torch.Tensor:
     return out
 
 
+def _on_cpu_kernels(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and not SIMULATOR
+
+
 def forward(q, k, v):
+    if _on_cpu_kernels(q):
+        return cpu.forward(q, k, v)
     return _run(q, k, v, reverse=False)
 
 
 def backward(g, q, k, v):
+    if _on_cpu_kernels(q):
+        return cpu.backward(g, q, k, v)
     return backward_by_scans(_run, g, q, k, v)

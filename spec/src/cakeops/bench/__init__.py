@@ -51,6 +51,23 @@ def saved_bytes(forward: Callable[[], Any]) -> int:
     return saved.nbytes()
 
 
+def cakeops_rows(fn: Callable[..., Any], backend: str) -> list[tuple[str, Callable[..., Any]]]:
+    """The op's rows: on the backend the automatic choice picks, and on ``torch`` beside it when
+    that is another one (so a kernel backend is compared with the portable one in the same run).
+    """
+    rows = [(f"cakeops [{backend}]", fn)]
+    if backend != "torch":
+
+        def on_torch(*args, **kwargs):
+            from cakeops import use_backend
+
+            with use_backend("torch"):  # the backward follows the forward's choice
+                return fn(*args, **kwargs)
+
+        rows.append(("cakeops [torch]", on_torch))
+    return rows
+
+
 def measure(
     contenders: dict[str, tuple[Callable[[], Any], Callable[[], Any]]],
     device: torch.device,

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 import cakeops
-from cakeops.bench import format_table, measure
+from cakeops.bench import cakeops_rows, format_table, measure
 
 # name -> (N, H, L, E, M)
 CASES = {
@@ -43,7 +43,7 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
             backend = cakeops.explain(cakeops.causal_dot_product, q, k, v).backend
             contenders = {}
             for label, fn in (
-                (f"cakeops [{backend}]", cakeops.causal_dot_product),
+                *cakeops_rows(cakeops.causal_dot_product, backend),
                 ("masked composite", masked),
                 ("cumsum composite", cumsum),
                 ("torch.compile(masked)", compiled),

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import cakeops
-from cakeops.bench import format_table, measure
+from cakeops.bench import cakeops_rows, format_table, measure
 
 # name -> (T, D, F, E, top_k)
 CASES = {
@@ -59,7 +59,7 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
             backend = cakeops.explain(cakeops.moe_experts, *inputs, top_k=k).backend
             contenders = {}
             for label, fn in (
-                (f"cakeops [{backend}]", lambda *t, k=k: cakeops.moe_experts(*t, top_k=k)),
+                *cakeops_rows(lambda *t, k=k: cakeops.moe_experts(*t, top_k=k), backend),
                 ("eager loop (index_add_)", lambda *t, k=k: eager_loop(*t, k)),
                 ("torch.compile(eager loop)", lambda *t, k=k: compiled(*t, k)),
             ):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import cakeops
-from cakeops.bench import format_table, measure
+from cakeops.bench import cakeops_rows, format_table, measure
 
 # name -> (rows x D, group_size)
 CASES = {
@@ -46,7 +46,7 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
                 cakeops.rmsnorm_silu_gate, x, z, w, EPS, group_size=gs
             ).backend
 
-            def ours(x=x, z=z, w=w, gs=gs):
+            def op(x=x, z=z, w=w, gs=gs):
                 return cakeops.rmsnorm_silu_gate(x, z, w, EPS, group_size=gs)
 
             def eager(x=x, z=z, w=w, gs=gs):
@@ -57,7 +57,7 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
 
             contenders = {}
             for label, fwd in (
-                (f"cakeops [{backend}]", ours),
+                *cakeops_rows(op, backend),
                 ("eager composite", eager),
                 ("torch.compile(composite)", torch_compiled),
             ):

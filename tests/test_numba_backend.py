@@ -1,0 +1,97 @@
+"""The numba backend's own plumbing on the CPU: its njit causal_dot_product kernels (the
+conformance suite runs them too), their conversion path, selection and thread safety.
+
+Its CUDA kernels are certified in numba's simulator (``nox -s tests``) and on a GPU
+(``nox -s gpu``, with ``tests/gpu``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from cakeops_numba import SIMULATOR
+from cakeops_numba import backend as numba_backend
+from cakeops_numba.cpu import causal_dot_product as cpu_kernels
+
+import cakeops
+from cakeops import registry
+from cakeops.testing import test_causal_dot_product as suite
+
+pytestmark = pytest.mark.skipif(
+    SIMULATOR, reason="NUMBA_ENABLE_CUDASIM=1 sends CPU tensors to the simulated CUDA kernels"
+)
+
+
+def run(q, k, v, g):
+    out = cakeops.causal_dot_product(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), g))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_converted_blocks_of_heads_match_reference(monkeypatch, dtype):
+    """float16 or strided inputs go through float32 copies a few heads at a time: every block,
+    including a shorter last one, lands in its place."""
+    monkeypatch.setattr(cpu_kernels, "BLOCK_ELEMENTS", 2 * 19 * 8)  # 2 heads per block
+    q, k, v, g = suite.make_inputs(1, 5, 19, 6, 8, dtype, "cpu")
+    if dtype == torch.float32:  # strided: heads and positions swapped in memory
+        q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        assert not q.is_contiguous()
+    calls = []
+    kernel = cpu_kernels._forward
+
+    def counting(*args):
+        calls.append(args[0].shape[0])
+        return kernel(*args)
+
+    monkeypatch.setattr(cpu_kernels, "_forward", counting)
+    with cakeops.use_backend("numba"):
+        got = run(q, k, v, g)
+    assert calls == [2, 2, 1]
+    suite.check_against_reference(q, k, v, g, got)
+
+
+def test_automatic_choice_on_cpu():
+    """The njit kernel is the CPU choice for causal_dot_product in its dtypes; bfloat16 (no numpy
+    type) and the ops without a CPU kernel stay with torch."""
+    q = torch.zeros(1, 1, 4, 2)
+    for dtype, expected in ((torch.float32, "numba"), (torch.float16, "numba"),
+                            (torch.bfloat16, "torch")):  # fmt: skip
+        t = q.to(dtype)
+        picked = registry.select("causal_dot_product", {"q": t, "k": t, "v": t})
+        assert picked.name == expected, dtype
+    reasons = numba_backend.not_supported_reasons("rmsnorm_silu_gate", {"x": q})
+    assert any("serves devices cuda" in r for r in reasons)
+
+
+def test_cuda_reason_is_reported_without_a_device():
+    if torch.cuda.is_available():
+        assert numba_backend.cuda_unavailable_reason is None
+    else:
+        assert "no CUDA device" in numba_backend.cuda_unavailable_reason
+
+
+def test_concurrent_calls_from_threads():
+    """Two Python threads calling at once both get the right answer (the launches take turns:
+    numba's workqueue threading layer would abort on concurrent parallel launches)."""
+    inputs = [suite.make_inputs(2, 2, 33, 4, 5, torch.float32, "cpu", seed=s) for s in (1, 2)]
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            with cakeops.use_backend("numba"):
+                for _ in range(5):
+                    results[i] = run(*inputs[i])
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i in range(2):
+        suite.check_against_reference(*inputs[i], results[i])
