@@ -12,11 +12,9 @@ It is not part of the wheel: the backend ships no CPU kernel while this prints r
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import numpy as np
 import torch
+from _timing import median_ms
 from numba import get_num_threads, njit, prange
 
 from cakeops_torch import rmsnorm_silu_gate as torch_kernels
@@ -83,16 +81,6 @@ def backward(x, z, w, g, dx, dz, partials, eps, G, norm_before_gate):
                         dz[r, c] = dv * x[r, c] * dsilu
 
 
-def _median_ms(fn, repeats=7):
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def compare(rows: int, D: int, eps: float = 1e-6) -> float:
     """Prints and returns numba's time over the torch backend's (forward+backward, gate last)."""
     x, z, g = (torch.randn(rows, D) for _ in range(3))
@@ -113,7 +101,8 @@ def compare(rows: int, D: int, eps: float = 1e-6) -> float:
 
     for a, b in zip(numba_step(), torch_step(), strict=True):
         assert np.allclose(a, b.numpy(), rtol=1e-4, atol=1e-3)
-    numba_ms, torch_ms = _median_ms(numba_step), _median_ms(torch_step)
+    ms = median_ms({"numba": numba_step, "torch": torch_step})
+    numba_ms, torch_ms = ms["numba"], ms["torch"]
     ratio = numba_ms / torch_ms
     print(f"rows {rows} x D {D}: numba {numba_ms:.1f} ms, torch backend {torch_ms:.1f} ms, "
           f"numba / torch = {ratio:.2f}")  # fmt: skip
