@@ -37,6 +37,7 @@ def tests(session: nox.Session) -> None:
         "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=triton", "-q",
         env={"TRITON_INTERPRET": "1"},
     )  # fmt: skip
+    # (The numba backend's CPU kernels ran natively, at full size, in the first run.)
     # The numba-cuda kernels on CPU tensors in numba's CUDA simulator. It runs every simulated
     # thread's every scalar operation in Python (about 10 us each): the two L = 8192 checks of
     # causal_dot_product alone would take over 10 minutes, so they run only on a real GPU

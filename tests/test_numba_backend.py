@@ -95,3 +95,21 @@ def test_concurrent_calls_from_threads():
     assert not errors
     for i in range(2):
         suite.check_against_reference(*inputs[i], results[i])
+
+
+def test_compiles_without_a_writable_cache(monkeypatch):
+    """Where numba finds no place to cache (read-only install, no home directory), the kernels
+    still compile, once per process."""
+    real_njit = cpu_kernels.njit
+
+    def njit(**options):
+        if options.get("cache"):
+            raise RuntimeError("cannot cache function 'f': no locator available for file 'x.py'")
+        return real_njit(**options)
+
+    monkeypatch.setattr(cpu_kernels, "njit", njit)
+
+    def double(a):
+        return a * 2
+
+    assert cpu_kernels._compiled(double)(21) == 42

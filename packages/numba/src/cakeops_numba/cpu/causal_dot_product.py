@@ -28,7 +28,17 @@ BLOCK_ELEMENTS = 1 << 21  # per converted float32 block of one tensor
 _LAUNCH = threading.Lock()
 
 
-@njit(parallel=True, fastmath=FASTMATH)
+def _compiled(fn):
+    """``fn`` compiled on first use, cached on disk (in ``__pycache__`` or numba's user cache
+    directory) so later processes skip the seconds of compiling; without a writable cache
+    location, compiled once per process."""
+    try:
+        return njit(parallel=True, fastmath=FASTMATH, cache=True)(fn)
+    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+        return njit(parallel=True, fastmath=FASTMATH)(fn)
+
+
+@_compiled
 def _forward(q, k, v, out):  # pragma: no cover - compiled
     heads, L, E = q.shape
     M = v.shape[2]
@@ -47,7 +57,7 @@ def _forward(q, k, v, out):  # pragma: no cover - compiled
                     out[h, i, m] += qe * S[e, m]
 
 
-@njit(parallel=True, fastmath=FASTMATH)
+@_compiled
 def _backward(g, q, k, v, dq, dk, dv):  # pragma: no cover - compiled
     heads, L, E = q.shape
     M = v.shape[2]
