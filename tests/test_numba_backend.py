@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 from cakeops_numba import SIMULATOR
@@ -110,6 +111,9 @@ def test_compiles_without_a_writable_cache(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "njit", njit)
 
     def double(a):
-        return a * 2
+        for i in cpu_kernels.prange(a.shape[0]):
+            a[i] *= 2
 
-    assert cpu_kernels._compiled(double)(21) == 42
+    a = np.arange(4.0)
+    cpu_kernels._compiled(double)(a)
+    assert a.tolist() == [0.0, 2.0, 4.0, 6.0]
