@@ -30,13 +30,24 @@ def run(q, k, v, g):
     return (out, *torch.autograd.grad(out, (q, k, v), g))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_converted_blocks_of_heads_match_reference(monkeypatch, dtype):
-    """float16 or strided inputs go through float32 copies a few heads at a time: every block,
-    including a shorter last one, lands in its place."""
-    monkeypatch.setattr(cpu_kernels, "BLOCK_ELEMENTS", 2 * 19 * 8)  # 2 heads per block
-    q, k, v, g = suite.make_inputs(1, 5, 19, 6, 8, dtype, "cpu")
-    if dtype == torch.float32:  # strided: heads and positions swapped in memory
+# (N, H), dtype, strided, the heads each kernel call gets with blocks of 2 heads
+BLOCK_CASES = {
+    "heads-of-one-row": ((1, 5), torch.float32, True, [2, 2, 1]),
+    "whole-rows": ((5, 1), torch.float16, False, [2, 2, 1]),
+    "one-row-per-block": ((3, 2), torch.float16, True, [2, 2, 2]),
+}
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_converted_blocks_of_heads_match_reference(monkeypatch, case):
+    """float16 or strided inputs go through float32 copies a few heads at a time (the copies
+    bounded, never a whole-tensor copy): every block, including a shorter last one, lands in
+    its place."""
+    (N, H), dtype, strided, expected = BLOCK_CASES[case]
+    L, E, M = 19, 6, 8
+    monkeypatch.setattr(cpu_kernels, "BLOCK_ELEMENTS", 2 * L * M)  # 2 heads per block
+    q, k, v, g = suite.make_inputs(N, H, L, E, M, dtype, "cpu")
+    if strided:  # heads and positions swapped in memory
         q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         assert not q.is_contiguous()
@@ -50,7 +61,7 @@ def test_converted_blocks_of_heads_match_reference(monkeypatch, dtype):
     monkeypatch.setattr(cpu_kernels, "_forward", counting)
     with cakeops.use_backend("numba"):
         got = run(q, k, v, g)
-    assert calls == [2, 2, 1]
+    assert calls == expected
     suite.check_against_reference(q, k, v, g, got)
 
 

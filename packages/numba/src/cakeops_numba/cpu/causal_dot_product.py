@@ -87,8 +87,23 @@ def _backward(g, q, k, v, dq, dk, dv):  # pragma: no cover - compiled
 
 
 def _as_float32(t: torch.Tensor) -> np.ndarray:
-    """A float32 C-contiguous numpy view of ``t`` (a copy only when needed)."""
-    return t.float().contiguous().numpy()
+    """A float32 C-contiguous ``(heads, L, d)`` numpy view of a ``(n, h, L, d)`` block (a copy
+    only when needed)."""
+    return t.float().contiguous().view(-1, *t.shape[-2:]).numpy()
+
+
+def _blocks(N: int, H: int, heads: int):
+    """Index tuples of ``(N, H, ...)`` blocks of at most ``heads`` heads each: whole batch rows
+    when a row of H heads fits, else heads of one batch row (either way a contiguous part of a
+    fresh output)."""
+    if heads >= H:
+        step = heads // H
+        for n in range(0, N, step):
+            yield (slice(n, n + step),)
+    else:
+        for n in range(N):
+            for h in range(0, H, heads):
+                yield (slice(n, n + 1), slice(h, h + heads))
 
 
 def _run(kernel, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]) -> None:
@@ -96,23 +111,20 @@ def _run(kernel, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, 
     tensors (outputs fresh and contiguous): all heads at once when nothing needs converting,
     else blocks of heads whose float32 copies hold at most ``BLOCK_ELEMENTS`` each."""
     N, H, L = inputs[0].shape[:3]
-    heads = N * H
-    if heads * L == 0:
+    if N * H * L == 0:
         return
-    ins = [t.reshape(heads, L, t.shape[-1]) for t in inputs]
-    outs = [t.view(heads, L, t.shape[-1]) for t in outputs]
-    in_place = all(t.dtype == torch.float32 and t.is_contiguous() for t in (*ins, *outs))
-    widest = max(t.shape[-1] for t in (*ins, *outs))
-    step = heads if in_place else max(1, BLOCK_ELEMENTS // max(1, L * widest))
+    tensors = (*inputs, *outputs)
+    in_place = all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    widest = max(t.shape[-1] for t in tensors)
+    heads = N * H if in_place else max(1, BLOCK_ELEMENTS // max(1, L * widest))
     with _LAUNCH:
         numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-        for start in range(0, heads, step):
-            block = slice(start, start + step)
-            results = [_as_float32(t[block]) for t in outs]
-            kernel(*(_as_float32(t[block]) for t in ins), *results)
-            for t, r in zip(outs, results, strict=True):
+        for block in _blocks(N, H, heads):
+            results = [_as_float32(t[block]) for t in outputs]  # views of float32 outputs
+            kernel(*(_as_float32(t[block]) for t in inputs), *results)
+            for t, r in zip(outputs, results, strict=True):
                 if t.dtype != torch.float32:
-                    t[block].copy_(torch.from_numpy(r))
+                    t[block].copy_(torch.from_numpy(r).view(t[block].shape))
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
