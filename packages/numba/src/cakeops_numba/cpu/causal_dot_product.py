@@ -3,9 +3,10 @@
 ``prange`` runs the heads in parallel; each head walks its positions in order with a state small
 enough to stay in cache (16 KiB at E = M = 64), so there is no chunk score matrix and no BLAS
 call per chunk: 4EM flops per position forward, 10EM backward, against the chunked form's
-``2C(E + M) + 4EM``. The backward is two scans: forward time for ``dq_i = S_i g_i`` with
-``S_i = sum_{j<=i} k_j v_j^T``, reverse time for ``dk_j = R_j v_j`` and ``dv_j = R_j^T k_j`` with
-``R_j = sum_{i>=j} q_i g_i^T``. Every sum runs in a fixed order: deterministic.
+``2C(E + M) + 4EM``. The backward is two scans: the forward kernel on ``(g, v, k)`` gives
+``dq`` (``dq_i = sum_{j<=i} (g_i . v_j) k_j``), a reverse-time scan ``dk_j = R_j v_j`` and
+``dv_j = R_j^T k_j`` with ``R_j = sum_{i>=j} q_i g_i^T``. Every sum runs in a fixed order:
+deterministic.
 
 The kernels take float32 ``(heads, L, E)`` blocks: float32 contiguous inputs as they are, others
 (float16, strided) converted a block of heads at a time, so the float32 copies stay bounded.
@@ -58,20 +59,13 @@ def _forward(q, k, v, out):  # pragma: no cover - compiled
 
 
 @_compiled
-def _backward(g, q, k, v, dq, dk, dv):  # pragma: no cover - compiled
+def _reverse(g, q, k, v, dk, dv):  # pragma: no cover - compiled
+    """The reverse-time scan: ``dk_j = R_j v_j``, ``dv_j = R_j^T k_j`` with
+    ``R_j = sum_{i>=j} q_i g_i^T``."""
     heads, L, E = q.shape
     M = v.shape[2]
     for h in prange(heads):
-        S = np.zeros((E, M), np.float32)
-        for i in range(L):
-            for e in range(E):
-                ke = k[h, i, e]
-                acc = np.float32(0.0)
-                for m in range(M):
-                    S[e, m] += ke * v[h, i, m]
-                    acc += S[e, m] * g[h, i, m]
-                dq[h, i, e] = acc
-        S[:] = 0.0
+        R = np.zeros((E, M), np.float32)
         for i in range(L - 1, -1, -1):
             for m in range(M):
                 dv[h, i, m] = 0.0
@@ -80,9 +74,9 @@ def _backward(g, q, k, v, dq, dk, dv):  # pragma: no cover - compiled
                 ke = k[h, i, e]
                 acc = np.float32(0.0)
                 for m in range(M):
-                    S[e, m] += qe * g[h, i, m]
-                    acc += S[e, m] * v[h, i, m]
-                    dv[h, i, m] += S[e, m] * ke
+                    R[e, m] += qe * g[h, i, m]
+                    acc += R[e, m] * v[h, i, m]
+                    dv[h, i, m] += R[e, m] * ke
                 dk[h, i, e] = acc
 
 
@@ -138,5 +132,7 @@ def backward(
     g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
-    _run(_backward, (g, q, k, v), (dq, dk, dv))
+    # dq_i = sum_{j<=i} (g_i . v_j) k_j: the forward scan with (g, v, k) in the roles of (q, k, v)
+    _run(_forward, (g, v, k), (dq,))
+    _run(_reverse, (g, q, k, v), (dk, dv))
     return dq, dk, dv
