@@ -26,6 +26,7 @@ from cakeops.ops.moe_experts import (
     route,
     routing_backward,
     row_tiles,
+    row_weights,
     swiglu_backward,
 )
 from cakeops_torch import moe_experts as torch_kernels
@@ -115,7 +116,7 @@ def backward(g, x, logits, wg, wu, wd, top_k):
     mm_nt(xn, token, wu.numpy(), te, tr, ends, hu)
     mm_nn(gn, token, wd.numpy(), te, tr, ends, u)
     h, dweights, dhg, dhu = swiglu_backward(*map(torch.from_numpy, (hg, hu, u)), routing)
-    slot_w = routing.weights.flatten()[routing.order].numpy()
+    slot_w = row_weights(routing).numpy()
     dw_down, dw_gate, dw_up = (np.empty(w.shape, np.float32) for w in (wd, wg, wu))
     weight_grad(gn, token, slot_w, h.numpy(), ident, starts, ends, dw_down)
     weight_grad(dhg.numpy(), ident, ones, xn, token, starts, ends, dw_gate)

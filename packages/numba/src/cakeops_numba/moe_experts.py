@@ -27,6 +27,7 @@ from cakeops.ops.moe_experts import (
     route,
     routing_backward,
     row_tiles,
+    row_weights,
     swiglu_backward,
 )
 from cakeops_numba import SIMULATOR
@@ -164,7 +165,7 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     hg, hu = _mm(x, idx, w_gate, tables, F_, False, w_up, BOTH)
     u = _mm(g, idx, w_down, tables, F_, True)  # g W_down[e]: w_down[e] is (D, F) = (K, N)
     h, dweights, dhg, dhu = swiglu_backward(hg, hu, u, routing)
-    slot_w = routing.weights.flatten()[routing.order].unsqueeze(-1)
+    slot_w = row_weights(routing).unsqueeze(-1)
     gw = g[idx].float().mul_(slot_w)  # dy = w g, per sorted row
     d_down = _grad(gw, None, h, None, tables, E)
     d_gate = _grad(dhg, None, x, idx, tables, E)

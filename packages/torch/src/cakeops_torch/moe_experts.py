@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from cakeops import compute_dtype
-from cakeops.ops.moe_experts import Routing, route, routing_backward
+from cakeops.ops.moe_experts import Routing, route, routing_backward, row_weights
 
 
 def _mm_dtype(x: torch.Tensor) -> torch.dtype:
@@ -103,7 +103,7 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     routing = route(router_logits, top_k, renormalize, scale, acc)
     rows = x[routing.token]
     g_rows = g[routing.token]  # each slot's copy of its token's gradient
-    slot_w = routing.weights.flatten()[routing.order].to(acc)
+    slot_w = row_weights(routing).to(acc)
     dx_rows = torch.empty((T * top_k, D), dtype=acc, device=x.device)
     dw_flat = torch.empty(T * top_k, dtype=acc, device=x.device)
     # Each expert's weight gradient is one float32-accumulated matmul over its rows, stored in the

@@ -33,6 +33,8 @@ from cakeops.ops.moe_experts import (
     route,
     routing_backward,
     row_tiles,
+    row_weights,
+    slot_sum,
     swiglu_backward,
 )
 
@@ -243,25 +245,18 @@ def _gate_up(x, routing, w_gate, w_up, tables, mode):
     return xin, idx, out
 
 
-def _slot_sum(slots: torch.Tensor, routing) -> torch.Tensor:
-    """``(T * top_k, D)`` rows in ``(token, slot)`` order summed over each token's slots, in
-    slot order."""
-    T, k = routing.weights.shape
-    return slots.view(T, k, -1).sum(1)
-
-
 def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
     D = x.shape[1]
     routing = route(router_logits, top_k, renormalize, scale)
     tables = _tiles(routing, x.device)
     h = _gate_up(x, routing, w_gate, w_up, tables, SWIGLU)[2].to(_activations_dtype(x))
-    slot_w = routing.weights.flatten()[routing.order].contiguous()
+    slot_w = row_weights(routing)
     # the combine in the epilogue: w_ts * y_ts stored at its (token, slot) row
     slots = _mm(
         h, None, w_down, tables, D, w_down.shape[2], _strides(w_down),
         dst=routing.order, scale=slot_w,
     )  # fmt: skip
-    return _slot_sum(slots, routing).to(x.dtype)
+    return slot_sum(slots, routing).to(x.dtype)
 
 
 def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
@@ -275,7 +270,7 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     # u = g W_down[e]: K = D, N = F, so W[e][k, n] is w_down[e][d, f]
     u = _mm(gin, idx, w_down, tables, F_, D, _strides(w_down, transpose=True))
     h, dweights, dhg, dhu = swiglu_backward(hg, hu, u, routing)
-    slot_w = routing.weights.flatten()[routing.order].contiguous()
+    slot_w = row_weights(routing)
     # dW_down[e] = (w g)_e^T h_e: the rows of g gathered and scaled as they load
     d_down = _weight_grad(gin, idx, h, None, tables, E, scale_a=slot_w)
     d_gate = _weight_grad(dhg, None, xin, idx, tables, E)
@@ -289,7 +284,7 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     )  # fmt: skip
     dlogits = routing_backward(routing, dweights, renormalize, scale)
     return (
-        _slot_sum(dx_slots, routing).to(x.dtype),
+        slot_sum(dx_slots, routing).to(x.dtype),
         dlogits.to(router_logits.dtype),
         d_gate.to(w_gate.dtype),
         d_up.to(w_up.dtype),

@@ -287,6 +287,18 @@ def routing_backward(routing: Routing, dweights, renormalize, scale):
     return p * (dp - (p * dp).sum(-1, keepdim=True))
 
 
+def row_weights(routing: Routing) -> torch.Tensor:
+    """The combine weight ``w_ts`` of each sorted row, ``(T * k,)``."""
+    return routing.weights.flatten()[routing.order]
+
+
+def slot_sum(slots: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``(T * k, D)`` rows in ``(token, slot)`` order summed over each token's slots, in slot
+    order (deterministic: no ``index_add_``)."""
+    T, k = routing.weights.shape
+    return slots.view(T, k, -1).sum(1)
+
+
 def combine(y_sorted: torch.Tensor, routing: Routing) -> torch.Tensor:
     """``out_t = sum_s w_ts y_(t,s)`` from expert outputs in sorted-row order, summed over each
     token's slots in slot order (deterministic: no ``index_add_``)."""
@@ -301,8 +313,7 @@ def dispatch_backward(dx_sorted: torch.Tensor, routing: Routing) -> torch.Tensor
     order, with no second routing-weight factor."""
     slots = torch.empty_like(dx_sorted)
     slots[routing.order] = dx_sorted
-    T, k = routing.weights.shape
-    return slots.view(T, k, -1).sum(1)
+    return slot_sum(slots, routing)
 
 
 class SwiGLUGrads(NamedTuple):
@@ -323,7 +334,7 @@ def swiglu_backward(hg: torch.Tensor, hu: torch.Tensor, u: torch.Tensor, routing
     h = gate * hu
     dweights = torch.empty(routing.order.numel(), dtype=u.dtype, device=u.device)
     dweights[routing.order] = (h * u).sum(-1)
-    dh = u.mul_(routing.weights.flatten()[routing.order].to(u.dtype).unsqueeze(-1))
+    dh = u.mul_(row_weights(routing).to(u.dtype).unsqueeze(-1))
     d_up = dh * gate
     d_gate = dh.mul_(hu).mul_(sig.mul_(hg.mul_(1 - sig).add_(1)))  # dh * hu * silu'(hg)
     return SwiGLUGrads(h, dweights.view_as(routing.weights), d_gate, d_up)
