@@ -11,34 +11,55 @@ views) and partial tiles are masked, not padded.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from cakeops.ops.causal_dot_product import backward_by_scans
+from cakeops_triton._common import INTERPRET, dot, dot_precision, round_to
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
 # Chunk length and warps tuned per (E, M, direction, precision) -- never per sequence length.
+# The interpreter gets one config.
 if INTERPRET:
     _CONFIGS = [triton.Config({"BLOCK_L": 16})]
 else:
     _CONFIGS = [
         triton.Config({"BLOCK_L": bl}, num_warps=w, num_stages=st)
-        for bl, w, st in ((16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 8, 3))
+        for bl, w, st in ((16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2), (128, 8, 2))
     ]
 
 
-@triton.autotune(configs=_CONFIGS, key=["E", "M", "REVERSE", "UPCAST", "PRECISION"])
-@triton.heuristics({"BLOCK_M": lambda args: max(16, min(64, triton.next_power_of_2(args["M"])))})
+def _block_m(args) -> int:
+    """Columns of ``v`` per program: the float32 ``E x BLOCK_M`` state stays within 4096
+    elements (32 registers a thread at 4 warps), so nothing spills up to E = 256."""
+    cap = max(16, (4096 if args["A"].element_size() < 4 else 2048) // args["BLOCK_E"])
+    return max(16, min(cap, 64, triton.next_power_of_2(args["M"])))
+
+
+def _prune(configs, args, **kwargs):
+    """Configs that fit: float32 (FMA dots, every operand in registers) keeps chunks of at most
+    32 positions; 16-bit chunks keep ``BLOCK_L * BLOCK_E`` within 8192 (shared memory, and
+    registers at E = 256 where 32-position chunks on 4 warps spill)."""
+    block_e = kwargs["BLOCK_E"]
+    if args["A"].element_size() == 4:
+        return [c for c in configs if c.kwargs["BLOCK_L"] <= 32]
+    if block_e >= 256:
+        return [c for c in configs if c.kwargs["BLOCK_L"] * block_e <= 16384 and c.num_warps == 8]
+    return [c for c in configs if c.kwargs["BLOCK_L"] * block_e <= 16384]
+
+
+@triton.autotune(
+    configs=_CONFIGS,
+    key=["E", "M", "REVERSE", "PRECISION"],
+    prune_configs_by={"early_config_prune": _prune},
+)
+@triton.heuristics({"BLOCK_M": _block_m})
 @triton.jit(do_not_specialize=["L"])
 def _causal_kernel(
     A, B, C, OUT,
-    L, H,
+    L, H, E, M,
     sa_n, sa_h, sa_l, sb_n, sb_h, sb_l, sc_n, sc_h, sc_l,
-    E: tl.constexpr, M: tl.constexpr,
-    REVERSE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    REVERSE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     pid_nh = tl.program_id(0)
@@ -52,6 +73,8 @@ def _causal_kernel(
     b_base = B + n * sb_n + h * sb_h
     c_base = C + n * sc_n + h * sc_h
     out_base = OUT + (n * H + h) * L * M
+    dtype = C.dtype.element_ty
+    # The running state sum_j b_j c_j^T, kept in float32 and fed to the dot in the inputs' dtype.
     state = tl.zeros((BLOCK_E, BLOCK_M), dtype=tl.float32)
     if REVERSE:
         keep = t[:, None] <= t[None, :]
@@ -71,14 +94,14 @@ def _causal_kernel(
         a = tl.load(a_base + pos64[:, None] * sa_l + e[None, :], mask=ae, other=0.0)
         b = tl.load(b_base + pos64[:, None] * sb_l + e[None, :], mask=ae, other=0.0)
         v = tl.load(c_base + pos64[:, None] * sc_l + m[None, :], mask=cm, other=0.0)
-        if UPCAST:
-            a, b, v = a.to(tl.float32), b.to(tl.float32), v.to(tl.float32)
-        scores = tl.dot(a, tl.trans(b), input_precision=PRECISION)
-        scores = tl.where(keep, scores, 0.0).to(v.dtype)
-        out = tl.dot(scores, v, input_precision=PRECISION)
-        out += tl.dot(a.to(tl.float32), state, input_precision=PRECISION)
-        tl.store(out_base + pos64[:, None] * M + m[None, :], out.to(OUT.dtype.element_ty), mask=cm)
-        state += tl.dot(tl.trans(b), v, input_precision=PRECISION).to(tl.float32)
+        zero = tl.zeros((BLOCK_L, BLOCK_M), dtype=tl.float32)
+        # earlier chunks through the state, then this chunk's masked scores (in v's dtype)
+        out = dot(a, round_to(state, dtype), zero, PRECISION)
+        scores = dot(a, tl.trans(b), tl.zeros((BLOCK_L, BLOCK_L), dtype=tl.float32), PRECISION)
+        scores = round_to(tl.where(keep, scores, 0.0), dtype)
+        out = dot(scores, v, out, PRECISION)
+        tl.store(out_base + pos64[:, None] * M + m[None, :], round_to(out, dtype), mask=cm)
+        state = dot(tl.trans(b), v, state, PRECISION)
 
 
 def _strides(t: torch.Tensor) -> torch.Tensor:
@@ -91,22 +114,18 @@ def _run(a, b, c, reverse: bool) -> torch.Tensor:
     N, H, L, E = a.shape
     M = c.shape[-1]
     out = torch.empty((N, H, L, M), dtype=c.dtype, device=c.device)
-    interpret = a.device.type == "cpu"
-    upcast = interpret or a.dtype == torch.float32
-    tf32 = a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not interpret
-    block_e = max(16, triton.next_power_of_2(E))
 
     def grid(meta):
         return (N * H, triton.cdiv(M, meta["BLOCK_M"]))
 
     _causal_kernel[grid](
         a, b, c, out,
-        L, H,
+        L, H, E, M,
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1), c.stride(2),
-        E=E, M=M, REVERSE=reverse, UPCAST=upcast, PRECISION="tf32" if tf32 else "ieee",
-        BLOCK_E=block_e,
+        REVERSE=reverse, PRECISION=dot_precision(a.dtype),
+        BLOCK_E=max(16, triton.next_power_of_2(E)),
     )  # fmt: skip
     return out
 

@@ -1,0 +1,57 @@
+"""What every kernel module shares: where the kernels run, and the 16-bit arithmetic a GPU does.
+
+The host code takes one path, the GPU's, whether the kernels are compiled for a GPU or run by
+Triton's interpreter (``TRITON_INTERPRET=1``, set before this module is imported). Two things
+the interpreter gets wrong are emulated inside the kernels, so that CI checks the arithmetic a
+GPU performs: it truncates float32 -> bfloat16 conversions (a GPU rounds to nearest even), and
+its ``tl.dot`` multiplies the raw bits of bfloat16 operands.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
+EMULATE: tl.constexpr = tl.constexpr(INTERPRET)
+# Programs a persistent launch puts on each multiprocessor; the interpreter's stand-in count of
+# multiprocessors is small, so that its launches loop over several blocks each.
+PROGRAMS_PER_SM = 4
+INTERPRETER_SMS = 2
+
+
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a stand-in count off the GPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_SMS
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` precision for float32 operands: TF32 only where the user enabled it."""
+    tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not INTERPRET
+    return "tf32" if tf32 else "ieee"
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """``x`` (float32) converted to ``dtype``, rounded to nearest even as a GPU does."""
+    if EMULATE and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        # NaN stays NaN (the carry could turn one into an infinity); the conversion of the
+        # rounded value below is then exact.
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return x.to(dtype)
+
+
+@triton.jit
+def dot(a, b, acc, PRECISION: tl.constexpr):
+    """``acc + a @ b`` accumulated in float32; 16-bit operands on tensor cores."""
+    if EMULATE and a.dtype == tl.bfloat16:
+        # exact: bfloat16 values and their products are exact in float32
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
