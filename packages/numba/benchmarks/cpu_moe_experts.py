@@ -87,7 +87,7 @@ def weight_grad(a, src_a, scale_a, b, src_b, starts, ends, dw):
 
 
 def _tables(routing):
-    return tuple(t.numpy() for t in row_tiles(routing, TILE, "cpu"))
+    return tuple(t.numpy() for t in row_tiles(routing, TILE))
 
 
 def forward(x, logits, wg, wu, wd, top_k):

@@ -150,7 +150,7 @@ def _grad(a, idx_a, b, idx_b, tables, num_experts: int) -> torch.Tensor:
 def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
     D = x.shape[1]
     routing = route(router_logits, top_k, renormalize, scale)
-    tables = row_tiles(routing, TILE, x.device)
+    tables = row_tiles(routing, TILE)
     idx = routing.token
     h = _mm(x, idx, w_gate, tables, w_gate.shape[1], False, w_up, SWIGLU)
     return combine(_mm(h, None, w_down, tables, D, False), routing).to(x.dtype)
@@ -160,7 +160,7 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     D = x.shape[1]
     E, F_, _ = w_gate.shape
     routing = route(router_logits, top_k, renormalize, scale)
-    tables = row_tiles(routing, TILE, x.device)
+    tables = row_tiles(routing, TILE)
     idx = routing.token
     hg, hu = _mm(x, idx, w_gate, tables, F_, False, w_up, BOTH)
     u = _mm(g, idx, w_down, tables, F_, True)  # g W_down[e]: w_down[e] is (D, F) = (K, N)

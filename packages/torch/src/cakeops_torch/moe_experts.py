@@ -36,8 +36,9 @@ GROUP_ELEMENTS = 1 << 21
 
 def _experts(routing: Routing):
     """``(e, start, end)`` for every expert that received rows."""
-    for e in range(len(routing.bounds) - 1):
-        start, end = routing.bounds[e], routing.bounds[e + 1]
+    bounds = routing.bounds
+    for e in range(len(bounds) - 1):
+        start, end = bounds[e], bounds[e + 1]
         if end > start:
             yield e, start, end
 
@@ -55,7 +56,8 @@ def _runs(routing: Routing, width: int):
     """Runs of consecutive experts ``(e0, e1, start, end, offs)``: rows ``start:end`` belong to
     experts ``e0..e1-1``, ``offs`` their end offsets relative to ``start`` (int32), at most
     ``GROUP_ELEMENTS`` elements of ``(rows, width)`` per run (a bigger expert runs alone)."""
-    bounds, E = routing.bounds, len(routing.bounds) - 1
+    bounds = routing.bounds
+    E = len(bounds) - 1
     e0 = 0
     while e0 < E:
         e1 = e0 + 1
@@ -167,8 +169,7 @@ def _grouped_backward(routing, rows, g_rows, slot_w, weights, dx_rows, dw_flat, 
         dx = torch._grouped_mm(dhg, w_gate[e0:e1], offs=offs).to(acc)
         dx_rows[routing.order[s:t]] = dx.add_(torch._grouped_mm(dhu, w_up[e0:e1], offs=offs))
     # An expert without rows: the grouped matmul's output for it is not guaranteed to be zero.
-    empty = [
-        e for e in range(len(routing.bounds) - 1) if routing.bounds[e + 1] == routing.bounds[e]
-    ]
+    bounds = routing.bounds
+    empty = [e for e in range(len(bounds) - 1) if bounds[e + 1] == bounds[e]]
     for grad in grads:
         grad[empty] = 0

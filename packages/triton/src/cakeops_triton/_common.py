@@ -38,8 +38,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 @triton.jit
 def round_to(x, dtype: tl.constexpr):
-    """``x`` (float32) converted to ``dtype``, rounded to nearest even as a GPU does."""
-    if EMULATE and dtype == tl.bfloat16:
+    """``x`` converted to ``dtype``, a float32 ``x`` rounded to nearest even as a GPU does."""
+    if EMULATE and dtype == tl.bfloat16 and x.dtype == tl.float32:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
         # NaN stays NaN (the carry could turn one into an infinity); the conversion of the

@@ -1,50 +1,45 @@
 """The routed SwiGLU experts in Triton: grouped GEMMs over rows sorted by expert.
 
-Routing and the sort by expert use the spec's helpers (PyTorch ops, cheap next to the matmuls).
-Two kernels do the rest, each one launch for all experts:
+Routing and the sort by expert use the spec's helpers (PyTorch ops that never wait for the
+device: the row-tile table is sized by an upper bound and the tiles past the last real one exit
+at once). Two kernels do the rest, each one launch for all experts, 16-bit operands on tensor
+cores with float32 accumulation. With float32 master weights the products run in float32
+(``x`` widened as it loads), so that every gradient is as accurate as its own dtype asks:
 
 - ``_grouped_mm``: ``out[rows of e] = A[rows of e] @ W[e]^T`` (or ``@ W[e]``, by strides), its
-  row tiles mapped to experts by a host-built table, the rows of ``A`` optionally gathered through
-  an index (the dispatch is a load, never a gathered or padded copy of ``x``). With a second
-  weight one pass over the rows multiplies them by ``W_gate[e]`` and ``W_up[e]`` together and
-  stores ``silu(gate) * up`` (``SWIGLU``, the forward: no gate/up buffers) or both products
-  (``BOTH``, the backward, which needs them apart); with a second operand too (``SUM2``) it
-  accumulates ``A W[e]^T + A2 W2[e]^T`` (the input gradient through gate and up, one pass). Its
-  epilogue can scale each row by a per-row factor and store it at another row (``DST``): that is
-  the combine -- the down projection writes ``w_ts y_ts`` straight into its ``(token, slot)``
-  place -- and the dispatch backward;
+  row tiles mapped to experts by the table, the rows of ``A`` optionally gathered through an
+  index (the dispatch is a load, never a gathered copy of ``x``). ``MODE`` picks the fusion:
+  ``SWIGLU`` (the forward) multiplies the rows by ``W_gate[e]`` and ``W_up[e]`` in one pass and
+  stores ``silu(gate) * up`` in the activations' dtype; ``SWIGLU_BWD`` (the backward) adds
+  ``u = g W_down[e]`` as a third product over the same ``K = D`` loop and runs the SwiGLU
+  backward in the epilogue (``h``, the gate and up gradients, and each row's ``<h, u>`` partial
+  for the routing weights); ``SUM2`` accumulates ``A W[e]^T + A2 W2[e]^T`` (the input gradient
+  through gate and up). The ``PLAIN`` epilogue can scale each row by a per-row factor and store
+  it at another row (``DST``): the combine -- the down projection writes ``w_ts y_ts`` straight
+  into its ``(token, slot)`` place -- and the dispatch backward;
 - ``_grouped_weight_grad``: ``dW[e] = A[rows of e]^T @ B[rows of e]``, each program walking one
   expert's rows in order (deterministic; an expert with no rows stores exact zeros), ``A``'s rows
   optionally gathered and scaled by a per-row factor as they load.
 
 What is left to PyTorch is summing each token's ``top_k`` slots in slot order (deterministic, no
-atomics) and the routing itself.
+atomics), the routing itself, and the sum of the routing-weight partials over column tiles.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from cakeops.ops.moe_experts import (
-    route,
-    routing_backward,
-    row_tiles,
-    row_weights,
-    slot_sum,
-    swiglu_backward,
-)
+from cakeops.ops.moe_experts import route, routing_backward, row_tiles, row_weights, slot_sum
+from cakeops_triton._common import INTERPRET, dot, dot_precision, round_to
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
-# Row tiles are laid out on the host (the tile table), so BLOCK_M is fixed; the autotuner picks
-# the rest per (N, K, mode) -- never per token count. The interpreter gets one small config.
+# Row tiles are laid out by the tile table, so BLOCK_M is fixed; the autotuner picks the rest
+# per (N, K, mode) -- never per token count. The interpreter gets one small config.
 BLOCK_M = 32 if INTERPRET else 64
-BLOCK_N, BLOCK_K = 32, 32
 if INTERPRET:
     _CONFIGS = [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32})]
+    _GRAD_CONFIGS = [triton.Config({"BLOCK_P": 32, "BLOCK_Q": 32})]
 else:
     _CONFIGS = [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
@@ -52,22 +47,57 @@ else:
             (64, 32, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4), (256, 32, 8, 3),
         )
     ]  # fmt: skip
-PLAIN, SWIGLU, BOTH, SUM2 = 0, 1, 2, 3  # what _grouped_mm computes and stores
+    _GRAD_CONFIGS = [
+        triton.Config({"BLOCK_P": bp, "BLOCK_Q": bq}, num_warps=w, num_stages=3)
+        for bp, bq, w in ((64, 64, 4), (128, 64, 8), (64, 128, 8), (128, 128, 8))
+    ]
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in _CONFIGS)
+BLOCK_R = 32  # rows per step of the weight-gradient reduction
+
+# What _grouped_mm computes and stores (constexpr: kernels read only constexpr globals).
+PLAIN: tl.constexpr = tl.constexpr(0)
+SWIGLU: tl.constexpr = tl.constexpr(1)
+SWIGLU_BWD: tl.constexpr = tl.constexpr(2)
+SUM2: tl.constexpr = tl.constexpr(3)
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "K", "MODE", "GATHER"])
+def _prune(configs, args, **kwargs):
+    """Three accumulators (``SWIGLU_BWD``) keep tiles at most 64 columns wide; float32 (FMA
+    dots, operands in registers) keeps ``BLOCK_N * BLOCK_K`` within 4096."""
+    wide_ok = kwargs["MODE"] != SWIGLU_BWD.value
+    fp32 = kwargs["DTYPE"] == tl.float32
+    kept = [
+        c
+        for c in configs
+        if (wide_ok or c.kwargs["BLOCK_N"] <= 64)
+        and (not fp32 or c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 4096)
+    ]
+    return kept or configs[:1]
+
+
+@triton.autotune(
+    configs=_CONFIGS,
+    key=["N", "K", "MODE", "GATHER"],
+    prune_configs_by={"early_config_prune": _prune},
+)
 @triton.jit(do_not_specialize=["ROWS"])
 def _grouped_mm(
-    A, A2, IDX, W, W2, OUT, OUT2, DST, SCALE, TILE_EXPERT, TILE_ROW, ENDS,
-    ROWS, stride_a, stride_we, stride_wn, stride_wk, stride_we2, stride_wn2, stride_wk2,
-    K: tl.constexpr, N: tl.constexpr, GATHER: tl.constexpr, MODE: tl.constexpr,
-    SCATTER: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr,
+    A, A2, IDX, W, W2, W3, OUT, OUT2, OUT3, DWP, DST, SCALE, TILE_EXPERT, TILE_ROW, ENDS,
+    ROWS, N, K, stride_a, stride_a2,
+    stride_we, stride_wn, stride_wk, stride_we2, stride_wn2, stride_wk2,
+    stride_we3, stride_wn3, stride_wk3,
+    GATHER: tl.constexpr, MODE: tl.constexpr, SCATTER: tl.constexpr, SCALED: tl.constexpr,
+    DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    row0 = tl.load(TILE_ROW + pid_m)
+    if row0 >= ROWS:  # a tile past the last real one (the table is sized by an upper bound)
+        return
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
-    rows = tl.load(TILE_ROW + pid_m) + tl.arange(0, BLOCK_M)
+    rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < tl.load(ENDS + e)
     if GATHER:
         src = tl.load(IDX + rows, mask=row_ok, other=0).to(tl.int64)
@@ -77,22 +107,19 @@ def _grouped_mm(
     col_ok = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < K
-        a = tl.load(
-            A + src[:, None] * stride_a + kk[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
+        a_mask = row_ok[:, None] & k_ok[None, :]
         w_mask = k_ok[:, None] & col_ok[None, :]
+        a = tl.load(A + src[:, None] * stride_a + kk[None, :], mask=a_mask, other=0.0).to(DTYPE)
         w = tl.load(
             W + e * stride_we + kk[:, None] * stride_wk + cols[None, :] * stride_wn,
             mask=w_mask,
             other=0.0,
         )
-        # float32 master weights with 16-bit activations run at the activations' precision
-        acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
+        acc = dot(a, round_to(w, DTYPE), acc, PRECISION)
         if MODE != PLAIN:  # the second weight (the up projection)
             w2 = tl.load(
                 W2 + e * stride_we2 + kk[:, None] * stride_wk2 + cols[None, :] * stride_wn2,
@@ -100,36 +127,52 @@ def _grouped_mm(
                 other=0.0,
             )
             if MODE == SUM2:  # ... against a second operand, into the same sum
-                a2 = tl.load(
-                    A2 + src[:, None] * stride_a + kk[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                acc += tl.dot(a2, w2.to(a2.dtype), input_precision=PRECISION)
+                a2 = tl.load(A2 + src[:, None] * stride_a2 + kk[None, :], mask=a_mask, other=0.0)
+                acc = dot(a2.to(DTYPE), round_to(w2, DTYPE), acc, PRECISION)
             else:  # ... against the same rows, kept apart
-                acc2 += tl.dot(a, w2.to(a.dtype), input_precision=PRECISION)
-    if SCALED:
-        acc *= tl.load(SCALE + rows, mask=row_ok, other=0.0)[:, None]
-    if SCATTER:
-        dst = tl.load(DST + rows, mask=row_ok, other=0).to(tl.int64)
-    else:
-        dst = rows.to(tl.int64)
-    out = dst[:, None] * N + cols[None, :]
+                acc2 = dot(a, round_to(w2, DTYPE), acc2, PRECISION)
+        if MODE == SWIGLU_BWD:  # u = g W_down[e]: the incoming gradient's rows, third weight
+            a3 = tl.load(A2 + src[:, None] * stride_a2 + kk[None, :], mask=a_mask, other=0.0)
+            w3 = tl.load(
+                W3 + e * stride_we3 + kk[:, None] * stride_wk3 + cols[None, :] * stride_wn3,
+                mask=w_mask,
+                other=0.0,
+            )
+            acc3 = dot(a3.to(DTYPE), round_to(w3, DTYPE), acc3, PRECISION)
+    rows64 = rows.to(tl.int64)
     ok = row_ok[:, None] & col_ok[None, :]
+    out = rows64[:, None] * N + cols[None, :]
     if MODE == SWIGLU:
-        tl.store(OUT + out, acc / (1.0 + tl.exp(-acc)) * acc2, mask=ok)
+        h = acc / (1.0 + tl.exp(-acc)) * acc2
+        tl.store(OUT + out, round_to(h, OUT.dtype.element_ty), mask=ok)
+    elif MODE == SWIGLU_BWD:
+        sig = 1.0 / (1.0 + tl.exp(-acc))
+        gate = acc * sig
+        h = gate * acc2
+        # <y, g> = <h W_down^T, g> = <h, u>: this column tile's part, summed over tiles on the host
+        part = tl.sum(tl.where(ok, h * acc3, 0.0), axis=1)
+        tl.store(DWP + pid_n.to(tl.int64) * ROWS + rows64, part, mask=row_ok)
+        dh = acc3 * tl.load(SCALE + rows, mask=row_ok, other=0.0)[:, None]
+        d_gate = dh * acc2 * sig * (1.0 + acc * (1.0 - sig))
+        tl.store(OUT + out, round_to(h, OUT.dtype.element_ty), mask=ok)
+        tl.store(OUT2 + out, round_to(d_gate, OUT2.dtype.element_ty), mask=ok)
+        tl.store(OUT3 + out, round_to(dh * gate, OUT3.dtype.element_ty), mask=ok)
     else:
+        if SCALED:
+            acc *= tl.load(SCALE + rows, mask=row_ok, other=0.0)[:, None]
+        if SCATTER:
+            dst = tl.load(DST + rows, mask=row_ok, other=0).to(tl.int64)
+            out = dst[:, None] * N + cols[None, :]
         tl.store(OUT + out, acc, mask=ok)
-        if MODE == BOTH:
-            tl.store(OUT2 + out, acc2, mask=ok)
 
 
+@triton.autotune(configs=_GRAD_CONFIGS, key=["P", "Q", "GATHER_A", "GATHER_B", "SCALED_A"])
 @triton.jit
 def _grouped_weight_grad(
     A, IDX_A, SCALE_A, B, IDX_B, DW, STARTS, ENDS,
-    stride_a, stride_b,
-    P: tl.constexpr, Q: tl.constexpr, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
-    SCALED_A: tl.constexpr, PRECISION: tl.constexpr,
+    stride_a, stride_b, P, Q,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, SCALED_A: tl.constexpr,
+    DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     e = tl.program_id(0).to(tl.int64)
@@ -151,26 +194,16 @@ def _grouped_weight_grad(
             rb = rows.to(tl.int64)
         a = tl.load(
             A + ra[:, None] * stride_a + p[None, :], mask=ok[:, None] & (p < P)[None, :], other=0.0
-        ).to(tl.float32)
-        if SCALED_A:
-            a *= tl.load(SCALE_A + rows, mask=ok, other=0.0)[:, None]
+        ).to(DTYPE)
+        if SCALED_A:  # the combine weight of each row, applied as it loads
+            s = tl.load(SCALE_A + rows, mask=ok, other=0.0)
+            a = round_to(a.to(tl.float32) * s[:, None], DTYPE)
         b = tl.load(
             B + rb[:, None] * stride_b + q[None, :], mask=ok[:, None] & (q < Q)[None, :], other=0.0
         )
-        acc += tl.dot(tl.trans(a), b.to(tl.float32), input_precision=PRECISION)
+        acc = dot(tl.trans(a), b.to(DTYPE), acc, PRECISION)
     out = e * P * Q + p.to(tl.int64)[:, None] * Q + q[None, :]
     tl.store(DW + out, acc, mask=(p < P)[:, None] & (q < Q)[None, :])
-
-
-def _precision(t: torch.Tensor) -> str:
-    on_gpu = t.device.type != "cpu"
-    return "tf32" if on_gpu and torch.backends.cuda.matmul.allow_tf32 else "ieee"
-
-
-def _tiles(routing, device) -> tuple[torch.Tensor, ...]:
-    """The spec's row-tile table for ``BLOCK_M``-row tiles, the tile columns as int32."""
-    tile_expert, tile_row, starts, ends = row_tiles(routing, BLOCK_M, device)
-    return tile_expert.to(torch.int32), tile_row.to(torch.int32), starts, ends
 
 
 def _strides(w: torch.Tensor, transpose: bool = False) -> tuple[int, int, int]:
@@ -180,34 +213,53 @@ def _strides(w: torch.Tensor, transpose: bool = False) -> tuple[int, int, int]:
 
 
 def _mm(
-    a, idx, w, tables, n_out: int, k_in: int, w_strides, *,
-    w2=None, w2_strides=None, a2=None, mode=PLAIN, dst=None, scale=None,
+    a, idx, w, tables, n_out: int, k_in: int, *, transpose=False, w2=None, w3=None, a2=None,
+    mode=PLAIN, dst=None, scale=None,
 ):  # fmt: skip
-    """Grouped ``a @ W[e]^T`` (``w_strides = (expert, n, k)`` pick the layout); float32 result.
+    """Grouped ``a @ W[e]^T`` (``a @ W[e]`` with ``transpose``) with the ``mode``'s fusion.
 
-    With ``w2`` and ``mode`` ``SWIGLU``: ``silu(a W[e]^T) * (a W2[e]^T)``; ``BOTH``: the pair;
-    ``SUM2`` (with ``a2``): ``a W[e]^T + a2 W2[e]^T``. Row ``i`` of the result is multiplied by
-    ``scale[i]`` and stored at row ``dst[i]`` when those are given (``dst`` a permutation).
+    ``PLAIN``: float32 rows, row ``i`` times ``scale[i]`` stored at row ``dst[i]`` when given;
+    ``SWIGLU``: ``silu(a W[e]^T) * (a w2[e]^T)`` in the product dtype (``a``'s, or float32
+    with float32 weights); ``SUM2``:
+    ``a W[e]^T + a2 w2[e]^T`` (float32); ``SWIGLU_BWD`` (``a2`` the gradient rows, ``w3`` the
+    down weight): ``(h, d_gate, d_up)`` in the product dtype and the ``<h, u>`` partials, float32
+    ``(column tiles, rows)``.
     """
     tile_expert, tile_row, _, ends = tables
-    assert a2 is None or a2.stride() == a.stride(), "a and a2 share their row stride"
     rows = idx.numel() if idx is not None else a.shape[0]
-    out = torch.empty((rows, n_out), dtype=torch.float32, device=a.device)
-    out2 = torch.empty_like(out) if mode == BOTH else out
-    if tile_expert.numel() > 0:
+    mode = getattr(mode, "value", mode)
+    fp32 = dict(dtype=torch.float32, device=a.device)
+    compute = torch.promote_types(a.dtype, w.dtype)
+    if mode in (SWIGLU.value, SWIGLU_BWD.value):
+        outs = [torch.empty((rows, n_out), dtype=compute, device=a.device)]
+    else:
+        outs = [torch.empty((rows, n_out), **fp32)]
+    if mode == SWIGLU_BWD.value:
+        outs += [torch.empty_like(outs[0]), torch.empty_like(outs[0])]
+        # zeros: the autotuner's tile width decides how many of these rows are written
+        dwp = torch.zeros((triton.cdiv(n_out, MIN_BLOCK_N), rows), **fp32)
+    else:
+        dwp = outs[0]
+    out, out2, out3 = (outs * 3)[:3] if len(outs) == 1 else outs
+    ws = _strides(w, transpose)
+    ws2 = _strides(w if w2 is None else w2, transpose)
+    ws3 = _strides(w if w3 is None else w3, True)
+    a2 = a if a2 is None else a2
 
-        def grid(meta):
-            return (tile_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))
+    def grid(meta):
+        return (tile_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))
 
-        _grouped_mm[grid](
-            a, a if a2 is None else a2, a if idx is None else idx, w, w if w2 is None else w2,
-            out, out2, out if dst is None else dst, out if scale is None else scale,
-            tile_expert, tile_row, ends, rows, a.stride(0), *w_strides,
-            *(w_strides if w2_strides is None else w2_strides),
-            K=k_in, N=n_out, GATHER=idx is not None, MODE=mode, SCATTER=dst is not None,
-            SCALED=scale is not None, PRECISION=_precision(a), BLOCK_M=BLOCK_M,
-        )  # fmt: skip
-    return (out, out2) if mode == BOTH else out
+    _grouped_mm[grid](
+        a, a2, a if idx is None else idx, w, w if w2 is None else w2, w if w3 is None else w3,
+        out, out2, out3, dwp, out if dst is None else dst, out if scale is None else scale,
+        tile_expert, tile_row, ends, rows, n_out, k_in, a.stride(0), a2.stride(0),
+        *ws, *ws2, *ws3,
+        GATHER=idx is not None, MODE=mode, SCATTER=dst is not None, SCALED=scale is not None,
+        DTYPE=_TL_DTYPES[compute], PRECISION=dot_precision(compute), BLOCK_M=BLOCK_M,
+    )  # fmt: skip
+    if mode == SWIGLU_BWD.value:
+        return out, out2, out3, dwp
+    return out
 
 
 def _weight_grad(a, idx_a, b, idx_b, tables, num_experts: int, scale_a=None) -> torch.Tensor:
@@ -215,47 +267,29 @@ def _weight_grad(a, idx_a, b, idx_b, tables, num_experts: int, scale_a=None) -> 
     ``(E, P, Q)``."""
     _, _, starts, ends = tables
     P, Q = a.shape[1], b.shape[1]
+    compute = torch.promote_types(a.dtype, b.dtype)
     dw = torch.empty((num_experts, P, Q), dtype=torch.float32, device=a.device)
-    grid = (num_experts, triton.cdiv(P, BLOCK_M), triton.cdiv(Q, BLOCK_N))
+
+    def grid(meta):
+        return (num_experts, triton.cdiv(P, meta["BLOCK_P"]), triton.cdiv(Q, meta["BLOCK_Q"]))
+
     _grouped_weight_grad[grid](
         a, a if idx_a is None else idx_a, a if scale_a is None else scale_a,
-        b, b if idx_b is None else idx_b, dw, starts, ends, a.stride(0), b.stride(0),
-        P=P, Q=Q, GATHER_A=idx_a is not None, GATHER_B=idx_b is not None,
-        SCALED_A=scale_a is not None, PRECISION=_precision(a),
-        BLOCK_P=BLOCK_M, BLOCK_Q=BLOCK_N, BLOCK_R=BLOCK_K,
+        b, b if idx_b is None else idx_b, dw, starts, ends, a.stride(0), b.stride(0), P, Q,
+        GATHER_A=idx_a is not None, GATHER_B=idx_b is not None, SCALED_A=scale_a is not None,
+        DTYPE=_TL_DTYPES[compute], PRECISION=dot_precision(compute), BLOCK_R=BLOCK_R,
     )  # fmt: skip
     return dw
 
 
-def _activations_dtype(x: torch.Tensor) -> torch.dtype:
-    """Matmul inputs stay 16-bit on GPUs (tensor cores); the interpreter computes in float32."""
-    return torch.float32 if x.device.type == "cpu" else x.dtype
-
-
-def _gate_up(x, routing, w_gate, w_up, tables, mode):
-    """The gate and up projections of the dispatched rows in one pass: ``silu(gate) * up``
-    (``SWIGLU``) or both (``BOTH``)."""
-    _, F_, D = w_gate.shape
-    idx = routing.token.to(torch.int32)
-    xin = x.contiguous().to(_activations_dtype(x))
-    out = _mm(
-        xin, idx, w_gate, tables, F_, D, _strides(w_gate),
-        w2=w_up, w2_strides=_strides(w_up), mode=mode,
-    )  # fmt: skip
-    return xin, idx, out
-
-
 def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
-    D = x.shape[1]
+    D, F_ = x.shape[1], w_gate.shape[1]
     routing = route(router_logits, top_k, renormalize, scale)
-    tables = _tiles(routing, x.device)
-    h = _gate_up(x, routing, w_gate, w_up, tables, SWIGLU)[2].to(_activations_dtype(x))
-    slot_w = row_weights(routing)
+    tables = row_tiles(routing, BLOCK_M)
+    x = x.contiguous()
+    h = _mm(x, routing.token, w_gate, tables, F_, D, w2=w_up, mode=SWIGLU)
     # the combine in the epilogue: w_ts * y_ts stored at its (token, slot) row
-    slots = _mm(
-        h, None, w_down, tables, D, w_down.shape[2], _strides(w_down),
-        dst=routing.order, scale=slot_w,
-    )  # fmt: skip
+    slots = _mm(h, None, w_down, tables, D, F_, dst=routing.order, scale=row_weights(routing))
     return slot_sum(slots, routing).to(x.dtype)
 
 
@@ -263,26 +297,26 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     D = x.shape[1]
     E, F_, _ = w_gate.shape
     routing = route(router_logits, top_k, renormalize, scale)
-    tables = _tiles(routing, x.device)
-    xin, idx, (hg, hu) = _gate_up(x, routing, w_gate, w_up, tables, BOTH)
-    act = _activations_dtype(x)
-    gin = g.contiguous().to(act)
-    # u = g W_down[e]: K = D, N = F, so W[e][k, n] is w_down[e][d, f]
-    u = _mm(gin, idx, w_down, tables, F_, D, _strides(w_down, transpose=True))
-    h, dweights, dhg, dhu = swiglu_backward(hg, hu, u, routing)
+    tables = row_tiles(routing, BLOCK_M)
+    x, g, idx = x.contiguous(), g.contiguous(), routing.token
     slot_w = row_weights(routing)
+    # gate, up and u = g W_down[e] in one pass; the SwiGLU backward in its epilogue
+    h, d_gate_rows, d_up_rows, parts = _mm(
+        x, idx, w_gate, tables, F_, D, w2=w_up, w3=w_down, a2=g, mode=SWIGLU_BWD, scale=slot_w
+    )
+    dweights = torch.empty(routing.order.numel(), dtype=torch.float32, device=x.device)
+    dweights[routing.order] = parts.sum(0)
     # dW_down[e] = (w g)_e^T h_e: the rows of g gathered and scaled as they load
-    d_down = _weight_grad(gin, idx, h, None, tables, E, scale_a=slot_w)
-    d_gate = _weight_grad(dhg, None, xin, idx, tables, E)
-    d_up = _weight_grad(dhu, None, xin, idx, tables, E)
+    d_down = _weight_grad(g, idx, h, None, tables, E, scale_a=slot_w)
+    d_gate = _weight_grad(d_gate_rows, None, x, idx, tables, E)
+    d_up = _weight_grad(d_up_rows, None, x, idx, tables, E)
     # dx rows = dhg W_gate[e] + dhu W_up[e] in one pass (K = F, N = D), each stored at its
     # (token, slot) row: the dispatch backward is then the slot sum, with no weight factor
     dx_slots = _mm(
-        dhg.to(act), None, w_gate, tables, D, F_, _strides(w_gate, transpose=True),
-        w2=w_up, w2_strides=_strides(w_up, transpose=True), a2=dhu.to(act), mode=SUM2,
-        dst=routing.order,
+        d_gate_rows, None, w_gate, tables, D, F_, transpose=True, w2=w_up, a2=d_up_rows,
+        mode=SUM2, dst=routing.order,
     )  # fmt: skip
-    dlogits = routing_backward(routing, dweights, renormalize, scale)
+    dlogits = routing_backward(routing, dweights.view_as(routing.weights), renormalize, scale)
     return (
         slot_sum(dx_slots, routing).to(x.dtype),
         dlogits.to(router_logits.dtype),

@@ -251,7 +251,12 @@ class Routing(NamedTuple):
     weights: torch.Tensor  # (T, k) combine weights
     order: torch.Tensor  # (T * k,) flat (token, slot) indices sorted by expert
     token: torch.Tensor  # (T * k,) token of each sorted row
-    bounds: list[int]  # rows of expert e are order[bounds[e]:bounds[e + 1]]
+    offsets: torch.Tensor  # (E + 1,) int64: rows of expert e are order[offsets[e]:offsets[e + 1]]
+
+    @property
+    def bounds(self) -> list[int]:
+        """``offsets`` on the host (a device synchronisation: for backends that loop there)."""
+        return self.offsets.tolist()
 
 
 def route(router_logits, top_k, renormalize, scale, dtype=torch.float32) -> Routing:
@@ -265,8 +270,8 @@ def route(router_logits, top_k, renormalize, scale, dtype=torch.float32) -> Rout
     flat = experts.flatten()
     order = torch.sort(flat, stable=True).indices
     counts = torch.bincount(flat, minlength=probs.shape[1])
-    bounds = [0, *torch.cumsum(counts, 0).tolist()]
-    return Routing(probs, experts, r, weights * scale, order, order // top_k, bounds)
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    return Routing(probs, experts, r, weights * scale, order, order // top_k, offsets)
 
 
 def routing_backward(routing: Routing, dweights, renormalize, scale):
@@ -275,7 +280,8 @@ def routing_backward(routing: Routing, dweights, renormalize, scale):
     r = routing.r.to(dweights.dtype)
     if renormalize:
         total = r.sum(-1, keepdim=True)
-        dr = scale * (dweights - (dweights * r).sum(-1, keepdim=True) / total) / total
+        # r / total is exactly 1 with one expert per token, so that gradient is exactly 0
+        dr = scale * (dweights - (dweights * (r / total)).sum(-1, keepdim=True)) / total
     else:
         dr = scale * dweights
     p = routing.probs.to(dweights.dtype)
@@ -340,14 +346,21 @@ def swiglu_backward(hg: torch.Tensor, hu: torch.Tensor, u: torch.Tensor, routing
     return SwiGLUGrads(h, dweights.view_as(routing.weights), d_gate, d_up)
 
 
-def row_tiles(routing: Routing, block: int, device) -> tuple[torch.Tensor, ...]:
+def row_tiles(routing: Routing, block: int) -> tuple[torch.Tensor, ...]:
     """For grouped-GEMM kernels over the sorted rows: each row tile's expert and first row (tiles
     of ``block`` rows, never spanning two experts), and each expert's row range
-    ``(tile_expert, tile_row, starts, ends)``, int64 on ``device``."""
-    bounds = torch.tensor(routing.bounds, device=device, dtype=torch.int64)
-    starts, ends = bounds[:-1], bounds[1:]
+    ``(tile_expert, tile_row, starts, ends)``, int64 on the routing's device.
+
+    Built without waiting for the device: the tables have ``ceil(rows / block) + E`` entries, an
+    upper bound on the tile count, and the tiles past the last real one start at row ``rows``
+    (beyond every expert's end, so a kernel masks or skips them)."""
+    offsets = routing.offsets
+    E, rows = offsets.numel() - 1, routing.order.numel()
+    starts, ends = offsets[:-1], offsets[1:]
     tiles = (ends - starts + block - 1) // block
-    tile_expert = torch.repeat_interleave(torch.arange(len(tiles), device=device), tiles)
-    first_tile = torch.cumsum(tiles, 0) - tiles
-    within = torch.arange(tile_expert.numel(), device=device) - first_tile[tile_expert]
-    return tile_expert, starts[tile_expert] + within * block, starts, ends
+    last = torch.cumsum(tiles, 0)
+    index = torch.arange((rows + block - 1) // block + E, device=offsets.device)
+    tile_expert = torch.searchsorted(last, index, right=True).clamp_(max=E - 1)
+    within = index - (last - tiles)[tile_expert]
+    tile_row = torch.where(within < tiles[tile_expert], starts[tile_expert] + within * block, rows)
+    return tile_expert, tile_row, starts, ends
