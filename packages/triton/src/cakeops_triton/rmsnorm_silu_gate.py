@@ -2,8 +2,10 @@
 
 Each program owns ``BLOCK_R`` rows and walks their groups one after the other; inside a group it
 loops over ``BLOCK_G``-wide column chunks, so any group size works (no 64 KB row limit: a group
-is never held in registers whole). The backward writes one float32 ``dweight`` partial per
-program, which the host sums in program order: deterministic, no atomics.
+is never held in registers whole). The backward is a persistent launch, a few programs per
+multiprocessor each walking row blocks in a fixed order, and keeps one float32 ``dweight``
+partial per program, which the host sums in program order: deterministic, no atomics, and the
+partials are bounded by the number of programs, not by the rows.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from cakeops_triton._common import PROGRAMS_PER_SM, multiprocessors, round_to
 
 MAX_BLOCK_G = 1024
 TILE = 4096  # elements per (BLOCK_R x BLOCK_G) tile
@@ -102,19 +106,37 @@ def _forward_kernel(
                 y = x * r[:, None] * w[None, :] * gate
             else:
                 y = x * gate * r[:, None] * w[None, :]
-            tl.store(Y + rows64[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
+            tl.store(
+                Y + rows64[:, None] * D + cols[None, :], round_to(y, Y.dtype.element_ty), mask=m
+            )
 
 
-@triton.jit(do_not_specialize=["R"])
+@triton.jit(do_not_specialize=["R", "PROGRAMS"])
 def _backward_kernel(
     GO, X, Z, W, DX, DZ, DW_PARTIAL,
-    R, stride_x, stride_z,
+    R, PROGRAMS, stride_x, stride_z,
     eps,
     D: tl.constexpr, G: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    for block in range(pid, tl.cdiv(R, BLOCK_R), PROGRAMS):
+        _backward_rows(
+            GO, X, Z, W, DX, DZ, DW_PARTIAL + pid.to(tl.int64) * D, block * BLOCK_R, R,
+            stride_x, stride_z, eps, D, G, NORM_BEFORE_GATE, BLOCK_R, BLOCK_G,
+        )  # fmt: skip
+        # this program's partial is read back by other threads of it in the next block
+        tl.debug_barrier()
+
+
+@triton.jit
+def _backward_rows(
+    GO, X, Z, W, DX, DZ, DW_ROW, row0, R, stride_x, stride_z, eps,
+    D: tl.constexpr, G: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """dx, dz of ``BLOCK_R`` rows from ``row0``, their dweight terms added to ``DW_ROW``."""
+    rows = row0 + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     rows64 = rows.to(tl.int64)
     for start in range(0, D, G):
@@ -154,12 +176,11 @@ def _backward_kernel(
                 dz = dv * x * dsilu
                 dw = g * n
             out = rows64[:, None] * D + cols[None, :]
-            tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=m)
-            tl.store(DZ + out, dz.to(DZ.dtype.element_ty), mask=m)
-            dw = tl.where(m, dw, 0.0)
-            tl.store(
-                DW_PARTIAL + pid.to(tl.int64) * D + cols, tl.sum(dw, axis=0), mask=cols < start + G
-            )
+            tl.store(DX + out, round_to(dx, DX.dtype.element_ty), mask=m)
+            tl.store(DZ + out, round_to(dz, DZ.dtype.element_ty), mask=m)
+            col_ok = cols < start + G
+            dw = tl.sum(tl.where(m, dw, 0.0), axis=0) + tl.load(DW_ROW + cols, mask=col_ok)
+            tl.store(DW_ROW + cols, dw, mask=col_ok)
 
 
 def _blocks(group_size: int) -> tuple[int, int]:
@@ -195,11 +216,11 @@ def backward(g, x, z, weight, eps, group_size, norm_before_gate):
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
     block_r, block_g = _blocks(group_size)
-    programs = triton.cdiv(R, block_r)
-    partial = torch.empty((programs, D), dtype=torch.float32, device=x.device)
+    programs = min(triton.cdiv(R, block_r), PROGRAMS_PER_SM * multiprocessors(x.device))
+    partial = torch.zeros((programs, D), dtype=torch.float32, device=x.device)
     _backward_kernel[(programs,)](
         g, x2, z2, weight.contiguous(), dx, dz, partial,
-        R, x2.stride(0), z2.stride(0),
+        R, programs, x2.stride(0), z2.stride(0),
         eps,
         D=D, G=group_size, NORM_BEFORE_GATE=norm_before_gate,
         BLOCK_R=block_r, BLOCK_G=block_g,
