@@ -1,4 +1,5 @@
-"""Every dev task: ``nox -s tests``, ``lint``, ``demo``, ``bench``, ``docs``.
+"""Every dev task: ``nox -s tests``, ``lint``, ``demo``, ``bench``, ``docs``, ``gpu_compile``,
+``gpu``.
 
 Each session builds and installs the distributions (wheels, not editable) into its own venv, with
 torch pinned by ``.ci/constraints.txt``.
@@ -73,6 +74,19 @@ def bench(session: nox.Session) -> None:
     record = ["--markdown", "docs/bench/cpu", "--plots", "docs/content/bench/cpu"]
     record = [] if "--quick" in session.posargs else record
     session.run("cakeops", "bench", "--json", "bench-results/bench.json", *record, *session.posargs)
+
+
+@nox.session
+def gpu_compile(session: nox.Session) -> None:
+    """Compile every Triton and numba-cuda kernel for sm_90 (H100/H200) and sm_80 (A100) without
+    a GPU, at every config the host code reaches at the conformance and benchmark shapes; write
+    ``bench-results/gpu-compile.json`` and the table in ``docs/content/gpu.md``; fail on compile
+    errors, 16-bit spills, shared memory over the limit and 16-bit ``tl.dot`` s on FMA."""
+    # NVVM and NVRTC for numba-cuda's compile_ptx (and their ptxas); Triton ships its own.
+    install(session, "nvidia-cuda-nvcc-cu12", "nvidia-cuda-nvrtc-cu12")
+    session.run(
+        "python", "tests/gpu_compile/run_all.py", "--docs", "docs/content/gpu.md", *session.posargs
+    )
 
 
 @nox.session

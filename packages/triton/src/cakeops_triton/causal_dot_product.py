@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.driver import driver
 
 from cakeops.ops.causal_dot_product import backward_by_scans
 from cakeops_triton._common import INTERPRET, dot, dot_precision, round_to
@@ -25,7 +26,7 @@ if INTERPRET:
 else:
     _CONFIGS = [
         triton.Config({"BLOCK_L": bl}, num_warps=w, num_stages=st)
-        for bl, w, st in ((16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2), (128, 8, 2))
+        for bl, w, st in ((16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2), (128, 8, 2), (16, 8, 2))
     ]
 
 
@@ -37,15 +38,20 @@ def _block_m(args) -> int:
 
 
 def _prune(configs, args, **kwargs):
-    """Configs that fit: float32 (FMA dots, every operand in registers) keeps chunks of at most
-    32 positions; 16-bit chunks keep ``BLOCK_L * BLOCK_E`` within 8192 (shared memory, and
-    registers at E = 256 where 32-position chunks on 4 warps spill)."""
+    """Configs that compile without spilling (``nox -s gpu_compile`` checks it): float32 (FMA
+    dots, every operand in registers) keeps chunks of at most 32 positions; 16-bit ones keep
+    ``BLOCK_L * BLOCK_E`` within 16384 on sm_90 (8 warps from E = 256) and within 2048 before it
+    (mma.sync keeps its operands in registers; E = 256 then runs 16-position chunks on 8
+    warps)."""
     block_e = kwargs["BLOCK_E"]
     if args["A"].element_size() == 4:
         return [c for c in configs if c.kwargs["BLOCK_L"] <= 32]
-    if block_e >= 256:
-        return [c for c in configs if c.kwargs["BLOCK_L"] * block_e <= 16384 and c.num_warps == 8]
-    return [c for c in configs if c.kwargs["BLOCK_L"] * block_e <= 16384]
+    hopper = driver.active.get_current_target().arch >= 90
+    if hopper:
+        kept = [c for c in configs if c.kwargs["BLOCK_L"] * block_e <= 16384]
+        return [c for c in kept if c.num_warps == 8] if block_e >= 256 else kept
+    kept = [c for c in configs if c.kwargs["BLOCK_L"] * block_e <= 2048]
+    return kept or [c for c in configs if c.kwargs["BLOCK_L"] == 16 and c.num_warps == 8]
 
 
 @triton.autotune(

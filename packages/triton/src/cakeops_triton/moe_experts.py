@@ -44,13 +44,18 @@ else:
     _CONFIGS = [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
         for bn, bk, w, st in (
-            (64, 32, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4), (256, 32, 8, 3),
+            # wide tiles, for rows and weights whose strides are multiples of 16 bytes
+            (64, 32, 4, 3), (64, 64, 4, 4), (128, 32, 8, 3), (128, 64, 8, 3), (256, 32, 8, 3),
+            (64, 32, 8, 3), (64, 64, 8, 3),
+            # narrow ones for the rest (loads one element at a time) and float32
+            (32, 32, 4, 1), (32, 32, 4, 2), (32, 16, 4, 1), (32, 32, 8, 2),
         )
     ]  # fmt: skip
     _GRAD_CONFIGS = [
-        triton.Config({"BLOCK_P": bp, "BLOCK_Q": bq}, num_warps=w, num_stages=3)
-        for bp, bq, w in ((64, 64, 4), (128, 64, 8), (64, 128, 8), (128, 128, 8))
-    ]
+        triton.Config({"BLOCK_P": bp, "BLOCK_Q": bq}, num_warps=w, num_stages=st)
+        for bp, bq, w, st in ((64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3), (128, 128, 8, 3),
+                              (32, 32, 4, 2))  # the last for float32 (FMA)
+    ]  # fmt: skip
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in _CONFIGS)
 BLOCK_R = 32  # rows per step of the weight-gradient reduction
@@ -63,16 +68,27 @@ SUM2: tl.constexpr = tl.constexpr(3)
 
 
 def _prune(configs, args, **kwargs):
-    """Three accumulators (``SWIGLU_BWD``) keep tiles at most 64 columns wide; float32 (FMA
-    dots, operands in registers) keeps ``BLOCK_N * BLOCK_K`` within 4096."""
-    wide_ok = kwargs["MODE"] != SWIGLU_BWD.value
-    fp32 = kwargs["DTYPE"] == tl.float32
+    """Configs that compile without spilling (``nox -s gpu_compile`` checks it): wide tiles where
+    every row and weight stride is a multiple of 8 elements (vector loads), narrow ones for
+    other strides and for float32 (FMA dots, operands in registers); three accumulators
+    (``SWIGLU_BWD``) take 8 warps and ``BLOCK_N * BLOCK_K`` within 2048."""
+    strides = ("stride_a", "stride_a2", "K", "N", "stride_wn", "stride_wk", "stride_wn2")
+    aligned = all(args[name] % 8 == 0 or args[name] == 1 for name in strides)
+    narrow = not aligned or kwargs["DTYPE"] == tl.float32
+    bwd = kwargs["MODE"] == SWIGLU_BWD.value
     kept = [
         c
         for c in configs
-        if (wide_ok or c.kwargs["BLOCK_N"] <= 64)
-        and (not fp32 or c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 4096)
+        if (c.kwargs["BLOCK_N"] <= 32) == narrow
+        and (not bwd or (c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 2048 and c.num_warps == 8))
     ]
+    return kept or configs[:1]
+
+
+def _prune_grad(configs, args, **kwargs):
+    """float32 (FMA: operands in registers) takes the small tile, 16-bit the others."""
+    small = kwargs["DTYPE"] == tl.float32
+    kept = [c for c in configs if (c.kwargs["BLOCK_P"] == 32) == small]
     return kept or configs[:1]
 
 
@@ -166,7 +182,11 @@ def _grouped_mm(
         tl.store(OUT + out, acc, mask=ok)
 
 
-@triton.autotune(configs=_GRAD_CONFIGS, key=["P", "Q", "GATHER_A", "GATHER_B", "SCALED_A"])
+@triton.autotune(
+    configs=_GRAD_CONFIGS,
+    key=["P", "Q", "GATHER_A", "GATHER_B", "SCALED_A"],
+    prune_configs_by={"early_config_prune": _prune_grad},
+)
 @triton.jit
 def _grouped_weight_grad(
     A, IDX_A, SCALE_A, B, IDX_B, DW, STARTS, ENDS,

@@ -188,6 +188,11 @@ def _blocks(group_size: int) -> tuple[int, int]:
     return max(1, min(64, TILE // block_g)), block_g
 
 
+def _backward_warps(block_r: int, block_g: int) -> int:
+    """Many short groups per tile hold more per-row state: 8 warps keep it in registers."""
+    return 8 if block_g <= 128 and block_r * block_g >= 2048 else 4
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as ``(R, D)`` with a contiguous last dim; strided rows are read in place."""
     t2 = t.reshape(-1, t.shape[-1])
@@ -223,6 +228,6 @@ def backward(g, x, z, weight, eps, group_size, norm_before_gate):
         R, programs, x2.stride(0), z2.stride(0),
         eps,
         D=D, G=group_size, NORM_BEFORE_GATE=norm_before_gate,
-        BLOCK_R=block_r, BLOCK_G=block_g,
+        BLOCK_R=block_r, BLOCK_G=block_g, num_warps=_backward_warps(block_r, block_g),
     )  # fmt: skip
     return dx, dz, partial.sum(0).to(weight.dtype)

@@ -1,0 +1,79 @@
+"""The whole offline GPU compile check (``nox -s gpu_compile``): Triton kernels for sm_90 and
+sm_80, numba-cuda kernels for compute capability 9.0 and 8.0, then the report, which fails on
+what a GPU would reject or run badly. Independent parts run side by side.
+
+    python tests/gpu_compile/run_all.py [--out bench-results] [--docs docs/content/gpu.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+ARCHS = (90, 80)
+
+
+def start(args: list[str], log: Path, **env: str) -> subprocess.Popen:
+    merged = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",)}
+    merged.update(env)
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=merged
+        )
+
+
+def wait(procs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
+    failed = []
+    for name, (proc, log) in procs.items():
+        code = proc.wait()
+        text = log.read_text()
+        print(f"--- {name} (exit {code})\n{text[-3000:] if code else text.strip()[-300:]}")
+        if code:
+            failed.append(name)
+    if failed:
+        sys.exit(f"the compile check could not run: {', '.join(failed)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--docs", type=Path)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="gpu-compile-"))
+    # A fresh Triton cache: every kernel is compiled (and ptxas reports on it) in this run.
+    cache = str(work / "triton-cache")
+    parts = [work / f"triton-{arch}.json" for arch in ARCHS]
+    sigs = work / "numba-signatures.json"
+    procs = {
+        f"triton sm_{arch}": (
+            start([str(HERE / "triton_check.py"), "--arch", str(arch), "--out", str(part)],
+                  work / f"triton-{arch}.log", TRITON_CACHE_DIR=cache),
+            work / f"triton-{arch}.log",
+        )
+        for arch, part in zip(ARCHS, parts, strict=True)
+    }  # fmt: skip
+    record = start(
+        [str(HERE / "numba_check.py"), "record", "--out", str(sigs)],
+        work / "numba-record.log",
+        NUMBA_ENABLE_CUDASIM="1",
+    )
+    wait({"numba record": (record, work / "numba-record.log")})
+    numba_parts = [work / f"numba-{arch}.json" for arch in ARCHS]
+    for arch, part in zip(ARCHS, numba_parts, strict=True):
+        log = work / f"numba-{arch}.log"
+        cmd = [str(HERE / "numba_check.py"), "compile", "--sigs", str(sigs), "--arch", str(arch)]
+        procs[f"numba sm_{arch}"] = (start([*cmd, "--out", str(part)], log), log)
+    wait(procs)
+    report = [str(HERE / "report.py"), *map(str, parts + numba_parts)]
+    report += ["--json", str(args.out / "gpu-compile.json")]
+    report += ["--docs", str(args.docs)] if args.docs else []
+    sys.exit(subprocess.run([sys.executable, *report]).returncode)
+
+
+if __name__ == "__main__":
+    main()

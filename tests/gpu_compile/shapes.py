@@ -1,0 +1,91 @@
+"""The calls the GPU compile check makes: every op at the shapes of the conformance suite and of
+the benchmarks (CPU and GPU), in every dtype the kernels serve, read from those modules so that a
+shape added there is compiled here too."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cakeops.bench import causal_dot_product as bench_causal
+from cakeops.bench import gpu as bench_gpu
+from cakeops.bench import moe_experts as bench_moe
+from cakeops.bench import rmsnorm_silu_gate as bench_rmsnorm
+from cakeops.testing import test_causal_dot_product as suite_causal
+from cakeops.testing import test_moe_experts as suite_moe
+from cakeops.testing import test_rmsnorm_silu_gate as suite_rmsnorm
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One op call: forward and backward at ``shape`` in ``dtype`` (``variant`` names a layout
+    or weight-dtype variation of the suite)."""
+
+    op: str
+    dtype: torch.dtype
+    shape: tuple[Any, ...]
+    variant: str = ""
+
+    def label(self) -> str:
+        return f"{self.op} {self.shape}{' ' + self.variant if self.variant else ''}"
+
+
+def _unique(calls: list[Call]) -> list[Call]:
+    return list(dict.fromkeys(calls))
+
+
+def calls(dtypes=DTYPES) -> Iterator[Call]:
+    rms = [(shape, gs, nbg) for shape, gs, nbg in suite_rmsnorm.CASES.values()]
+    rms += [(shape, gs, nbg) for shape, gs in bench_rmsnorm.CASES.values() for nbg in (True,)]
+    rms += [(tuple(bench_gpu.FULL["rmsnorm_silu_gate"]), None, True)]
+    causal = [*list(suite_causal.CASES.values()), (1, 1, suite_causal.LONG_L, 16, 16)]
+    causal += [*list(bench_causal.CASES.values()), tuple(bench_gpu.FULL["causal_dot_product"])]
+    causal += [(1, 2, 64, 256, 256)]  # the largest head size the kernel is sized for
+    moe = [c[:5] for c in suite_moe.CASES.values()]
+    moe += [*list(bench_moe.CASES.values()), tuple(bench_gpu.FULL["moe_experts"])]
+    for dtype in dtypes:
+        out = [Call("rmsnorm_silu_gate", dtype, c) for c in rms]
+        # z as a slice of a packed projection (rows strided), as the suite checks
+        out += [Call("rmsnorm_silu_gate", dtype, ((4, 64), None, True), "strided")]
+        out += [Call("causal_dot_product", dtype, c) for c in causal]
+        out += [Call("causal_dot_product", dtype, (2, 3, 37, 8, 8), "transposed")]
+        out += [Call("moe_experts", dtype, c) for c in moe]
+        if dtype != torch.float32:
+            out += [Call("moe_experts", dtype, (16, 12, 20, 4, 2), "float32-weights")]
+        yield from _unique(out)
+
+
+def inputs(call: Call) -> tuple[tuple, tuple]:
+    """``(forward args, backward args)`` for the backend kernels. Values are left uninitialised
+    where no host code reads them (the kernels only compile), so bench shapes cost no time."""
+    dt = call.dtype
+
+    def empty(*shape, dtype=dt):
+        return torch.empty(shape, dtype=dtype)
+
+    if call.op == "rmsnorm_silu_gate":
+        shape, gs, nbg = call.shape
+        gs = gs or shape[-1]
+        x = empty(*shape)
+        z = empty(*shape[:-1], 2 * shape[-1])[..., : shape[-1]] if call.variant else empty(*shape)
+        w = empty(shape[-1])
+        return (x, z, w, 1e-6, gs, nbg), (empty(*shape), x, z, w, 1e-6, gs, nbg)
+    if call.op == "causal_dot_product":
+        N, H, L, E, M = call.shape
+        if call.variant == "transposed":
+            q, k = (empty(N, L, H, E).transpose(1, 2) for _ in range(2))
+            v = empty(N, L, H, M).transpose(1, 2)
+        else:
+            q, k, v = empty(N, H, L, E), empty(N, H, L, E), empty(N, H, L, M)
+        return (q, k, v), (empty(N, H, L, M), q, k, v)
+    T, D, F, E, top_k = call.shape
+    wdt = torch.float32 if call.variant == "float32-weights" else dt
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(0))
+    x = empty(T, D)
+    ws = (empty(E, F, D, dtype=wdt), empty(E, F, D, dtype=wdt), empty(E, D, F, dtype=wdt))
+    return (x, logits, *ws, top_k, True, 1.0), (empty(T, D), x, logits, *ws, top_k, True, 1.0)
