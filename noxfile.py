@@ -83,7 +83,8 @@ def gpu_compile(session: nox.Session) -> None:
     ``bench-results/gpu-compile.json`` and the table in ``docs/content/gpu.md``; fail on compile
     errors, 16-bit spills, shared memory over the limit and 16-bit ``tl.dot`` s on FMA."""
     # NVVM and NVRTC for numba-cuda's compile_ptx (and their ptxas); Triton ships its own.
-    install(session, "nvidia-cuda-nvcc-cu12", "nvidia-cuda-nvrtc-cu12")
+    # pytest: the shapes come from the conformance suite's modules.
+    install(session, "pytest", "nvidia-cuda-nvcc-cu12", "nvidia-cuda-nvrtc-cu12")
     session.run(
         "python", "tests/gpu_compile/run_all.py", "--docs", "docs/content/gpu.md", *session.posargs
     )

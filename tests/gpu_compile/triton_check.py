@@ -156,17 +156,21 @@ def dots(ttgir: str) -> list[dict]:
     instructions, or ``fma``), its operand type and the kernel source line it comes from."""
     locs = dict(_LOC.findall(ttgir))
 
-    def source(ref: str, depth: int = 0) -> str | None:
+    def places(ref: str, depth: int = 0) -> list[tuple[str, str]]:
+        """Every source position a location refers to, callers after callees."""
         text = locs.get(ref, "")
-        places = _FILE_LINE.findall(text)
-        # a call site's callee is a helper (cakeops_triton/_common.py); its caller is the kernel
-        for file, line in places:
-            if not file.endswith("_common.py"):
-                return f"{Path(file).name}:{line}"
+        found = _FILE_LINE.findall(text)
         for inner in re.findall(r"#(loc\d*)", text):
-            if depth < 20 and (found := source(inner, depth + 1)):
-                return found
-        return f"{Path(places[0][0]).name}:{places[0][1]}" if places else None
+            if depth < 20:
+                found += places(inner, depth + 1)
+        return found
+
+    def source(ref: str) -> str | None:
+        # a call site's callee is a helper (cakeops_triton/_common.py); its caller is the kernel
+        found = places(ref)
+        kernel = [f for f in found if not f[0].endswith("_common.py")]
+        file, line = (kernel or found or [(None, None)])[0]
+        return f"{Path(file).name}:{line}" if file else None
 
     found = []
     for line in ttgir.splitlines():
