@@ -88,6 +88,8 @@ def gpu_compile(session: nox.Session) -> None:
     session.run(
         "python", "tests/gpu_compile/run_all.py", "--docs", "docs/content/gpu.md", *session.posargs
     )
+    # The predicted H200 table (roofline per launch at the benchmark shapes).
+    session.run("python", "tests/gpu_compile/predict.py", "--docs", "docs/content/gpu.md")
 
 
 @nox.session

@@ -223,7 +223,7 @@ def _grouped_weight_grad(
         )
         acc = dot(tl.trans(a), b.to(DTYPE), acc, PRECISION)
     out = e * P * Q + p.to(tl.int64)[:, None] * Q + q[None, :]
-    tl.store(DW + out, acc, mask=(p < P)[:, None] & (q < Q)[None, :])
+    tl.store(DW + out, round_to(acc, DW.dtype.element_ty), mask=(p < P)[:, None] & (q < Q)[None, :])
 
 
 def _strides(w: torch.Tensor, transpose: bool = False) -> tuple[int, int, int]:
@@ -282,13 +282,15 @@ def _mm(
     return out
 
 
-def _weight_grad(a, idx_a, b, idx_b, tables, num_experts: int, scale_a=None) -> torch.Tensor:
-    """``dW[e] = A_e^T B_e`` for every expert (``A``'s rows times ``scale_a``), float32
-    ``(E, P, Q)``."""
+def _weight_grad(
+    a, idx_a, b, idx_b, tables, num_experts: int, dtype: torch.dtype, scale_a=None
+) -> torch.Tensor:
+    """``dW[e] = A_e^T B_e`` for every expert (``A``'s rows times ``scale_a``), ``(E, P, Q)``
+    accumulated in float32 and stored once in ``dtype`` (the weight's)."""
     _, _, starts, ends = tables
     P, Q = a.shape[1], b.shape[1]
     compute = torch.promote_types(a.dtype, b.dtype)
-    dw = torch.empty((num_experts, P, Q), dtype=torch.float32, device=a.device)
+    dw = torch.empty((num_experts, P, Q), dtype=dtype, device=a.device)
 
     def grid(meta):
         return (num_experts, triton.cdiv(P, meta["BLOCK_P"]), triton.cdiv(Q, meta["BLOCK_Q"]))
@@ -327,9 +329,9 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     dweights = torch.empty(routing.order.numel(), dtype=torch.float32, device=x.device)
     dweights[routing.order] = parts.sum(0)
     # dW_down[e] = (w g)_e^T h_e: the rows of g gathered and scaled as they load
-    d_down = _weight_grad(g, idx, h, None, tables, E, scale_a=slot_w)
-    d_gate = _weight_grad(d_gate_rows, None, x, idx, tables, E)
-    d_up = _weight_grad(d_up_rows, None, x, idx, tables, E)
+    d_down = _weight_grad(g, idx, h, None, tables, E, w_down.dtype, scale_a=slot_w)
+    d_gate = _weight_grad(d_gate_rows, None, x, idx, tables, E, w_gate.dtype)
+    d_up = _weight_grad(d_up_rows, None, x, idx, tables, E, w_up.dtype)
     # dx rows = dhg W_gate[e] + dhu W_up[e] in one pass (K = F, N = D), each stored at its
     # (token, slot) row: the dispatch backward is then the slot sum, with no weight factor
     dx_slots = _mm(
@@ -340,7 +342,7 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     return (
         slot_sum(dx_slots, routing).to(x.dtype),
         dlogits.to(router_logits.dtype),
-        d_gate.to(w_gate.dtype),
-        d_up.to(w_up.dtype),
-        d_down.to(w_down.dtype),
+        d_gate,
+        d_up,
+        d_down,
     )
