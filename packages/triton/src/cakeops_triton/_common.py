@@ -40,11 +40,12 @@ def dot_precision(dtype: torch.dtype) -> str:
 def round_to(x, dtype: tl.constexpr):
     """``x`` converted to ``dtype``, a float32 ``x`` rounded to nearest even as a GPU does."""
     if EMULATE and dtype == tl.bfloat16 and x.dtype == tl.float32:
+        # The bfloat16 bits made by hand (the interpreter's own conversion truncates, and
+        # mangles subnormals): round the top half to nearest even; a NaN stays a (quiet) NaN.
         bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-        # NaN stays NaN (the carry could turn one into an infinity); the conversion of the
-        # rounded value below is then exact.
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+        top = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        top = tl.where(x != x, (bits >> 16) | 0x40, top)
+        return top.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(dtype)
 
 

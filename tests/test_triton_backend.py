@@ -1,0 +1,113 @@
+"""The Triton backend's own plumbing on the CPU: what the conformance suite cannot see.
+
+- the spec's row-tile table, sized by an upper bound so building it never waits for the device;
+- the 16-bit rounding the kernels emulate under the interpreter (``_common.round_to``), which
+  must be what a GPU does: round to nearest even, NaN and infinities kept;
+- the compile check's reading of Triton's GPU IR (which ``tl.dot`` lowers to what).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from cakeops.ops.moe_experts import route, row_tiles
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.parametrize("block", [1, 2, 4])
+def test_row_tiles_cover_each_expert_once_and_pad_past_the_end(block):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(11, 5, generator=gen)
+    logits[:, 3] = -30  # expert 3 gets no rows
+    routing = route(logits, 2, True, 1.0)
+    tile_expert, tile_row, starts, ends = row_tiles(routing, block)
+    rows = routing.order.numel()
+    assert tile_expert.numel() == -(-rows // block) + 5  # the upper bound, not the count
+    covered = torch.zeros(rows, dtype=torch.int64)
+    for e, r in zip(tile_expert.tolist(), tile_row.tolist(), strict=True):
+        if r >= rows:  # a padding tile: past every expert's end
+            continue
+        assert starts[e] <= r < ends[e]
+        covered[r : min(r + block, int(ends[e]))] += 1
+    assert torch.equal(covered, torch.ones(rows, dtype=torch.int64))
+    real = (tile_row < rows).sum().item()
+    assert real == sum(-(-(int(ends[e]) - int(starts[e])) // block) for e in range(5))
+    assert routing.bounds == [
+        0,
+        *torch.cumsum(torch.bincount(routing.experts.flatten(), minlength=5), 0).tolist(),
+    ]
+
+
+ROUNDING = textwrap.dedent(
+    """
+    import torch, triton, triton.language as tl
+    from cakeops_triton._common import round_to
+
+    @triton.jit
+    def k(X, Y, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(Y + i, round_to(tl.load(X + i), Y.dtype.element_ty))
+
+    bits = torch.randint(0, 2**31 - 1, (4096,), generator=torch.Generator().manual_seed(0))
+    x = (bits.to(torch.int32).view(torch.float32) * 1.0)
+    x = torch.where(torch.isfinite(x), x, 1.0)
+    ties = (torch.arange(1, 65, dtype=torch.float32) * 2**-7 + 1) + 2**-9  # halfway cases
+    x = torch.cat([x[: 4096 - 64 - 4], ties, torch.tensor([float("nan"), float("inf"),
+                   -float("inf"), 3.3895e38])])
+    y = torch.empty(4096, dtype=torch.bfloat16)
+    k[(1,)](x, y, N=4096)
+    want = x.to(torch.bfloat16)
+    same = (y.view(torch.int16) == want.view(torch.int16)) | (y.isnan() & want.isnan())
+    assert bool(same.all()), x[~same][:5]
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed"
+)
+def test_interpreter_rounds_bfloat16_like_a_gpu():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", ROUNDING], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+_DOT_OPERANDS = "tensor<64x32xbf16, #ttg.dot_op<{opIdx = 0}>> * tensor<32x64xbf16, #dop1>"
+TTGIR = "\n".join(
+    [
+        "#mma = #ttg.nvidia_mma<{versionMajor = 2}>",
+        '#loc1 = loc("/x/cakeops_triton/_common.py":57:15)',
+        '#loc2 = loc("/x/cakeops_triton/moe_experts.py":121:14)',
+        "#loc3 = loc(callsite(#loc1 at #loc2))",
+        '#loc4 = loc("/x/cakeops_triton/causal_dot_product.py":99:9)',
+        f"  %0 = tt.dot %a, %b, %c : {_DOT_OPERANDS} -> tensor<64x64xf32, #mma> loc(#loc3)",
+        "  %1 = tt.dot %a, %b, %c : tensor<16x16xf32, #dop0> * tensor<16x16xf32, #dop1>"
+        " -> tensor<16x16xf32, #blocked> loc(#loc4)",
+        "  %2 = ttng.warp_group_dot %a, %b, %c {isAsync = true} : !ttg.memdesc<64x64xf16, #s>"
+        " * !ttg.memdesc<64x32xf16, #s> -> tensor<64x32xf32, #mma1> loc(#loc4)",
+    ]
+)
+
+
+def test_compile_check_reads_how_each_dot_lowers(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(HERE / "gpu_compile"))
+    from triton_check import dots
+
+    assert dots(TTGIR) == [
+        {"lowering": "mma", "operands": "bf16", "source": "moe_experts.py:121"},
+        {"lowering": "fma", "operands": "f32", "source": "causal_dot_product.py:99"},
+        {"lowering": "wgmma", "operands": "f16", "source": "causal_dot_product.py:99"},
+    ]
