@@ -33,8 +33,18 @@ def test_handover_shares_memory_and_keeps_strides():
     assert arr.strides == tuple(s * z.element_size() for s in z.stride())
 
 
-def test_no_copies_of_the_inputs():
-    x, z, w = _inputs()
+def test_bfloat16_handover_is_an_int16_view_of_the_same_memory():
+    from cakeops_numba._launch import view
+
+    t = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)[:, :48]
+    arr = view(t)
+    assert arr.dtype.itemsize == 2 and arr.__cuda_array_interface__["data"][0] == t.data_ptr()
+    assert arr.strides == tuple(s * 2 for s in t.stride())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_no_copies_of_the_inputs(dtype):
+    x, z, w = _inputs(dtype=dtype)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

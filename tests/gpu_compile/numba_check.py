@@ -116,7 +116,9 @@ def compile_all(sigs: Path, arch: int, out: Path) -> None:
     for entry in json.loads(sigs.read_text()):
         kernel = getattr(importlib.import_module(entry["module"]), entry["kernel"])
         sig = tuple(_numba_type(t) for t in entry["types"])
-        dtype = next((t[1] for t in entry["types"] if t[0] == "array" and "f" in t[1]), "")
+        # the op's dtype: bfloat16 arrives as int16 bits, beside float32 scratch arrays
+        arrays = {t[1] for t in entry["types"] if t[0] == "array"}
+        dtype = next((d for d in ("<i2", "<f2", "<f4") if d in arrays), "")
         row = {
             "target": f"sm_{arch}",
             "dtype": {"<f4": "float32", "<f2": "float16", "<i2": "bfloat16"}.get(dtype, dtype),

@@ -10,8 +10,10 @@ With ``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported) the CUDA kernels 
 tensors in numba's CUDA simulator instead, only when the backend is chosen explicitly (the
 conformance suite does).
 
-bfloat16 is not supported: PyTorch's ``__cuda_array_interface__`` has no bfloat16 type code, so
-numba cannot receive such a tensor without a copy (and numpy, on the CPU, has no bfloat16).
+bfloat16 reaches the CUDA kernels as an ``int16`` view of its bits (PyTorch's
+``__cuda_array_interface__`` and numpy have no bfloat16 type), widened to float32 as it loads
+and rounded to nearest even as it stores (:mod:`cakeops_numba._elements`). The CPU ``njit``
+kernels take float16 and float32 only.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from cakeops import Backend, OpKernels
 
-DTYPES = (torch.float16, torch.float32)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
 CUDA_PRIORITY = 50  # below triton (100), above torch (10)
 CPU_PRIORITY = 20  # above torch (10), for the ops with a CPU kernel
@@ -40,8 +42,8 @@ def devices(cpu_kernel: bool) -> dict[str, int | None]:
     return {"cuda": CUDA_PRIORITY, **({"cpu": CPU_PRIORITY} if cpu_kernel else {})}
 
 
-BFLOAT16_REASON = (
-    "bfloat16: PyTorch's __cuda_array_interface__ has no bfloat16 type code (numpy has none)"
+CPU_BFLOAT16_REASON = (
+    "bfloat16 on the CPU: the njit kernels take float16 and float32 (numpy has no bfloat16)"
 )
 
 
@@ -72,8 +74,12 @@ class NumbaBackend(Backend):
         on_cuda = first is not None and first.device.type == "cuda"
         if on_cuda and self.cuda_unavailable_reason is not None:
             reasons.append(self.cuda_unavailable_reason)
-        if any(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in inputs.values()):
-            reasons.append(BFLOAT16_REASON)
+        on_cpu_kernels = first is not None and first.device.type == "cpu" and not SIMULATOR
+        bf16 = any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in inputs.values()
+        )
+        if on_cpu_kernels and bf16:
+            reasons.append(CPU_BFLOAT16_REASON)
         return reasons
 
 

@@ -16,7 +16,10 @@ THREADS = 32 if SIMULATOR else 128
 
 
 def view(t: torch.Tensor):
-    """``t`` as an array a kernel can take, sharing its memory (strides kept)."""
+    """``t`` as an array a kernel can take, sharing its memory (strides kept); bfloat16 as the
+    ``int16`` view of its bits (see :mod:`cakeops_numba._elements`)."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
     if t.device.type == "cuda":
         # The kernels run on PyTorch's current stream, so no synchronisation on hand-over.
         return cuda.as_cuda_array(t.detach(), sync=False)

@@ -21,6 +21,7 @@ from numba import cuda, float32
 
 from cakeops.ops.causal_dot_product import backward_by_scans
 from cakeops_numba import SIMULATOR
+from cakeops_numba._elements import store, widen
 from cakeops_numba._launch import THREADS, on_stream, view
 from cakeops_numba.cpu import causal_dot_product as cpu
 
@@ -47,24 +48,24 @@ def _causal(a, b, c, out, state, reverse):
             causal = j >= i if reverse else j <= i
             if causal and start + i < L and start + j < L:
                 for e in range(E):
-                    s += float32(a[n, h, start + i, e]) * float32(b[n, h, start + j, e])
+                    s += widen(a[n, h, start + i, e]) * widen(b[n, h, start + j, e])
             scores[i, j] = s
         cuda.syncthreads()
         if m < M:
             col = cuda.local.array(CHUNK, float32)  # this thread's column of the chunk's c
             for j in range(CHUNK):
-                col[j] = float32(c[n, h, start + j, m]) if start + j < L else float32(0.0)
+                col[j] = widen(c[n, h, start + j, m]) if start + j < L else float32(0.0)
             for i in range(min(CHUNK, L - start)):
                 acc = float32(0.0)
                 for j in range(CHUNK):
                     acc += scores[i, j] * col[j]
                 for e in range(E):
-                    acc += float32(a[n, h, start + i, e]) * state[nh, e, m]
-                out[n, h, start + i, m] = acc
+                    acc += widen(a[n, h, start + i, e]) * state[nh, e, m]
+                store(out, (n, h, start + i, m), acc)
             for e in range(E):
                 acc = state[nh, e, m]
                 for j in range(min(CHUNK, L - start)):
-                    acc += float32(b[n, h, start + j, e]) * col[j]
+                    acc += widen(b[n, h, start + j, e]) * col[j]
                 state[nh, e, m] = acc
         cuda.syncthreads()  # the next chunk's scores overwrite these
 

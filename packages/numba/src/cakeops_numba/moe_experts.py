@@ -31,6 +31,7 @@ from cakeops.ops.moe_experts import (
     swiglu_backward,
 )
 from cakeops_numba import SIMULATOR
+from cakeops_numba._elements import widen
 from cakeops_numba._launch import on_stream, view
 
 # The simulator runs each thread as a Python thread: small tiles there.
@@ -57,12 +58,12 @@ def _grouped_mm(a, idx, w, w2, out, out2, tile_expert, tile_row, ends, gather, t
     acc2 = float32(0.0)
     for k0 in range(0, K, TILE):
         k = k0 + tx
-        a_tile[ty, tx] = float32(a[src, k]) if row_ok and k < K else float32(0.0)
+        a_tile[ty, tx] = widen(a[src, k]) if row_ok and k < K else float32(0.0)
         k = k0 + ty  # the weight tile is (k, n)
         if col < N and k < K:
-            w_tile[ty, tx] = float32(w[e, k, col]) if trans else float32(w[e, col, k])
+            w_tile[ty, tx] = widen(w[e, k, col]) if trans else widen(w[e, col, k])
             if mode != PLAIN:
-                w2_tile[ty, tx] = float32(w2[e, k, col]) if trans else float32(w2[e, col, k])
+                w2_tile[ty, tx] = widen(w2[e, k, col]) if trans else widen(w2[e, col, k])
         else:
             w_tile[ty, tx] = float32(0.0)
             w2_tile[ty, tx] = float32(0.0)
@@ -103,9 +104,9 @@ def _weight_grad(a, idx_a, b, idx_b, dw, starts, ends, gather_a, gather_b):
             ra = idx_a[r] if gather_a else r
             rb = idx_b[r] if gather_b else r
             if pa < P:
-                a_tile[ty, tx] = float32(a[ra, pa])
+                a_tile[ty, tx] = widen(a[ra, pa])
             if q < Q:
-                b_tile[ty, tx] = float32(b[rb, q])
+                b_tile[ty, tx] = widen(b[rb, q])
         cuda.syncthreads()
         for i in range(TILE):
             acc += a_tile[i, ty] * b_tile[i, tx]

@@ -14,6 +14,7 @@ import math
 import torch
 from numba import cuda, float32
 
+from cakeops_numba._elements import store, widen
 from cakeops_numba._launch import THREADS, blocks_for, on_stream, view
 
 SMALL_GROUP = 32
@@ -46,9 +47,9 @@ def _silu(z):
 @cuda.jit(device=True)
 def _v(x, z, row, c, norm_before_gate):
     """The normalised quantity: ``x``, or ``x * silu(z)`` when the gate comes first."""
-    v = float32(x[row, c])
+    v = widen(x[row, c])
     if not norm_before_gate:
-        v *= _silu(float32(z[row, c]))[1]
+        v *= _silu(widen(z[row, c]))[1]
     return v
 
 
@@ -64,10 +65,10 @@ def _sum_sq(x, z, row, lo, hi, stride, norm_before_gate):
 @cuda.jit(device=True)
 def _forward_span(x, z, w, y, row, lo, hi, stride, rstd, norm_before_gate):
     for c in range(lo, hi, stride):
-        n = _v(x, z, row, c, norm_before_gate) * rstd * float32(w[c])
+        n = _v(x, z, row, c, norm_before_gate) * rstd * widen(w[c])
         if norm_before_gate:
-            n *= _silu(float32(z[row, c]))[1]
-        y[row, c] = n
+            n *= _silu(widen(z[row, c]))[1]
+        store(y, (row, c), n)
 
 
 @cuda.jit
@@ -98,10 +99,10 @@ def _gn_dot_n(x, z, w, g, row, lo, hi, stride, rstd, norm_before_gate):
     acc = float32(0.0)
     for c in range(lo, hi, stride):
         n = _v(x, z, row, c, norm_before_gate) * rstd
-        gy = float32(g[row, c])
+        gy = widen(g[row, c])
         if norm_before_gate:
-            gy *= _silu(float32(z[row, c]))[1]
-        acc += gy * float32(w[c]) * n
+            gy *= _silu(widen(z[row, c]))[1]
+        acc += gy * widen(w[c]) * n
     return acc
 
 
@@ -111,7 +112,7 @@ def _backward_span(
 ):
     blk = cuda.blockIdx.x
     for c in range(lo, hi, stride):
-        xv, zv, gv, wv = float32(x[row, c]), float32(z[row, c]), float32(g[row, c]), float32(w[c])
+        xv, zv, gv, wv = widen(x[row, c]), widen(z[row, c]), widen(g[row, c]), widen(w[c])
         sig, gate = _silu(zv)
         dsilu = sig * (float32(1.0) + zv * (float32(1.0) - sig))
         v = xv if norm_before_gate else xv * gate
@@ -123,11 +124,11 @@ def _backward_span(
         # gn * eps * rstd^3 is its exact form.
         dv = gn * eps * rstd * rstd * rstd if one else rstd * (gn - n * mean)
         if norm_before_gate:
-            dx[row, c] = dv
-            dz[row, c] = gv * n * wv * dsilu
+            store(dx, (row, c), dv)
+            store(dz, (row, c), gv * n * wv * dsilu)
         else:
-            dx[row, c] = dv * gate
-            dz[row, c] = dv * xv * dsilu
+            store(dx, (row, c), dv * gate)
+            store(dz, (row, c), dv * xv * dsilu)
 
 
 @cuda.jit
