@@ -26,7 +26,18 @@ if INTERPRET:
 else:
     _CONFIGS = [
         triton.Config({"BLOCK_L": bl}, num_warps=w, num_stages=st)
-        for bl, w, st in ((16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2), (128, 8, 2), (16, 8, 2))
+        for bl, w, st in (
+            # 16-bit inputs (tensor cores, operands staged through shared memory)
+            (16, 4, 2),
+            (32, 4, 2),
+            (64, 4, 2),
+            (64, 8, 2),
+            (128, 8, 2),
+            (16, 8, 2),
+            # float32 inputs (FMA dots with every operand in registers: 8 warps, no pipelining)
+            (16, 8, 1),
+            (32, 8, 1),
+        )
     ]
 
 
@@ -38,16 +49,17 @@ def _block_m(args) -> int:
 
 
 def _prune(configs, args, **kwargs):
-    """Configs that compile without spilling (``nox -s gpu_compile`` checks it): float32 (FMA
-    dots, every operand in registers) keeps chunks of at most 32 positions; 16-bit ones keep
-    ``BLOCK_L * BLOCK_E`` within 16384 on sm_90 (8 warps from E = 256) and within 2048 before it
-    (mma.sync keeps its operands in registers; E = 256 then runs 16-position chunks on 8
-    warps)."""
+    """Configs that compile without spilling (``nox -s gpu_compile`` checks it). float32: the
+    unpipelined 8-warp configs, 16-position chunks from E = 128 (E = 256 spills a little in
+    every float32 config). 16-bit: ``BLOCK_L * BLOCK_E`` within 16384 on sm_90 (8 warps from
+    E = 256) and within 2048 before it (mma.sync keeps its operands in registers; E = 256 then
+    runs 16-position chunks on 8 warps)."""
     block_e = kwargs["BLOCK_E"]
     if args["A"].element_size() == 4:
-        return [c for c in configs if c.kwargs["BLOCK_L"] <= 32]
-    hopper = driver.active.get_current_target().arch >= 90
-    if hopper:
+        fp32 = [c for c in configs if c.num_stages == 1]
+        return [c for c in fp32 if block_e < 128 or c.kwargs["BLOCK_L"] == 16]
+    configs = [c for c in configs if c.num_stages > 1]
+    if driver.active.get_current_target().arch >= 90:
         kept = [c for c in configs if c.kwargs["BLOCK_L"] * block_e <= 16384]
         return [c for c in kept if c.num_warps == 8] if block_e >= 256 else kept
     kept = [c for c in configs if c.kwargs["BLOCK_L"] * block_e <= 2048]

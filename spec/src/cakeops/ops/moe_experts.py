@@ -268,9 +268,10 @@ def route(router_logits, top_k, renormalize, scale, dtype=torch.float32) -> Rout
     r = probs.gather(1, experts)
     weights = r / r.sum(-1, keepdim=True) if renormalize else r
     flat = experts.flatten()
-    order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=probs.shape[1])
-    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    by_expert, order = torch.sort(flat, stable=True)
+    # each expert's first sorted row (no bincount: its output size would wait for the device)
+    ids = torch.arange(probs.shape[1] + 1, device=flat.device, dtype=flat.dtype)
+    offsets = torch.searchsorted(by_expert, ids)
     return Routing(probs, experts, r, weights * scale, order, order // top_k, offsets)
 
 
