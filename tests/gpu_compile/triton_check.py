@@ -215,12 +215,20 @@ def run_calls(arch: int, dtypes, ops=None) -> list[dict]:
         dtype = DTYPE_NAMES[call.dtype] + (
             " x, float32 weights" if call.variant == "float32-weights" else ""
         )
-        recorder.context = {"target": f"sm_{arch}", "dtype": dtype}
-        recorder.context["call"] = call.label()
-        fwd, bwd = inputs(call)
-        module = modules[call.op]
-        module.forward(*fwd)
-        module.backward(*bwd)
+        # float32 products also take TF32 where the user enables it: a path of its own
+        tf32_too = call.dtype == torch.float32 and call.op != "rmsnorm_silu_gate"
+        for tf32 in (False, True) if tf32_too else (False,):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            recorder.context = {
+                "target": f"sm_{arch}",
+                "dtype": dtype + (" (TF32)" if tf32 else ""),
+            }
+            recorder.context["call"] = call.label()
+            fwd, bwd = inputs(call)
+            module = modules[call.op]
+            module.forward(*fwd)
+            module.backward(*bwd)
+    torch.backends.cuda.matmul.allow_tf32 = False
     return recorder.rows
 
 

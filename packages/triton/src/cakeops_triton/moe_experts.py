@@ -94,7 +94,7 @@ def _prune_grad(configs, args, **kwargs):
 
 @triton.autotune(
     configs=_CONFIGS,
-    key=["N", "K", "MODE", "GATHER"],
+    key=["N", "K", "MODE", "GATHER", "DTYPE", "PRECISION"],
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit(do_not_specialize=["ROWS"])
@@ -184,7 +184,7 @@ def _grouped_mm(
 
 @triton.autotune(
     configs=_GRAD_CONFIGS,
-    key=["P", "Q", "GATHER_A", "GATHER_B", "SCALED_A"],
+    key=["P", "Q", "GATHER_A", "GATHER_B", "SCALED_A", "DTYPE", "PRECISION"],
     prune_configs_by={"early_config_prune": _prune_grad},
 )
 @triton.jit
