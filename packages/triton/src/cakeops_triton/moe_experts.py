@@ -248,19 +248,16 @@ def _mm(
     tile_expert, tile_row, _, ends = tables
     rows = idx.numel() if idx is not None else a.shape[0]
     mode = getattr(mode, "value", mode)
-    fp32 = dict(dtype=torch.float32, device=a.device)
     compute = torch.promote_types(a.dtype, w.dtype)
-    if mode in (SWIGLU.value, SWIGLU_BWD.value):
-        outs = [torch.empty((rows, n_out), dtype=compute, device=a.device)]
-    else:
-        outs = [torch.empty((rows, n_out), **fp32)]
+    stores_products = mode in (SWIGLU.value, SWIGLU_BWD.value)
+    out = torch.empty((rows, n_out), dtype=compute if stores_products else torch.float32,
+                      device=a.device)  # fmt: skip
+    out2, out3, dwp = out, out, out
     if mode == SWIGLU_BWD.value:
-        outs += [torch.empty_like(outs[0]), torch.empty_like(outs[0])]
+        out2, out3 = torch.empty_like(out), torch.empty_like(out)
         # zeros: the autotuner's tile width decides how many of these rows are written
-        dwp = torch.zeros((triton.cdiv(n_out, MIN_BLOCK_N), rows), **fp32)
-    else:
-        dwp = outs[0]
-    out, out2, out3 = (outs * 3)[:3] if len(outs) == 1 else outs
+        dwp = torch.zeros((triton.cdiv(n_out, MIN_BLOCK_N), rows), dtype=torch.float32,
+                          device=a.device)  # fmt: skip
     ws = _strides(w, transpose)
     ws2 = _strides(w if w2 is None else w2, transpose)
     ws3 = _strides(w if w3 is None else w3, True)
