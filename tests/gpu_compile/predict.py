@@ -72,6 +72,9 @@ def model(kernel: str, a: dict) -> tuple[float, float]:
         rows = a["A"].shape[0] if not a["GATHER_A"] else a["IDX_A"].numel()
         es = max(_size(a["A"]), _size(a["B"]))
         return rows * (P + Q) * es + experts * P * Q * _size(a["DW"]), 2 * rows * P * Q
+    if kernel == "_slot_sum_kernel":  # read the float32 slots, write each token's sum
+        tokens, D, k = a["_grid"][0], a["D"], a["TOP_K"]
+        return tokens * D * (k * 4 + _size(a["OUT"])), tokens * D * k
     raise KeyError(f"no byte/FLOP model for kernel {kernel}")
 
 

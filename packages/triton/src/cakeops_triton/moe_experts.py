@@ -21,8 +21,9 @@ cores with float32 accumulation. With float32 master weights the products run in
   expert's rows in order (deterministic; an expert with no rows stores exact zeros), ``A``'s rows
   optionally gathered and scaled by a per-row factor as they load.
 
-What is left to PyTorch is summing each token's ``top_k`` slots in slot order (deterministic, no
-atomics), the routing itself, and the sum of the routing-weight partials over column tiles.
+``_slot_sum_kernel`` then sums each token's ``top_k`` slots in slot order (deterministic, no
+atomics: one read of the float32 slots, one write in ``x``'s dtype). What is left to PyTorch is
+the routing itself and the sum of the routing-weight partials over column tiles.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cakeops.ops.moe_experts import route, routing_backward, row_tiles, row_weights, slot_sum
+from cakeops.ops.moe_experts import route, routing_backward, row_tiles, row_weights
 from cakeops_triton._common import INTERPRET, dot, dot_precision, round_to
 
 # Row tiles are laid out by the tile table, so BLOCK_M is fixed; the autotuner picks the rest
@@ -226,6 +227,30 @@ def _grouped_weight_grad(
     tl.store(DW + out, round_to(acc, DW.dtype.element_ty), mask=(p < P)[:, None] & (q < Q)[None, :])
 
 
+@triton.jit
+def _slot_sum_kernel(SLOTS, OUT, D, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``out[t] = sum_s slots[t, s]`` in slot order (deterministic), stored in ``OUT``'s dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = cols < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for s in range(TOP_K):
+        acc += tl.load(SLOTS + (t * TOP_K + s) * D + cols, mask=ok, other=0.0)
+    tl.store(OUT + t * D + cols, round_to(acc, OUT.dtype.element_ty), mask=ok)
+
+
+def _slot_sum(slots: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``(T * top_k, D)`` float32 rows in ``(token, slot)`` order summed per token: one read
+    of the slots, one write of the result in ``dtype``."""
+    D = slots.shape[1]
+    out = torch.empty((slots.shape[0] // top_k, D), dtype=dtype, device=slots.device)
+    block_d = min(1024, triton.next_power_of_2(max(D, 16)))
+    _slot_sum_kernel[(out.shape[0], triton.cdiv(D, block_d))](
+        slots, out, D, TOP_K=top_k, BLOCK_D=block_d
+    )
+    return out
+
+
 def _strides(w: torch.Tensor, transpose: bool = False) -> tuple[int, int, int]:
     """``(expert, n, k)`` strides reading ``w[e]`` as ``W[e]`` (``a @ W[e]^T``) or, transposed,
     as ``W[e]^T`` (``a @ W[e]``)."""
@@ -309,7 +334,7 @@ def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
     h = _mm(x, routing.token, w_gate, tables, F_, D, w2=w_up, mode=SWIGLU)
     # the combine in the epilogue: w_ts * y_ts stored at its (token, slot) row
     slots = _mm(h, None, w_down, tables, D, F_, dst=routing.order, scale=row_weights(routing))
-    return slot_sum(slots, routing).to(x.dtype)
+    return _slot_sum(slots, top_k, x.dtype)
 
 
 def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
@@ -337,7 +362,7 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     )  # fmt: skip
     dlogits = routing_backward(routing, dweights.view_as(routing.weights), renormalize, scale)
     return (
-        slot_sum(dx_slots, routing).to(x.dtype),
+        _slot_sum(dx_slots, top_k, x.dtype),
         dlogits.to(router_logits.dtype),
         d_gate,
         d_up,
