@@ -81,6 +81,9 @@ def _worker(rank: int, init_file: str, mode: str, out_dir: str) -> None:
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         if rank == 0:
             torch.save(grads, os.path.join(out_dir, f"{mode}.pt"))
+        # Both ranks done before either tears the group down: gloo aborts the process (about one
+        # run in three here) when a peer leaves while DDP's last exchange is still in flight.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
