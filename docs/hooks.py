@@ -29,6 +29,11 @@ def _table(op: str) -> str:
         marks = ["yes" if d in declared else "no" for d in DTYPES]
         devices = ", ".join(
             f"{'any' if d == '*' else d}: {'explicit only' if p is None else p}"
+            + (
+                f" ({', '.join(dtype_name(t) for t in kernels.device_dtypes[d])} only)"
+                if d in kernels.device_dtypes
+                else ""
+            )
             for d, p in kernels.devices.items()
         )
         lines.append(f"| `{name}` | {' | '.join(marks)} | {devices} |")

@@ -52,12 +52,18 @@ class OpKernels:
     kernel signature (see the op's spec module). ``devices`` maps a device type (``"cpu"``,
     ``"cuda"``, ... or ``"*"`` for any) to the priority of implicit selection there; ``None``
     serves the device only when the backend is chosen explicitly. ``dtypes`` lists the input
-    dtypes the kernels support (the dtype of the op's first tensor argument).
+    dtypes the kernels support (the dtype of the op's first tensor argument); ``device_dtypes``
+    narrows them on a device type where fewer are supported there.
     """
 
     module: str
     devices: Mapping[str, int | None]
     dtypes: tuple[torch.dtype, ...]
+    device_dtypes: Mapping[str, tuple[torch.dtype, ...]] = field(default_factory=dict)
+
+    def dtypes_on(self, device_type: str) -> tuple[torch.dtype, ...]:
+        """The input dtypes supported on ``device_type``."""
+        return tuple(self.device_dtypes.get(device_type, self.dtypes))
 
     def priority(self, device_type: str) -> int | None:
         return self.devices.get(device_type, self.devices.get("*"))
@@ -93,9 +99,13 @@ class Backend:
         if not kernels.serves(device_type):
             served = ", ".join(sorted(kernels.devices))
             reasons.append(f"serves devices {served} for {op}, got {device_type}")
-        if first is not None and first.dtype not in kernels.dtypes:
-            supported = ", ".join(dtype_name(d) for d in kernels.dtypes)
-            reasons.append(f"supports dtypes {supported} for {op}, got {dtype_name(first.dtype)}")
+        dtypes = kernels.dtypes_on(device_type)
+        if first is not None and first.dtype not in dtypes:
+            supported = ", ".join(dtype_name(d) for d in dtypes)
+            where = f" on {device_type}" if device_type in kernels.device_dtypes else ""
+            reasons.append(
+                f"supports dtypes {supported} for {op}{where}, got {dtype_name(first.dtype)}"
+            )
         return reasons
 
     def kernels(self, op: str) -> ModuleType:

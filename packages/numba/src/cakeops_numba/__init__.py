@@ -42,11 +42,6 @@ def devices(cpu_kernel: bool) -> dict[str, int | None]:
     return {"cuda": CUDA_PRIORITY, **({"cpu": CPU_PRIORITY} if cpu_kernel else {})}
 
 
-CPU_BFLOAT16_REASON = (
-    "bfloat16 on the CPU: the njit kernels take float16 and float32 (numpy has no bfloat16)"
-)
-
-
 class NumbaBackend(Backend):
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("numba") is None:
@@ -74,12 +69,6 @@ class NumbaBackend(Backend):
         on_cuda = first is not None and first.device.type == "cuda"
         if on_cuda and self.cuda_unavailable_reason is not None:
             reasons.append(self.cuda_unavailable_reason)
-        on_cpu_kernels = first is not None and first.device.type == "cpu" and not SIMULATOR
-        bf16 = any(
-            isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in inputs.values()
-        )
-        if on_cpu_kernels and bf16:
-            reasons.append(CPU_BFLOAT16_REASON)
         return reasons
 
 
@@ -92,7 +81,11 @@ backend = NumbaBackend(
             module="cakeops_numba.rmsnorm_silu_gate", devices=devices(False), dtypes=DTYPES
         ),
         "causal_dot_product": OpKernels(
-            module="cakeops_numba.causal_dot_product", devices=devices(True), dtypes=DTYPES
+            module="cakeops_numba.causal_dot_product",
+            devices=devices(True),
+            dtypes=DTYPES,
+            # the njit CPU kernel: float16 and float32; the simulator takes every dtype
+            device_dtypes={} if SIMULATOR else {"cpu": (torch.float16, torch.float32)},
         ),
         "moe_experts": OpKernels(
             module="cakeops_numba.moe_experts", devices=devices(False), dtypes=DTYPES

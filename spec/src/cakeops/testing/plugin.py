@@ -99,7 +99,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     wanted = marker.args if marker else None
     pairs, ids = [], []
     for name in names:
-        declared = installed[name].ops[op].dtypes if name in installed else ()
+        declared = installed[name].ops[op].dtypes_on(device_type) if name in installed else ()
         for dtype in declared:
             if wanted is None or dtype in wanted:
                 pairs.append((name, dtype))
