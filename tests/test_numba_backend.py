@@ -76,6 +76,12 @@ def test_automatic_choice_on_cpu():
         assert picked.name == expected, dtype
     reasons = numba_backend.not_supported_reasons("rmsnorm_silu_gate", {"x": q})
     assert any("serves devices cuda" in r for r in reasons)
+    # bfloat16 is a CUDA dtype of the backend: the CPU kernel's narrower list is the reason
+    t = q.bfloat16()
+    reasons = numba_backend.not_supported_reasons("causal_dot_product", {"q": t, "k": t, "v": t})
+    assert reasons == [
+        "supports dtypes float16, float32 for causal_dot_product on cpu, got bfloat16"
+    ]
 
 
 def test_cuda_reason_is_reported_without_a_device():
