@@ -43,7 +43,8 @@ else:
 
 def _block_m(args) -> int:
     """Columns of ``v`` per program: the float32 ``E x BLOCK_M`` state stays within 4096
-    elements (32 registers a thread at 4 warps), so nothing spills up to E = 256."""
+    elements for 16-bit inputs (32 registers a thread at 4 warps) and 2048 for float32 ones, so
+    nothing spills up to E = 256 (``nox -s gpu_compile`` checks it)."""
     cap = max(16, (4096 if args["A"].element_size() < 4 else 2048) // args["BLOCK_E"])
     return max(16, min(cap, 64, triton.next_power_of_2(args["M"])))
 
@@ -59,7 +60,8 @@ def _prune(configs, args, **kwargs):
         fp32 = [c for c in configs if c.num_stages == 1]
         return [c for c in fp32 if block_e < 128 or c.kwargs["BLOCK_L"] == 16]
     configs = [c for c in configs if c.num_stages > 1]
-    if driver.active.get_current_target().arch >= 90:
+    target = driver.active.get_current_target()
+    if target.backend != "cuda" or target.arch >= 90:  # wgmma (or not NVIDIA: untuned)
         kept = [c for c in configs if c.kwargs["BLOCK_L"] * block_e <= 16384]
         return [c for c in kept if c.num_warps == 8] if block_e >= 256 else kept
     kept = [c for c in configs if c.kwargs["BLOCK_L"] * block_e <= 2048]
