@@ -72,3 +72,8 @@ def test_bench_renders_tables_and_plots_from_a_saved_record(tmp_path):
     table = (tmp_path / "md" / "rmsnorm_silu_gate.md").read_text()
     assert "| cakeops [torch] | 500.0 | 2.00x | 0.5 | 0.0 |" in table
     assert "wrote" in out and not (tmp_path / "md" / "moe_experts.md").exists()
+
+
+def test_info_reports_a_malformed_backend_variable_without_a_traceback():
+    out = run("cakeops", "info", env={"CAKEOPS_BACKEND": ","})
+    assert "forced for rmsnorm_silu_gate: error: CAKEOPS_BACKEND: expected a backend name" in out

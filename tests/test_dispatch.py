@@ -273,3 +273,13 @@ def test_use_backend_rejects_bad_arguments():
         cakeops.use_backend("torch", op="nope"),
     ):
         pass
+
+
+@pytest.mark.parametrize("value", [",", " , ", "torch,,", ",torch"])
+def test_a_malformed_backend_variable_is_named_in_the_error(value, monkeypatch):
+    monkeypatch.setenv("CAKEOPS_BACKEND", value)
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match=r"CAKEOPS_BACKEND: expected a backend name"):
+        cakeops.rmsnorm_silu_gate(x, x, torch.ones(4))
+    with pytest.raises(ValueError, match=r"use_backend\(\): expected"), cakeops.use_backend([""]):
+        pass

@@ -66,9 +66,13 @@ def gather_info() -> dict[str, Any]:
             reason = registry.load_errors().get(name, f"not installed: pip install {dist}")
             info["backends"][name] = {"distribution": dist, "available": False, "reason": reason}
     for op, spec in SPECS.items():
-        forced = registry.forced_choice(op)
-        if forced is not None:
-            info["forced"][op] = f"{','.join(forced[0])} (from {forced[1]})"
+        try:
+            forced = registry.forced_choice(op)
+        except ValueError as exc:  # a malformed CAKEOPS_BACKEND*: every call of the op says so
+            info["forced"][op] = f"error: {exc}"
+        else:
+            if forced is not None:
+                info["forced"][op] = f"{','.join(forced[0])} (from {forced[1]})"
         info["picks"][op] = {}
         for device in info["devices"]:
             picks = {}

@@ -214,12 +214,18 @@ _forced: contextvars.ContextVar[Mapping[str | None, tuple[str, ...]] | None] = (
 )
 
 
-def _parse_names(names: str | Sequence[str]) -> tuple[str, ...]:
+def _parse_names(names: str | Sequence[str], source: str) -> tuple[str, ...]:
+    """Backend names from a name, a comma-separated list or a sequence; ``source`` (where they
+    came from: ``use_backend()`` or an environment variable) names the culprit in the error."""
+    given = names
     if isinstance(names, str):
         names = names.split(",")
-    parsed = tuple(n.strip() for n in names if n.strip())
-    if not parsed:
-        raise ValueError(f"expected a backend name or a comma-separated list, got {names!r}")
+    parsed = tuple(n.strip() for n in names if isinstance(n, str) and n.strip())
+    if not parsed or len(parsed) != len(names):
+        raise ValueError(
+            f"{source}: expected a backend name or a comma-separated list of backend names, "
+            f"got {given!r}"
+        )
     return parsed
 
 
@@ -232,7 +238,7 @@ def use_backend(names: str | Sequence[str], *, op: str | None = None) -> Iterato
     if op is not None and op not in OPS:
         raise ValueError(f"use_backend: op must be one of {', '.join(OPS)}, got {op!r}")
     current = dict(_forced.get() or {})
-    current[op] = _parse_names(names)
+    current[op] = _parse_names(names, "use_backend()")
     token = _forced.set(current)
     try:
         yield
@@ -249,7 +255,7 @@ def forced_choice(op: str) -> tuple[tuple[str, ...], str] | None:
     for var in (f"CAKEOPS_BACKEND_{op.upper()}", "CAKEOPS_BACKEND"):
         value = os.environ.get(var, "").strip()
         if value:
-            return _parse_names(value), var
+            return _parse_names(value, var), var
     return None
 
 
