@@ -77,3 +77,21 @@ def test_moe_module_defaults():
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     assert m(x, torch.randn(3, 4)).dtype == torch.bfloat16
     assert "top_k=2" in repr(m)
+
+
+def test_modules_initialise_after_meta_construction():
+    """The deferred-initialisation pattern: build on the meta device, ``to_empty``, then
+    ``reset_parameters`` gives the same weights as eager construction (no garbage memory)."""
+    with torch.device("meta"):
+        norm = cakeops.nn.RMSNormSiLUGate(8)
+        moe = cakeops.nn.MoEExperts(4, 8, 6, top_k=2)
+    norm.to_empty(device="cpu").reset_parameters()
+    moe.to_empty(device="cpu")
+    torch.manual_seed(0)
+    moe.reset_parameters()
+    assert torch.equal(norm.weight, torch.ones(8))
+    torch.manual_seed(0)
+    eager = cakeops.nn.MoEExperts(4, 8, 6, top_k=2)
+    for name in ("w_gate", "w_up", "w_down"):
+        assert torch.equal(getattr(moe, name), getattr(eager, name)), name
+    assert cakeops.nn.MoEExperts(2, 0, 3, top_k=1).w_gate.shape == (2, 3, 0)  # D = 0 initialises

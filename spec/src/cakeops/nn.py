@@ -29,7 +29,12 @@ class RMSNormSiLUGate(torch.nn.Module):
         self.eps = eps
         self.group_size = group_size
         self.norm_before_gate = norm_before_gate
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``weight`` to ones (also after meta-device construction and ``to_empty()``)."""
+        torch.nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return rmsnorm_silu_gate(
@@ -82,7 +87,7 @@ class MoEExperts(torch.nn.Module):
     def reset_parameters(self) -> None:
         """``nn.Linear``'s default initialisation, expert by expert."""
         for w in (self.w_gate, self.w_up, self.w_down):
-            bound = w.shape[-1] ** -0.5
+            bound = max(1, w.shape[-1]) ** -0.5
             torch.nn.init.uniform_(w, -bound, bound)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
