@@ -49,7 +49,8 @@ def _grouped(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         return False
     allowed = {"cpu": (torch.float32,), "cuda": (torch.bfloat16,)}.get(x.device.type, ())
     align = 16 // x.element_size()
-    return x.dtype in allowed and x.shape[1] % align == 0 and weights[0].shape[1] % align == 0
+    D, F = x.shape[1], weights[0].shape[1]
+    return x.dtype in allowed and D > 0 and F > 0 and D % align == 0 and F % align == 0
 
 
 def _runs(routing: Routing, width: int):

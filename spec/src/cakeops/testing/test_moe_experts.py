@@ -49,9 +49,9 @@ def make_inputs(T, D, F, E, dtype, device, weight_dtype=None, seed=0, skew=False
 
     wd = weight_dtype or dtype
     x = rand(T, D, scale=1.0).to(device, dtype).requires_grad_()
-    w_gate = rand(E, F, D, scale=D**-0.5).to(device, wd).requires_grad_()
-    w_up = rand(E, F, D, scale=D**-0.5).to(device, wd).requires_grad_()
-    w_down = rand(E, D, F, scale=F**-0.5).to(device, wd).requires_grad_()
+    w_gate = rand(E, F, D, scale=max(D, 1) ** -0.5).to(device, wd).requires_grad_()
+    w_up = rand(E, F, D, scale=max(D, 1) ** -0.5).to(device, wd).requires_grad_()
+    w_down = rand(E, D, F, scale=max(F, 1) ** -0.5).to(device, wd).requires_grad_()
     router_logits = logits.to(device, torch.float32).requires_grad_()
     g = rand(T, D, scale=1.0).to(device, dtype)
     return (x, router_logits, w_gate, w_up, w_down), g
@@ -154,6 +154,18 @@ class TestMoEExperts:
         tensors, g = make_inputs(0, 8, 6, 4, dtype, device)
         out, dx, dlogits, *dweights = run_with_grads(op_with(2), tensors, g)
         assert out.shape == (0, 8) and dx.shape == (0, 8) and dlogits.shape == (0, 4)
+        for dw, w in zip(dweights, tensors[2:], strict=True):
+            assert torch.equal(dw, torch.zeros_like(w))
+
+    @pytest.mark.parametrize("D, F", [(0, 6), (8, 0)], ids=["d0", "f0"])
+    def test_empty_feature_dims(self, backend, dtype, device, D, F):
+        """No hidden or no intermediate features: the output is exactly zero (``(T, 0)`` or
+        zeros), and so are every gradient that has elements."""
+        tensors, g = make_inputs(5, D, F, 4, dtype, device)
+        out, dx, dlogits, *dweights = run_with_grads(op_with(2), tensors, g)
+        assert out.shape == (5, D) and torch.equal(out, torch.zeros_like(out))
+        assert torch.equal(dx, torch.zeros_like(dx))
+        assert torch.equal(dlogits, torch.zeros_like(dlogits))
         for dw, w in zip(dweights, tensors[2:], strict=True):
             assert torch.equal(dw, torch.zeros_like(w))
 
