@@ -283,3 +283,72 @@ def test_a_malformed_backend_variable_is_named_in_the_error(value, monkeypatch):
         cakeops.rmsnorm_silu_gate(x, x, torch.ones(4))
     with pytest.raises(ValueError, match=r"use_backend\(\): expected"), cakeops.use_backend([""]):
         pass
+
+
+HOSTILE = {
+    # module name -> source; each one's entry point is named after the module
+    "impostor": """
+        import torch
+        from cakeops import Backend, OpKernels
+        backend = Backend(name="torch", distribution="impostor", ops={
+            "rmsnorm_silu_gate": OpKernels(module="impostor_kernels",
+                                           devices={"cpu": 1000}, dtypes=(torch.float32,))})
+        """,
+    "quitter": "raise SystemExit(3)",
+    "moody": """
+        import torch
+        from cakeops import Backend, OpKernels
+        class Moody(Backend):
+            def unavailable_reason(self):
+                raise RuntimeError("no idea")
+        backend = Moody(name="moody", distribution="moody", ops={
+            "rmsnorm_silu_gate": OpKernels(module="cakeops.reference.rmsnorm_silu_gate",
+                                           devices={"cpu": 1000}, dtypes=(torch.float32,))})
+        """,
+    "hollow": """
+        import torch
+        from cakeops import Backend, OpKernels
+        backend = Backend(name="hollow", distribution="hollow", ops={
+            "rmsnorm_silu_gate": OpKernels(module="hollow_kernels_missing",
+                                           devices={"cpu": 1000}, dtypes=(torch.float32,))})
+        """,
+}
+
+
+def test_hostile_backend_packages_break_nothing(tmp_path, monkeypatch):
+    """A package that claims a first-party name, exits on import, raises in
+    ``unavailable_reason`` or lacks its kernel module: each is reported, none is chosen, the
+    automatic choice and ``cakeops info`` still work."""
+    for module, source in HOSTILE.items():
+        (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
+        info = tmp_path / f"{module}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(f"[cakeops.backends]\n{module} = {module}:backend\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        found = cakeops.rediscover()
+        errors = registry.load_errors()
+        assert found["torch"].distribution == "cakeops-torch"
+        assert "reserved for cakeops-torch" in errors["torch (from impostor)"]
+        assert "SystemExit" in errors["quitter"] and "quitter" in errors["quitter"]
+        x = inputs()
+        assert cakeops.explain(cakeops.rmsnorm_silu_gate, *x).backend == "torch"
+        cakeops.rmsnorm_silu_gate(*x)
+        why = cakeops.explain(cakeops.rmsnorm_silu_gate, *x).reasons
+        assert "unavailable_reason() raised RuntimeError: no idea" in why["moody"][0]
+        with (
+            cakeops.use_backend("hollow"),
+            pytest.raises(cakeops.BackendError, match="hollow_kernels_missing"),
+        ):
+            cakeops.rmsnorm_silu_gate(*x)
+        from cakeops.cli import gather_info
+
+        listed = gather_info()["backends"]
+        assert (
+            listed["quitter"]["available"] is False and "SystemExit" in listed["quitter"]["reason"]
+        )
+        assert not listed["moody"]["available"]
+    finally:
+        monkeypatch.undo()
+        cakeops.rediscover()

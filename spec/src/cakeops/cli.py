@@ -50,8 +50,8 @@ def gather_info() -> dict[str, Any]:
         info["backends"][name] = {
             "distribution": backend.distribution,
             "version": _version(backend.distribution),
-            "available": backend.is_available(),
-            "reason": backend.unavailable_reason(),
+            "available": registry.why_unavailable(backend) is None,
+            "reason": registry.why_unavailable(backend),
             "description": backend.description,
             "ops": {
                 op: {
@@ -65,6 +65,13 @@ def gather_info() -> dict[str, Any]:
         if name not in installed:
             reason = registry.load_errors().get(name, f"not installed: pip install {dist}")
             info["backends"][name] = {"distribution": dist, "available": False, "reason": reason}
+    for name, reason in registry.load_errors().items():  # broken third-party entry points
+        if name not in info["backends"]:
+            info["backends"][name] = {
+                "distribution": "(failed to load)",
+                "available": False,
+                "reason": reason,
+            }
     for op, spec in SPECS.items():
         try:
             forced = registry.forced_choice(op)

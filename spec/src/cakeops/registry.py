@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import importlib.util
 import os
+import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -136,29 +138,76 @@ _backends: dict[str, Backend] | None = None
 _load_errors: dict[str, str] = {}
 _implicit_order: dict[tuple[str, str], tuple[Backend, ...]] = {}
 _unavailable: dict[str, str | None] = {}
+_missing: dict[tuple[str, str], str | None] = {}
 
 
-def _unavailable_reason(backend: Backend) -> str | None:
-    """``backend.unavailable_reason()``, asked once per backend (availability does not change)."""
+def why_unavailable(backend: Backend) -> str | None:
+    """``backend.unavailable_reason()``, asked once per backend (availability does not change);
+    a method that raises makes the backend unavailable, with the error as the reason."""
     if backend.name not in _unavailable:
-        _unavailable[backend.name] = backend.unavailable_reason()
+        try:
+            reason = backend.unavailable_reason()
+        except Exception as exc:  # a broken backend must not break the others
+            reason = f"unavailable_reason() raised {type(exc).__name__}: {exc}"
+        _unavailable[backend.name] = reason
     return _unavailable[backend.name]
 
 
+def _kernels_missing(backend: Backend, op: str) -> str | None:
+    """Why ``backend``'s kernel module for ``op`` cannot be imported (``None`` when it is
+    there), looked up once: such a backend is never chosen for the op implicitly."""
+    key = (backend.name, op)
+    if key not in _missing:
+        module = backend.ops[op].module
+        try:
+            found = module in sys.modules or importlib.util.find_spec(module) is not None
+        except Exception:  # a parent package that fails to import
+            found = False
+        _missing[key] = None if found else f"kernel module {module!r} of {op} not found"
+    return _missing[key]
+
+
+def _distribution(ep: metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return dist.name if dist is not None else "an unknown distribution"
+
+
 def _discover() -> dict[str, Backend]:
+    """Every backend an entry point names. Nothing a backend package does here can break the
+    others: an entry point that fails to load (any exception, ``SystemExit`` included) or gives
+    no ``Backend`` is reported in :func:`load_errors` under its name and package; a backend name
+    of the in-tree packages is reserved for them; a name taken twice keeps the first."""
     from cakeops.reference import backend as reference
 
     found: dict[str, Backend] = {reference.name: reference}
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = _distribution(ep)
         try:
             obj = ep.load()
             backend = obj() if callable(obj) and not isinstance(obj, Backend) else obj
             if not isinstance(backend, Backend):
                 raise TypeError(f"entry point gave {type(backend).__name__}, not a Backend")
-        except Exception as exc:  # a broken third-party backend must not break the others
-            _load_errors[ep.name] = f"failed to load entry point {ep.value!r}: {exc}"
+        except (Exception, SystemExit) as exc:
+            _load_errors[ep.name] = (
+                f"failed to load entry point {ep.value!r} of {dist}: {type(exc).__name__}: {exc}"
+            )
             continue
-        found.setdefault(backend.name, backend)
+        owner = KNOWN_DISTRIBUTIONS.get(
+            backend.name, "cakeops" if backend.name == "reference" else None
+        )
+        if owner is not None and dist.replace("_", "-").lower() != owner:
+            _load_errors[f"{backend.name} (from {dist})"] = (
+                f"{dist} registers a backend named {backend.name!r}, a name reserved for "
+                f"{owner}: ignored"
+            )
+            continue
+        if backend.name in found:
+            _load_errors[f"{backend.name} (from {dist})"] = (
+                f"{dist} registers a backend named {backend.name!r}, already registered by "
+                f"{found[backend.name].distribution}: ignored"
+            )
+            continue
+        found[backend.name] = backend
     return found
 
 
@@ -180,6 +229,7 @@ def rediscover() -> dict[str, Backend]:
         _load_errors.clear()
         _implicit_order.clear()
         _unavailable.clear()
+        _missing.clear()
     return backends()
 
 
@@ -191,12 +241,14 @@ def register_backend(backend: Backend, *, replace: bool = False) -> None:
     found[backend.name] = backend
     _implicit_order.clear()
     _unavailable.pop(backend.name, None)
+    _missing.clear()
 
 
 def unregister_backend(name: str) -> None:
     backends().pop(name, None)
     _implicit_order.clear()
     _unavailable.pop(name, None)
+    _missing.clear()
 
 
 def load_errors() -> dict[str, str]:
@@ -267,7 +319,11 @@ def _implicit_candidates(op: str, device_type: str) -> tuple[Backend, ...]:
         for backend in backends().values():
             kernels = backend.ops.get(op)
             prio = kernels.priority(device_type) if kernels else None
-            if prio is not None and _unavailable_reason(backend) is None:
+            if (
+                prio is not None
+                and why_unavailable(backend) is None
+                and _kernels_missing(backend, op) is None
+            ):
                 ranked.append((-prio, backend.name, backend))
         order = tuple(b for _, _, b in sorted(ranked, key=lambda r: r[:2]))
         _implicit_order[key] = order
@@ -281,9 +337,12 @@ def _reasons(backend: Backend | None, name: str, op: str, inputs: Mapping[str, A
         dist = KNOWN_DISTRIBUTIONS.get(name)
         hint = f"; install it with `pip install {dist}`" if dist else ""
         return [f"not installed{hint}"]
-    unavailable = _unavailable_reason(backend)
+    unavailable = why_unavailable(backend)
     if unavailable is not None:
         return [f"unavailable: {unavailable}"]
+    missing = _kernels_missing(backend, op) if op in backend.ops else None
+    if missing is not None:
+        return [missing]
     return backend.not_supported_reasons(op, inputs)
 
 

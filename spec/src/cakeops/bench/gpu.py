@@ -49,7 +49,8 @@ def device_limits(device: torch.device, quick: bool) -> dict[str, float]:
 def _backends_for(op: str, example: dict[str, Any]) -> list[str]:
     names = []
     for name, backend in registry.backends().items():
-        usable = backend.is_available() and not backend.not_supported_reasons(op, example)
+        usable = registry.why_unavailable(backend) is None
+        usable = usable and not backend.not_supported_reasons(op, example)
         if name != "reference" and usable:
             names.append(name)
     return names

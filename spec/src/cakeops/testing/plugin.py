@@ -58,7 +58,7 @@ def backends_under_test(config: pytest.Config) -> list[str]:
         return requested
     from cakeops import registry
 
-    return [name for name, b in registry.backends().items() if b.is_available()]
+    return [name for name, b in registry.backends().items() if registry.why_unavailable(b) is None]
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -67,8 +67,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = [f"cakeops backends under test: {', '.join(backends_under_test(config))}"]
     if not _requested(config):
         for name, backend in registry.backends().items():
-            if not backend.is_available():
-                lines.append(f"  left out {name}: {backend.unavailable_reason()}")
+            if registry.why_unavailable(backend) is not None:
+                lines.append(f"  left out {name}: {registry.why_unavailable(backend)}")
     return lines
 
 
@@ -117,8 +117,8 @@ def backend(request: pytest.FixtureRequest):
     found = registry.backends().get(name)
     if found is None:
         pytest.fail(f"backend {name!r} is not installed: {registry.load_errors().get(name, '')}")
-    if not found.is_available():
-        pytest.fail(f"backend {name!r} is unavailable: {found.unavailable_reason()}")
+    if registry.why_unavailable(found) is not None:
+        pytest.fail(f"backend {name!r} is unavailable: {registry.why_unavailable(found)}")
     with cakeops.use_backend(name):
         yield name
 
