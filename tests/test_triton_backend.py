@@ -111,3 +111,50 @@ def test_compile_check_reads_how_each_dot_lowers(monkeypatch):
         {"lowering": "fma", "operands": "f32", "source": "causal_dot_product.py:99"},
         {"lowering": "wgmma", "operands": "f16", "source": "causal_dot_product.py:99"},
     ]
+
+
+THREADS = textwrap.dedent(
+    """
+    import sys, threading, torch, cakeops
+    backend = sys.argv[1]
+    torch.manual_seed(0)
+    x, z, w = torch.randn(64, 64), torch.randn(64, 64), torch.rand(64) + 0.5
+    q, v = torch.randn(1, 2, 40, 16) * 0.25, torch.randn(1, 2, 40, 16)
+    with cakeops.use_backend(backend):
+        ref = (cakeops.rmsnorm_silu_gate(x, z, w), cakeops.causal_dot_product(q, q, v))
+    errors, outs = [], []
+    def work():
+        try:
+            with cakeops.use_backend(backend):
+                for _ in range(2):
+                    outs.append((cakeops.rmsnorm_silu_gate(x, z, w),
+                                 cakeops.causal_dot_product(q, q, v)))
+        except Exception as exc:
+            errors.append(repr(exc))
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert len(outs) == 8
+    assert all(torch.equal(a, ref[0]) and torch.equal(b, ref[1]) for a, b in outs)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "backend, env",
+    [("triton", {"TRITON_INTERPRET": "1"}), ("numba", {"NUMBA_ENABLE_CUDASIM": "1"})],
+    ids=["triton-interpreter", "numba-simulator"],
+)
+def test_interpreter_and_simulator_serve_several_threads(backend, env):
+    """Their state is process-global: calls from several threads take turns and give the same
+    results as one thread."""
+    pytest.importorskip(backend)
+    done = subprocess.run(
+        [sys.executable, "-c", THREADS, backend], env={**os.environ, **env},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]

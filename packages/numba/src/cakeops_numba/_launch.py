@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -46,6 +47,7 @@ def blocks_for(rows: int, device: torch.device) -> int:
 # that synchronise often run 5-7x faster with a short interval; ones whose threads run long
 # loops between barriers prefer a longer one.
 SIMULATOR_SWITCH_INTERVAL_S = 2e-4
+_SIMULATOR_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -54,12 +56,15 @@ def on_stream(
 ) -> Iterator[object]:
     """PyTorch's current stream on ``device`` as a numba stream (``0`` in the simulator)."""
     if device.type != "cuda":
-        previous = sys.getswitchinterval()
-        sys.setswitchinterval(sim_switch_interval_s)
-        try:
-            yield 0
-        finally:
-            sys.setswitchinterval(previous)
+        # The simulator swaps numba's cuda module for each launch, process-wide: concurrent
+        # launches from several Python threads break it, so they take turns.
+        with _SIMULATOR_LOCK:
+            previous = sys.getswitchinterval()
+            sys.setswitchinterval(sim_switch_interval_s)
+            try:
+                yield 0
+            finally:
+                sys.setswitchinterval(previous)
         return
     with cuda.gpus[device.index or 0]:
         yield cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)

@@ -9,7 +9,9 @@ its ``tl.dot`` multiplies the raw bits of bfloat16 operands.
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 
 import torch
 import triton
@@ -21,6 +23,24 @@ EMULATE: tl.constexpr = tl.constexpr(INTERPRET)
 # multiprocessors is small, so that its launches loop over several blocks each.
 PROGRAMS_PER_SM = 4
 INTERPRETER_SMS = 2
+
+
+# The interpreter keeps its state in process globals: concurrent calls from several Python
+# threads break it, so under the interpreter the ops take turns.
+_INTERPRETER_LOCK = threading.RLock()
+
+
+def serialised(fn):
+    """``fn`` as it is on a GPU; under the interpreter, one call at a time."""
+    if not INTERPRET:
+        return fn
+
+    @functools.wraps(fn)
+    def one_at_a_time(*args, **kwargs):
+        with _INTERPRETER_LOCK:
+            return fn(*args, **kwargs)
+
+    return one_at_a_time
 
 
 def multiprocessors(device: torch.device) -> int:

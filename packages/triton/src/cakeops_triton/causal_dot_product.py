@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.runtime.driver import driver
 
 from cakeops.ops.causal_dot_product import backward_by_scans
-from cakeops_triton._common import INTERPRET, dot, dot_precision, round_to
+from cakeops_triton._common import INTERPRET, dot, dot_precision, round_to, serialised
 
 # Chunk length and warps tuned per (E, M, direction, precision) -- never per sequence length.
 # The interpreter gets one config.
@@ -150,9 +150,11 @@ def _run(a, b, c, reverse: bool) -> torch.Tensor:
     return out
 
 
+@serialised
 def forward(q, k, v):
     return _run(q, k, v, reverse=False)
 
 
+@serialised
 def backward(g, q, k, v):
     return backward_by_scans(_run, g, q, k, v)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from cakeops.ops.moe_experts import route, routing_backward, row_tiles, row_weights
-from cakeops_triton._common import INTERPRET, dot, dot_precision, round_to
+from cakeops_triton._common import INTERPRET, dot, dot_precision, round_to, serialised
 
 # Row tiles are laid out by the tile table, so BLOCK_M is fixed; the autotuner picks the rest
 # per (N, K, mode) -- never per token count. The interpreter gets one small config.
@@ -326,6 +326,7 @@ def _weight_grad(
     return dw
 
 
+@serialised
 def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
     D, F_ = x.shape[1], w_gate.shape[1]
     routing = route(router_logits, top_k, renormalize, scale)
@@ -337,6 +338,7 @@ def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
     return _slot_sum(slots, top_k, x.dtype)
 
 
+@serialised
 def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
     D = x.shape[1]
     E, F_, _ = w_gate.shape

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cakeops_triton._common import PROGRAMS_PER_SM, multiprocessors, round_to
+from cakeops_triton._common import PROGRAMS_PER_SM, multiprocessors, round_to, serialised
 
 MAX_BLOCK_G = 1024
 TILE = 4096  # elements per (BLOCK_R x BLOCK_G) tile
@@ -199,6 +199,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+@serialised
 def forward(x, z, weight, eps, group_size, norm_before_gate):
     x2, z2 = _rows(x), _rows(z)
     R, D = x2.shape
@@ -215,6 +216,7 @@ def forward(x, z, weight, eps, group_size, norm_before_gate):
     return y
 
 
+@serialised
 def backward(g, x, z, weight, eps, group_size, norm_before_gate):
     x2, z2 = _rows(x), _rows(z)
     R, D = x2.shape
