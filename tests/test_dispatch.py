@@ -210,6 +210,17 @@ def test_backward_runs_the_backend_the_forward_chose(spies):
     assert [(b, kind) for b, kind, _ in CALLS] == [("spy_b", "backward")]
 
 
+def test_backward_runs_the_forwards_backend_when_the_environment_changes(spies, monkeypatch):
+    """An implicit forward (spy_a by priority), then CAKEOPS_BACKEND set before the backward:
+    the backward still runs spy_a, which made the forward."""
+    x, z, w = inputs()
+    y = cakeops.rmsnorm_silu_gate(x, z, w)
+    monkeypatch.setenv("CAKEOPS_BACKEND", "spy_b")
+    CALLS.clear()
+    y.sum().backward()
+    assert [(b, kind) for b, kind, _ in CALLS] == [("spy_a", "backward")]
+
+
 @pytest.mark.parametrize(
     "choice, expected",
     [

@@ -1,4 +1,4 @@
-"""The Triton backend's own plumbing on the CPU: what the conformance suite cannot see.
+"""The kernel backends' own plumbing on the CPU: what the conformance suite cannot see.
 
 - the spec's row-tile table, sized by an upper bound so building it never waits for the device;
 - the 16-bit rounding the kernels emulate under the interpreter (``_common.round_to``), which

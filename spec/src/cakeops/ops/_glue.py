@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from cakeops import _spec
-from cakeops.registry import Backend, forced_choice, select, use_backend
+from cakeops.registry import Backend, select, use_backend
+
+# op -> the backend that ran this thread's latest forward of it (read by setup_context, which
+# runs right after the forward, on the same thread)
+_forward_choice = threading.local()
 
 
 def pick(op: str, inputs: Mapping[str, Any], preference: str = "") -> Backend:
-    """The backend for ``inputs``; ``preference`` (a comma list) is forced when given."""
+    """The backend for ``inputs``; ``preference`` (a comma list) is forced when given. A call
+    without one (a forward) is remembered for :func:`backward_preference`."""
     if not preference:
-        return select(op, inputs)
+        chosen = select(op, inputs)
+        _forward_choice.__dict__[op] = chosen.name
+        return chosen
     with use_backend(preference, op=op):
         return select(op, inputs)
 
@@ -22,15 +30,15 @@ def pick(op: str, inputs: Mapping[str, Any], preference: str = "") -> Backend:
 def backward_preference(op: str) -> str:
     """What ``setup_context`` records so the backward runs the forward's backend.
 
-    An eager backward may run on another thread (CUDA), where a ``use_backend()`` context is not
-    visible, so the explicit choice in force at the forward is recorded. A compiled graph is
-    cached and reused across contexts, so under ``torch.compile`` nothing is baked in and the
-    backward selects again when it runs.
+    The backend that ran the forward, whatever chose it (a ``use_backend()`` context, an
+    environment variable or the priorities): an eager backward may run on another thread
+    (CUDA), where that context is not visible, and the environment may have changed since. A
+    compiled graph is cached and reused across contexts, so under ``torch.compile`` nothing is
+    baked in and the backward selects again when it runs.
     """
     if torch.compiler.is_compiling():
         return ""
-    forced = forced_choice(op)
-    return ",".join(forced[0]) if forced else ""
+    return _forward_choice.__dict__.get(op, "")
 
 
 def checked(op: str, backend: Backend, name: str, got: torch.Tensor, like: torch.Tensor):
