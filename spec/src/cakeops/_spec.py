@@ -61,6 +61,21 @@ def describe(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
+def check_no_forward_ad(op: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Forward-mode AD (``torch.func.jvp``, ``torch.autograd.forward_ad``) is refused with a
+    clear error: the ops define reverse mode only, and a silent zero tangent would be wrong."""
+    if torch.compiler.is_compiling():
+        return
+    from torch.autograd.forward_ad import unpack_dual
+
+    for name, value in tensors.items():
+        if isinstance(value, torch.Tensor) and unpack_dual(value).tangent is not None:
+            raise NotImplementedError(
+                f"{op}: forward-mode AD is not supported (argument '{name}' carries a tangent); "
+                "use reverse mode (loss.backward() or torch.autograd.grad) instead"
+            )
+
+
 def check_tensor(op: str, name: str, value: Any) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{op}: argument '{name}' expected a torch.Tensor, got {describe(value)}")

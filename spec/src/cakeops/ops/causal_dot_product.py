@@ -143,6 +143,7 @@ def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
     ``q.dtype`` (float32 accumulation for 16-bit inputs). Saves only ``q``, ``k``, ``v``.
     """
     check_types(q, k, v)
+    _spec.check_no_forward_ad(OP, {"q": q, "k": k, "v": v})
     return _forward_op(q, k, v)
 
 

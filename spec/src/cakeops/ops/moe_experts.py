@@ -237,6 +237,9 @@ def moe_experts(
     16-bit. Saves only the five inputs; gradients flow to all of them.
     """
     scale = check_types(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale)
+    _spec.check_no_forward_ad(
+        OP, dict(zip(SAVED, (x, router_logits, w_gate, w_up, w_down), strict=True))
+    )
     return _forward_op(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale)
 
 

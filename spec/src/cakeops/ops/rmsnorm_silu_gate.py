@@ -211,6 +211,7 @@ def rmsnorm_silu_gate(
     returns ``x.dtype``. Saves only ``x``, ``z`` and ``weight`` for the backward.
     """
     eps = check_types(x, z, weight, eps, group_size, norm_before_gate)
+    _spec.check_no_forward_ad(OP, {"x": x, "z": z, "weight": weight})
     return _forward_op(x, z, weight, eps, group_size, norm_before_gate)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.utils.checkpoint import checkpoint
 
 import cakeops
@@ -112,6 +113,15 @@ class TestCausalDotProduct:
         second = run_with_grads(op, (q, k, v), g)
         for a, b in zip(first, second, strict=True):
             assert torch.equal(a, b)
+
+    def test_forward_mode_ad_is_refused(self, backend, device):
+        """No silent zero tangents: jvp and dual tensors get a clear error."""
+        q, k, v, _ = make_inputs(1, 2, 9, 4, 3, torch.float32, device)
+        q, k, v = (t.detach() for t in (q, k, v))
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            torch.func.jvp(lambda a: op(a, k, v), (q,), (torch.ones_like(q),))
+        with fwAD.dual_level(), pytest.raises(NotImplementedError, match="argument 'v'"):
+            op(q, k, fwAD.make_dual(v, torch.ones_like(v)))
 
     @pytest.mark.parametrize("shape", [(1, 2, 0, 4, 4), (0, 2, 5, 4, 4), (1, 2, 5, 0, 3)])
     def test_empty(self, backend, dtype, device, shape):

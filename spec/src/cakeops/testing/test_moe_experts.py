@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.utils.checkpoint import checkpoint
 
 import cakeops
@@ -149,6 +150,16 @@ class TestMoEExperts:
         second = run_with_grads(op_with(3), tensors, g)
         for a, b in zip(first, second, strict=True):
             assert torch.equal(a, b)
+
+    def test_forward_mode_ad_is_refused(self, backend, device):
+        """No silent zero tangents: jvp and dual tensors get a clear error."""
+        tensors, _ = make_inputs(6, 8, 6, 4, torch.float32, device)
+        x, logits, wg, wu, wd = (t.detach() for t in tensors)
+        run = op_with(2)
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            torch.func.jvp(lambda a: run(a, logits, wg, wu, wd), (x,), (torch.ones_like(x),))
+        with fwAD.dual_level(), pytest.raises(NotImplementedError, match="argument 'w_down'"):
+            run(x, logits, wg, wu, fwAD.make_dual(wd, torch.ones_like(wd)))
 
     def test_empty(self, backend, dtype, device):
         tensors, g = make_inputs(0, 8, 6, 4, dtype, device)

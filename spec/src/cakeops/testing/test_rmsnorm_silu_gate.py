@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.utils.checkpoint import checkpoint
 
 import cakeops
@@ -150,6 +151,16 @@ class TestRMSNormSiLUGate:
         second = run(x, z, w, g, 32, True)
         for a, b in zip(first, second, strict=True):
             assert torch.equal(a, b)
+
+    def test_forward_mode_ad_is_refused(self, backend, device):
+        """No silent zero tangents: jvp and dual tensors get a clear error."""
+        x, z, w, _ = (t.detach() for t in make_inputs((3, 16), torch.float32, device))
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            torch.func.jvp(
+                lambda a: cakeops.rmsnorm_silu_gate(a, z, w), (x,), (torch.ones_like(x),)
+            )
+        with fwAD.dual_level(), pytest.raises(NotImplementedError, match="argument 'weight'"):
+            cakeops.rmsnorm_silu_gate(x, z, fwAD.make_dual(w, torch.ones_like(w)))
 
     @pytest.mark.parametrize("shape", [(0, 16), (2, 0, 16)])
     def test_empty(self, backend, dtype, device, shape):
