@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +26,19 @@ def pick(op: str, inputs: Mapping[str, Any], preference: str = "") -> Backend:
         return chosen
     with use_backend(preference, op=op):
         return select(op, inputs)
+
+
+def run_kernel(backend: Backend, op: str, kind: str, *args: Any) -> Any:
+    """``backend``'s ``forward`` or ``backward`` kernel for ``op`` with autocast off: the kernels
+    compute in their inputs' dtypes whatever autocast region surrounds the op (the ops have no
+    autocast rule, like a custom op: cast the inputs to run them in 16-bit), forward and backward
+    alike."""
+    kernel = getattr(backend.kernels(op), kind)
+    devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
+    with contextlib.ExitStack() as stack:
+        for device in devices & {"cpu", "cuda", "xpu", "mps"}:
+            stack.enter_context(torch.autocast(device, enabled=False))
+        return kernel(*args)
 
 
 def backward_preference(op: str) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from cakeops import _spec
-from cakeops.ops._glue import backward_preference, checked, pick
+from cakeops.ops._glue import backward_preference, checked, pick, run_kernel
 
 OP = "causal_dot_product"
 SAVED = ("q", "k", "v")
@@ -80,7 +80,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     if out.numel() == 0 or q.shape[3] == 0:
         return out.zero_()
     backend = pick(OP, {"q": q, "k": k, "v": v})
-    return checked(OP, backend, "out", backend.kernels(OP).forward(q, k, v), out)
+    return checked(OP, backend, "out", run_kernel(backend, OP, "forward", q, k, v), out)
 
 
 @_forward_op.register_fake
@@ -105,7 +105,7 @@ def _backward_op(
     if out.numel() == 0 or q.shape[3] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     chosen = pick(OP, {"q": q, "k": k, "v": v}, backend)
-    dq, dk, dv = chosen.kernels(OP).backward(g.contiguous(), q, k, v)
+    dq, dk, dv = run_kernel(chosen, OP, "backward", g.contiguous(), q, k, v)
     return (
         checked(OP, chosen, "dq", dq, q),
         checked(OP, chosen, "dk", dk, k),

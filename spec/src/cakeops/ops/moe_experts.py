@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from cakeops import _spec
-from cakeops.ops._glue import backward_preference, checked, pick
+from cakeops.ops._glue import backward_preference, checked, pick, run_kernel
 
 OP = "moe_experts"
 SAVED = ("x", "router_logits", "w_gate", "w_up", "w_down")
@@ -147,7 +147,7 @@ def _forward_op(
     if x.shape[0] == 0:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     backend = pick(OP, _inputs(*args))
-    return checked(OP, backend, "out", backend.kernels(OP).forward(*args), x)
+    return checked(OP, backend, "out", run_kernel(backend, OP, "forward", *args), x)
 
 
 @_forward_op.register_fake
@@ -189,7 +189,7 @@ def _backward_op(
     if x.shape[0] == 0:
         return _empty_grads(x, router_logits, w_gate, w_up, w_down)
     chosen = pick(OP, _inputs(*args), backend)
-    grads = chosen.kernels(OP).backward(g.contiguous(), *args)
+    grads = run_kernel(chosen, OP, "backward", g.contiguous(), *args)
     names = ("dx", "drouter_logits", "dw_gate", "dw_up", "dw_down")
     likes = (x, router_logits, w_gate, w_up, w_down)
     return tuple(

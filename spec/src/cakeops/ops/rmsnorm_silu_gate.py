@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from cakeops import _spec
-from cakeops.ops._glue import backward_preference, checked, pick
+from cakeops.ops._glue import backward_preference, checked, pick, run_kernel
 
 OP = "rmsnorm_silu_gate"
 SAVED = ("x", "z", "weight")
@@ -122,7 +122,7 @@ def _forward_op(
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     inputs = _inputs(x, z, weight, eps, group_size, norm_before_gate)
     backend = pick(OP, inputs)
-    y = backend.kernels(OP).forward(x, z, weight, eps, group_size, norm_before_gate)
+    y = run_kernel(backend, OP, "forward", x, z, weight, eps, group_size, norm_before_gate)
     return checked(OP, backend, "y", y, x)
 
 
@@ -159,8 +159,8 @@ def _backward_op(
         )
     inputs = _inputs(x, z, weight, eps, group_size, norm_before_gate)
     chosen = pick(OP, inputs, backend)
-    dx, dz, dweight = chosen.kernels(OP).backward(
-        g.contiguous(), x, z, weight, eps, group_size, norm_before_gate
+    dx, dz, dweight = run_kernel(
+        chosen, OP, "backward", g.contiguous(), x, z, weight, eps, group_size, norm_before_gate
     )
     return (
         checked(OP, chosen, "dx", dx, x),

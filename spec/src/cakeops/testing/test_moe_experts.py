@@ -151,6 +151,16 @@ class TestMoEExperts:
         for a, b in zip(first, second, strict=True):
             assert torch.equal(a, b)
 
+    def test_autocast_does_not_reach_the_kernels(self, backend, device):
+        """The ops have no autocast rule: inside an autocast region, float32 inputs give exactly
+        the float32 results and gradients, forward and backward alike."""
+        tensors, g = make_inputs(16, 10, 14, 4, torch.float32, device)
+        plain = run_with_grads(op_with(2), tensors, g)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            cast = run_with_grads(op_with(2), tensors, g)
+        for a, b in zip(plain, cast, strict=True):
+            assert a.dtype == torch.float32 and torch.equal(a, b)
+
     def test_forward_mode_ad_is_refused(self, backend, device):
         """No silent zero tangents: jvp and dual tensors get a clear error."""
         tensors, _ = make_inputs(6, 8, 6, 4, torch.float32, device)

@@ -14,6 +14,7 @@ from cakeops.testing import (
     assert_matches,
     assert_saves_exactly,
     reference_outputs,
+    run_with_grads,
     same_tensor,
 )
 
@@ -151,6 +152,20 @@ class TestRMSNormSiLUGate:
         second = run(x, z, w, g, 32, True)
         for a, b in zip(first, second, strict=True):
             assert torch.equal(a, b)
+
+    def test_autocast_does_not_reach_the_kernels(self, backend, device):
+        """The ops have no autocast rule: inside an autocast region, float32 inputs give exactly
+        the float32 results and gradients, forward and backward alike."""
+        x, z, w, g = make_inputs((7, 100), torch.float32, device)
+
+        def run(x, z, w):
+            return cakeops.rmsnorm_silu_gate(x, z, w, group_size=25)
+
+        plain = run_with_grads(run, (x, z, w), g)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            cast = run_with_grads(run, (x, z, w), g)
+        for a, b in zip(plain, cast, strict=True):
+            assert a.dtype == torch.float32 and torch.equal(a, b)
 
     def test_forward_mode_ad_is_refused(self, backend, device):
         """No silent zero tangents: jvp and dual tensors get a clear error."""
