@@ -102,6 +102,18 @@ def run_with_grads(
     return (out.detach(), *torch.autograd.grad(out, tensors, g))
 
 
+def assert_autocast_changes_nothing(
+    fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], g: torch.Tensor
+) -> None:
+    """Inside a bfloat16 autocast region, float32 ``tensors`` give exactly the float32 results
+    and gradients they give outside it (the ops have no autocast rule)."""
+    plain = run_with_grads(fn, tensors, g)
+    with torch.autocast(tensors[0].device.type, dtype=torch.bfloat16):
+        cast = run_with_grads(fn, tensors, g)
+    for a, b in zip(plain, cast, strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
 def assert_saves_exactly(fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], names):
     """The autograd graph of ``fn(*tensors)`` holds exactly ``tensors`` and nothing on its ctx."""
     with SavedTensors() as saved:
