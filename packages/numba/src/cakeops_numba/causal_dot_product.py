@@ -57,7 +57,8 @@ def _causal(a, b, c, out, state, reverse):
                 col[j] = widen(c[n, h, start + j, m]) if start + j < L else float32(0.0)
             for i in range(min(CHUNK, L - start)):
                 acc = float32(0.0)
-                for j in range(CHUNK):
+                # only j in causal(i): a masked zero times a NaN or Inf of c would leak it
+                for j in range(i, CHUNK) if reverse else range(i + 1):
                     acc += scores[i, j] * col[j]
                 for e in range(E):
                     acc += widen(a[n, h, start + i, e]) * state[nh, e, m]

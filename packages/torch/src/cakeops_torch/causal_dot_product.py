@@ -26,6 +26,18 @@ def _t(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(-1, -2)
 
 
+def _causal_mm(scores: torch.Tensor, x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """``scores @ x`` for ``scores`` that are zero outside the causal range (lower triangle,
+    upper with ``reverse``), with no masked zero times a NaN or Inf of ``x``: the non-finite
+    entries enter through a running sum instead, so they reach only the rows in their causal
+    range, as in the reference."""
+    finite = torch.isfinite(x)
+    out = scores @ x.where(finite, 0)
+    bad = x.masked_fill(finite, 0)
+    out.add_(bad.flip(-2).cumsum(-2).flip(-2) if reverse else bad.cumsum(-2))
+    return out
+
+
 def forward(q, k, v):
     ct = compute_dtype(q.dtype)
     N, H, L, E = q.shape
@@ -34,7 +46,7 @@ def forward(q, k, v):
     for c in _chunks(L):
         qc, kc, vc = q[:, :, c].to(ct), k[:, :, c].to(ct), v[:, :, c].to(ct)
         scores = (qc @ _t(kc)).tril_()
-        oc = scores @ vc
+        oc = _causal_mm(scores, vc)
         oc.add_(qc @ state)
         out[:, :, c] = oc
         state.add_(_t(kc) @ vc)
@@ -51,7 +63,7 @@ def backward(g, q, k, v):
     for c in _chunks(L):
         gc, kc, vc = g[:, :, c].to(ct), k[:, :, c].to(ct), v[:, :, c].to(ct)
         gv = (gc @ _t(vc)).tril_()  # [i, j] = g_i . v_j, j <= i
-        dqc = gv @ kc
+        dqc = _causal_mm(gv, kc)
         dqc.add_(gc @ _t(state))
         dq[:, :, c] = dqc
         state.add_(_t(kc) @ vc)
@@ -62,9 +74,9 @@ def backward(g, q, k, v):
         kc, vc = k[:, :, c].to(ct), v[:, :, c].to(ct)
         gv = (gc @ _t(vc)).tril_()
         qk = (qc @ _t(kc)).tril_()
-        dkc = _t(gv) @ qc
+        dkc = _causal_mm(_t(gv), qc, reverse=True)
         dkc.add_(vc @ _t(state))
-        dvc = _t(qk) @ gc
+        dvc = _causal_mm(_t(qk), gc, reverse=True)
         dvc.add_(kc @ state)
         dk[:, :, c] = dkc
         dv[:, :, c] = dvc

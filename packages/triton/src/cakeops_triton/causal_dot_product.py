@@ -5,8 +5,9 @@ One kernel computes ``out_i = sum_{j in causal(i)} (a_i . b_j) c_j`` over chunks
 float32 ``E x BLOCK_M`` state in registers. ``causal(i)`` is ``j <= i`` (forward in time) or
 ``j >= i`` (``REVERSE``: chunks walked from the end). The forward is ``(q, k, v)``; the backward is
 three more runs of the same kernel: ``dq = (g, v, k)`` forward, ``dk = (v, g, q)`` and
-``dv = (k, q, g)`` in reverse. Inputs are read through their strides (no copies of transposed
-views) and partial tiles are masked, not padded.
+``dv = (k, q, g)`` in reverse. NaN and Inf in ``c`` bypass the masked product (see the
+kernel), so they reach only their causal range. Inputs are read through their strides (no copies
+of transposed views) and partial tiles are masked, not padded.
 """
 
 from __future__ import annotations
@@ -119,7 +120,12 @@ def _causal_kernel(
         out = dot(a, round_to(state, dtype), zero, PRECISION)
         scores = dot(a, tl.trans(b), tl.zeros((BLOCK_L, BLOCK_L), dtype=tl.float32), PRECISION)
         scores = round_to(tl.where(keep, scores, 0.0), dtype)
-        out = dot(scores, v, out, PRECISION)
+        # No masked zero times a NaN or Inf of v: those enter through a running sum instead,
+        # reaching only the positions in their causal range (the non-finite contract).
+        finite = tl.abs(v) < float("inf")
+        out = dot(scores, tl.where(finite, v, 0.0), out, PRECISION)
+        bad = tl.where(finite, 0.0, v.to(tl.float32))
+        out += tl.cumsum(bad, axis=0, reverse=REVERSE)
         tl.store(out_base + pos64[:, None] * M + m[None, :], round_to(out, dtype), mask=cm)
         state = dot(tl.trans(b), v, state, PRECISION)
 

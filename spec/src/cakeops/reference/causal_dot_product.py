@@ -1,27 +1,28 @@
-"""Float64 reference math of ``causal_dot_product``."""
+"""Float64 reference math of ``causal_dot_product``.
+
+Written as scans of per-position states, with no masked product anywhere, so that every output
+and gradient entry is computed from exactly the values it depends on: a NaN or Inf reaches
+what depends on it and nothing else (the non-finite contract of ops.md section 2).
+"""
 
 from __future__ import annotations
 
 import torch
 
 
-def _tril_scores(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``tril(a @ b^T)``: entry ``[i, j]`` is ``a_i . b_j`` for ``j <= i``, else exactly 0."""
-    return torch.tril(a @ b.transpose(-1, -2))
+def _states(a: torch.Tensor, b: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """``S_i = sum_{j <= i} a_j b_j^T`` (``j >= i`` with ``reverse``): ``(N, H, L, E, M)``."""
+    outer = a.unsqueeze(-1) * b.unsqueeze(-2)
+    if reverse:
+        return torch.cumsum(outer.flip(2), dim=2).flip(2)
+    return torch.cumsum(outer, dim=2)
 
 
 def math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The masked form in float64: ``tril(q k^T) v``. Differentiable; memory ``L x L``."""
+    """``out_i = q_i^T S_i`` with ``S_i = sum_{j<=i} k_j v_j^T`` in float64. Differentiable;
+    memory ``L x E x M`` per head."""
     q, k, v = q.double(), k.double(), v.double()
-    return _tril_scores(q, k) @ v
-
-
-def math_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The same in float64 as a cumulative sum of ``k_j v_j^T`` states (memory ``L x E x M``),
-    for long sequences where ``L x L`` does not fit."""
-    q, k, v = q.double(), k.double(), v.double()
-    states = torch.cumsum(k.unsqueeze(-1) * v.unsqueeze(-2), dim=2)
-    return torch.einsum("nhle,nhlem->nhlm", q, states)
+    return torch.einsum("nhle,nhlem->nhlm", q, _states(k, v))
 
 
 def forward(q, k, v):
@@ -29,10 +30,11 @@ def forward(q, k, v):
 
 
 def backward(g, q, k, v):
-    """``dq = tril(g v^T) k``, ``dk = tril(g v^T)^T q``, ``dv = tril(q k^T)^T g`` in float64."""
+    """``dq_i = S_i g_i``, ``dk_j = R_j v_j``, ``dv_j = R_j^T k_j`` with
+    ``R_j = sum_{i>=j} q_i g_i^T``, in float64."""
     gd, qd, kd, vd = g.double(), q.double(), k.double(), v.double()
-    gv = _tril_scores(gd, vd)
-    dq = gv @ kd
-    dk = gv.transpose(-1, -2) @ qd
-    dv = _tril_scores(qd, kd).transpose(-1, -2) @ gd
+    dq = torch.einsum("nhlem,nhlm->nhle", _states(kd, vd), gd)
+    rev = _states(qd, gd, reverse=True)
+    dk = torch.einsum("nhlem,nhlm->nhle", rev, vd)
+    dv = torch.einsum("nhlem,nhle->nhlm", rev, kd)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
