@@ -72,3 +72,24 @@ def test_causal_dot_product_drop_in_matches_fast_transformers_semantics():
     got = cakeops.CausalDotProduct.apply(q, k, v)
     assert cakeops.relative_error(got, want) <= cakeops.tolerance(torch.float32)
     assert torch.equal(got, cakeops.causal_dot_product(q, k, v))
+
+
+def test_torch_func_transforms_compose():
+    """vmap of grad (per-sample gradients) equals a loop of autograd calls."""
+    k, v = torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 3)
+
+    def loss(q):
+        return cakeops.causal_dot_product(q, k, v).square().sum()
+
+    qs = torch.randn(3, 1, 2, 9, 4)
+    per_sample = torch.func.vmap(torch.func.grad(loss))(qs)
+    for q, got in zip(qs, per_sample, strict=True):
+        (want,) = torch.autograd.grad(loss(q.requires_grad_()), q)
+        torch.testing.assert_close(got, want)
+
+
+def test_second_derivatives_are_a_clear_error():
+    q = torch.randn(1, 2, 9, 4, requires_grad=True)
+    (dq,) = torch.autograd.grad(cakeops.causal_dot_product(q, q, q).sum(), q, create_graph=True)
+    with pytest.raises(NotImplementedError, match="second derivatives"):
+        dq.sum().backward()

@@ -221,6 +221,30 @@ def test_backward_runs_the_forwards_backend_when_the_environment_changes(spies, 
     assert [(b, kind) for b, kind, _ in CALLS] == [("spy_a", "backward")]
 
 
+def test_use_backend_inside_a_compiled_function_says_where_to_put_it(spies):
+    def f(x, z, w):
+        with cakeops.use_backend("spy_b"):
+            return cakeops.rmsnorm_silu_gate(x, z, w)
+
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="enter it around the call of the compiled function"):
+        torch.compile(f, fullgraph=True)(*inputs())
+
+
+def test_use_backend_around_a_compiled_function_chooses_inside_it(spies):
+    torch._dynamo.reset()
+    compiled = torch.compile(cakeops.rmsnorm_silu_gate, fullgraph=True)
+    x, z, w = inputs()
+    CALLS.clear()
+    with cakeops.use_backend("spy_b"):
+        y = compiled(x, z, w)
+        y.sum().backward()
+    assert [(b, kind) for b, kind, _ in CALLS] == [("spy_b", "forward"), ("spy_b", "backward")]
+    CALLS.clear()
+    compiled(x, z, w)  # the same compiled code, no context: the priorities again
+    assert [b for b, _, _ in CALLS] == ["spy_a"]
+
+
 @pytest.mark.parametrize(
     "choice, expected",
     [

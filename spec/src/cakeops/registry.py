@@ -287,6 +287,12 @@ def use_backend(names: str | Sequence[str], *, op: str | None = None) -> Iterato
 
     The choice lives in a ``contextvars`` value, so it is private to this thread or task.
     """
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "use_backend() cannot be entered inside a torch.compile'd function: enter it around "
+            "the call of the compiled function (the ops choose their backend when the compiled "
+            "code runs), or set CAKEOPS_BACKEND"
+        )
     if op is not None and op not in OPS:
         raise ValueError(f"use_backend: op must be one of {', '.join(OPS)}, got {op!r}")
     current = dict(_forced.get() or {})

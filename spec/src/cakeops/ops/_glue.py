@@ -55,6 +55,47 @@ def backward_preference(op: str) -> str:
     return _forward_choice.__dict__.get(op, "")
 
 
+def autograd_function(op: str, setup_context, backward) -> type:
+    """The ``torch.autograd.Function`` the public function calls: the custom op forward,
+    ``setup_context`` and ``backward`` of the op (the custom op's own autograd registration serves
+    direct callers of ``torch.ops.cakeops``). PyTorch's generated Function for a custom op defines
+    no ``setup_context``, so ``torch.func.grad``, ``vjp`` and ``jacrev`` refuse it
+    (pytorch/pytorch#170834); this one does, and its vmap rule is generated. ``op`` names the
+    custom op (``cakeops::<op>``) its forward calls."""
+    overload = getattr(torch.ops.cakeops, op).default
+    return type(
+        f"{op}_function",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(lambda *args: overload(*args)),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+            "generate_vmap_rule": True,
+        },
+    )
+
+
+def apply(function: type, custom_op: Any, *args: Any) -> Any:
+    """``function.apply(*args)``, eagerly; while compiling, the ``custom_op`` it wraps (with the
+    op's registered autograd), which Dynamo traces as one node."""
+    if torch.compiler.is_compiling():
+        return custom_op(*args)
+    return function.apply(*args)
+
+
+def backward_function(op: str) -> type:
+    """The Function around an op's backward custom op, so that a backward run with
+    ``create_graph=True`` (as ``torch.func.grad`` does) works and a second derivative through it
+    is a clear error instead of a silent zero."""
+
+    def no_double_backward(ctx, *grads):
+        raise NotImplementedError(
+            f"{op}: second derivatives (backward of the backward) are not supported"
+        )
+
+    return autograd_function(f"{op}_backward", lambda ctx, inputs, output: None, no_double_backward)
+
+
 def checked(op: str, backend: Backend, name: str, got: torch.Tensor, like: torch.Tensor):
     """``got`` made contiguous, after checking it has ``like``'s shape, dtype and device."""
     if got.shape != like.shape or got.dtype != like.dtype or got.device != like.device:

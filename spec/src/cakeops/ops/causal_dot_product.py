@@ -18,7 +18,15 @@ from typing import Any
 import torch
 
 from cakeops import _spec
-from cakeops.ops._glue import backward_preference, checked, pick, run_kernel
+from cakeops.ops._glue import (
+    apply,
+    autograd_function,
+    backward_function,
+    backward_preference,
+    checked,
+    pick,
+    run_kernel,
+)
 
 OP = "causal_dot_product"
 SAVED = ("q", "k", "v")
@@ -130,10 +138,12 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad):
     q, k, v = ctx.saved_tensors
-    return _backward_op(grad, q, k, v, ctx.backend)
+    return apply(_BackwardFunction, _backward_op, grad, q, k, v, ctx.backend)
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+_Function = autograd_function(OP, _setup_context, _backward)
+_BackwardFunction = backward_function(OP)
 
 
 def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -144,7 +154,7 @@ def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
     """
     check_types(q, k, v)
     _spec.check_no_forward_ad(OP, {"q": q, "k": k, "v": v})
-    return _forward_op(q, k, v)
+    return apply(_Function, _forward_op, q, k, v)
 
 
 class CausalDotProduct:

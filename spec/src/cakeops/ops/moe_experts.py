@@ -23,7 +23,15 @@ from typing import Any, NamedTuple
 import torch
 
 from cakeops import _spec
-from cakeops.ops._glue import backward_preference, checked, pick, run_kernel
+from cakeops.ops._glue import (
+    apply,
+    autograd_function,
+    backward_function,
+    backward_preference,
+    checked,
+    pick,
+    run_kernel,
+)
 
 OP = "moe_experts"
 SAVED = ("x", "router_logits", "w_gate", "w_up", "w_down")
@@ -212,11 +220,15 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad):
-    grads = _backward_op(grad, *ctx.saved_tensors, *ctx.params, ctx.backend)
+    grads = apply(
+        _BackwardFunction, _backward_op, grad, *ctx.saved_tensors, *ctx.params, ctx.backend
+    )
     return (*grads, None, None, None)
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+_Function = autograd_function(OP, _setup_context, _backward)
+_BackwardFunction = backward_function(OP)
 
 
 def moe_experts(
@@ -240,7 +252,9 @@ def moe_experts(
     _spec.check_no_forward_ad(
         OP, dict(zip(SAVED, (x, router_logits, w_gate, w_up, w_down), strict=True))
     )
-    return _forward_op(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale)
+    return apply(
+        _Function, _forward_op, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,15 @@ from typing import Any
 import torch
 
 from cakeops import _spec
-from cakeops.ops._glue import backward_preference, checked, pick, run_kernel
+from cakeops.ops._glue import (
+    apply,
+    autograd_function,
+    backward_function,
+    backward_preference,
+    checked,
+    pick,
+    run_kernel,
+)
 
 OP = "rmsnorm_silu_gate"
 SAVED = ("x", "z", "weight")
@@ -188,11 +196,15 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad):
     x, z, weight = ctx.saved_tensors
-    dx, dz, dweight = _backward_op(grad, x, z, weight, *ctx.params, ctx.backend)
+    dx, dz, dweight = apply(
+        _BackwardFunction, _backward_op, grad, x, z, weight, *ctx.params, ctx.backend
+    )
     return dx, dz, dweight, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+_Function = autograd_function(OP, _setup_context, _backward)
+_BackwardFunction = backward_function(OP)
 
 
 def rmsnorm_silu_gate(
@@ -212,7 +224,7 @@ def rmsnorm_silu_gate(
     """
     eps = check_types(x, z, weight, eps, group_size, norm_before_gate)
     _spec.check_no_forward_ad(OP, {"x": x, "z": z, "weight": weight})
-    return _forward_op(x, z, weight, eps, group_size, norm_before_gate)
+    return apply(_Function, _forward_op, x, z, weight, eps, group_size, norm_before_gate)
 
 
 class RMSNormSiLUGateFunction:

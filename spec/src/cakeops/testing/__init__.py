@@ -114,6 +114,19 @@ def assert_autocast_changes_nothing(
         assert a.dtype == torch.float32 and torch.equal(a, b)
 
 
+def assert_func_grad_matches_autograd(
+    fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], g: torch.Tensor
+) -> None:
+    """``torch.func.grad`` of ``sum(fn(*tensors) * g)`` gives exactly the gradients
+    ``torch.autograd.grad`` gives for ``g`` (the same backward, the same upstream gradient)."""
+    plain = run_with_grads(fn, tensors, g)[1:]
+    detached = tuple(t.detach() for t in tensors)
+    argnums = tuple(range(len(tensors)))
+    grads = torch.func.grad(lambda *t: (fn(*t) * g).sum(), argnums=argnums)(*detached)
+    for name, a, b in zip(range(len(tensors)), plain, grads, strict=True):
+        assert torch.equal(a, b), f"torch.func.grad differs from autograd for argument {name}"
+
+
 def assert_saves_exactly(fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], names):
     """The autograd graph of ``fn(*tensors)`` holds exactly ``tensors`` and nothing on its ctx."""
     with SavedTensors() as saved:

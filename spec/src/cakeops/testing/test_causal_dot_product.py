@@ -11,6 +11,7 @@ import cakeops
 from cakeops.reference import causal_dot_product as ref
 from cakeops.testing import (
     assert_autocast_changes_nothing,
+    assert_func_grad_matches_autograd,
     assert_matches,
     assert_saves_exactly,
     peak_memory,
@@ -129,6 +130,10 @@ class TestCausalDotProduct:
         the float32 results and gradients, forward and backward alike."""
         q, k, v, g = make_inputs(1, 2, 70, 8, 8, torch.float32, device)
         assert_autocast_changes_nothing(op, (q, k, v), g)
+
+    def test_torch_func_grad(self, backend, device):
+        q, k, v, g = make_inputs(1, 2, 20, 4, 3, torch.float32, device)
+        assert_func_grad_matches_autograd(op, (q, k, v), g)
 
     def test_forward_mode_ad_is_refused(self, backend, device):
         """No silent zero tangents: jvp and dual tensors get a clear error."""

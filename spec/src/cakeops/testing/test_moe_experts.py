@@ -11,6 +11,7 @@ import cakeops
 from cakeops.reference import moe_experts as ref
 from cakeops.testing import (
     assert_autocast_changes_nothing,
+    assert_func_grad_matches_autograd,
     assert_matches,
     assert_saves_exactly,
     reference_outputs,
@@ -157,6 +158,10 @@ class TestMoEExperts:
         the float32 results and gradients, forward and backward alike."""
         tensors, g = make_inputs(16, 10, 14, 4, torch.float32, device)
         assert_autocast_changes_nothing(op_with(2), tensors, g)
+
+    def test_torch_func_grad(self, backend, device):
+        tensors, g = make_inputs(6, 8, 6, 4, torch.float32, device)
+        assert_func_grad_matches_autograd(op_with(2), tensors, g)
 
     def test_forward_mode_ad_is_refused(self, backend, device):
         """No silent zero tangents: jvp and dual tensors get a clear error."""

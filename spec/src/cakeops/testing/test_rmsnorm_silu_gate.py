@@ -12,6 +12,7 @@ from cakeops.reference import rmsnorm_silu_gate as ref
 from cakeops.testing import (
     SavedTensors,
     assert_autocast_changes_nothing,
+    assert_func_grad_matches_autograd,
     assert_matches,
     assert_saves_exactly,
     reference_outputs,
@@ -162,6 +163,10 @@ class TestRMSNormSiLUGate:
             return cakeops.rmsnorm_silu_gate(x, z, w, group_size=25)
 
         assert_autocast_changes_nothing(run, (x, z, w), g)
+
+    def test_torch_func_grad(self, backend, device):
+        x, z, w, g = make_inputs((3, 16), torch.float32, device)
+        assert_func_grad_matches_autograd(cakeops.rmsnorm_silu_gate, (x, z, w), g)
 
     def test_forward_mode_ad_is_refused(self, backend, device):
         """No silent zero tangents: jvp and dual tensors get a clear error."""
