@@ -303,11 +303,12 @@ def routing_backward(routing: Routing, dweights, renormalize, scale):
     else:
         dr = scale * dweights
     p = routing.probs.to(dweights.dtype)
-    dp = torch.zeros_like(p).scatter_(1, routing.experts, dr)
     if renormalize:
         # sum_e p_e dp_e = sum_s r_s dr_s is exactly 0 here (the weights do not change with a
-        # common factor on r), so the non-selected experts get exact zeros.
-        return p * dp
+        # common factor on r): the selected experts get r * dr and the others exact zeros,
+        # whatever the other probabilities are (NaN included).
+        return torch.zeros_like(p).scatter_(1, routing.experts, r * dr)
+    dp = torch.zeros_like(p).scatter_(1, routing.experts, dr)
     return p * (dp - (p * dp).sum(-1, keepdim=True))
 
 

@@ -201,11 +201,23 @@ class TestMoEExperts:
         assert torch.equal(out, only_two)
 
     def test_nan_propagates(self, backend, dtype, device):
-        tensors, _ = make_inputs(6, 8, 6, 4, dtype, device)
-        x = tensors[0].detach().clone()
+        """NaN in one token's x and another's router logits: the output and every gradient are
+        non-finite exactly where the float64 reference's are; the other tokens are untouched."""
+        tensors, g = make_inputs(6, 8, 6, 4, dtype, device)
+        x, logits = (t.detach().clone() for t in tensors[:2])
         x[2, 3] = float("nan")
-        out = op_with(2)(x, *(t.detach() for t in tensors[1:]))
-        assert torch.isnan(out[2]).all() and torch.isfinite(out[[0, 1, 3, 4, 5]]).all()
+        logits[4, 1] = float("nan")
+        poisoned = (x.requires_grad_(), logits.requires_grad_(), *tensors[2:])
+        got = run_with_grads(op_with(2), poisoned, g)
+        ref_out, ref_grads = reference_outputs(
+            ref.math, dict(zip(NAMES, poisoned, strict=True)), (2, True, 1.0), g
+        )
+        for name, t, want in zip(("out", *NAMES), got, (ref_out, *ref_grads.values()),
+                                 strict=True):  # fmt: skip
+            assert torch.equal(torch.isfinite(t), torch.isfinite(want)), name
+        out, dx = got[:2]
+        assert torch.isnan(out[[2, 4]]).all() and torch.isfinite(out[[0, 1, 3, 5]]).all()
+        assert torch.isfinite(dx[[0, 1, 3, 5]]).all()
 
     def test_opcheck(self, backend, device):
         tensors, g = make_inputs(6, 8, 6, 4, torch.float32, device)
