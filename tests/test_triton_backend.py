@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cakeops.ops.moe_experts import route, row_tiles
+from cakeops.helpers import route, row_tiles
 
 HERE = Path(__file__).parent
 

@@ -20,7 +20,7 @@ import torch
 from _timing import median_ms
 from numba import njit, prange
 
-from cakeops.ops.moe_experts import (
+from cakeops.helpers import (
     combine,
     dispatch_backward,
     route,

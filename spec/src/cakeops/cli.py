@@ -83,9 +83,9 @@ def gather_info() -> dict[str, Any]:
         info["picks"][op] = {}
         for device in info["devices"]:
             picks = {}
-            for dtype in spec.DTYPES:
+            for dtype in spec.dtypes:
                 try:
-                    inputs = spec.bind(**spec.example_inputs(device, dtype))
+                    inputs = spec.bind(**spec.example(device, dtype))
                     explanation = registry.explain_inputs(op, inputs)
                     picks[_spec.dtype_name(dtype)] = explanation.backend or "none"
                 except Exception as exc:  # a device that cannot even allocate the example

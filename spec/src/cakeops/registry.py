@@ -32,7 +32,20 @@ import torch
 from cakeops._spec import dtype_name
 
 ENTRY_POINT_GROUP = "cakeops.backends"
-OPS = ("rmsnorm_silu_gate", "causal_dot_product", "moe_experts")
+
+
+def op_names() -> tuple[str, ...]:
+    """Every op's name (the modules of :mod:`cakeops.ops`)."""
+    from cakeops.ops import SPECS
+
+    return tuple(SPECS)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OPS":  # the tuple this module used to define
+        return op_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: pip distributions of the first-party backends, named in errors when one is not installed.
 KNOWN_DISTRIBUTIONS = {
@@ -293,10 +306,17 @@ def use_backend(names: str | Sequence[str], *, op: str | None = None) -> Iterato
             "the call of the compiled function (the ops choose their backend when the compiled "
             "code runs), or set CAKEOPS_BACKEND"
         )
-    if op is not None and op not in OPS:
-        raise ValueError(f"use_backend: op must be one of {', '.join(OPS)}, got {op!r}")
+    if op is not None and op not in op_names():
+        raise ValueError(f"use_backend: op must be one of {', '.join(op_names())}, got {op!r}")
+    with forcing(_parse_names(names, "use_backend()"), op):
+        yield
+
+
+@contextlib.contextmanager
+def forcing(names: str | tuple[str, ...], op: str | None) -> Iterator[None]:
+    """:func:`use_backend` without its argument checks (names already parsed, or one name)."""
     current = dict(_forced.get() or {})
-    current[op] = _parse_names(names, "use_backend()")
+    current[op] = (names,) if isinstance(names, str) else names
     token = _forced.set(current)
     try:
         yield

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from numba import cuda, float32
 
-from cakeops.ops.causal_dot_product import backward_by_scans
+from cakeops.helpers import backward_by_scans
 from cakeops_numba import SIMULATOR
 from cakeops_numba._elements import store, widen
 from cakeops_numba._launch import THREADS, on_stream, view

@@ -21,7 +21,7 @@ import math
 import torch
 from numba import cuda, float32
 
-from cakeops.ops.moe_experts import (
+from cakeops.helpers import (
     combine,
     dispatch_backward,
     route,

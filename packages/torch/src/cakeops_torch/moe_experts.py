@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from cakeops import compute_dtype
-from cakeops.ops.moe_experts import Routing, route, routing_backward, row_weights
+from cakeops.helpers import Routing, route, routing_backward, row_weights
 
 
 def _mm_dtype(x: torch.Tensor) -> torch.dtype:

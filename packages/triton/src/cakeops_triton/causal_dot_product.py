@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.runtime.driver import driver
 
-from cakeops.ops.causal_dot_product import backward_by_scans
+from cakeops.helpers import backward_by_scans
 from cakeops_triton._common import INTERPRET, dot, dot_precision, round_to, serialised
 
 # Chunk length and warps tuned per (E, M, direction, precision) -- never per sequence length.

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cakeops.ops.moe_experts import route, routing_backward, row_tiles, row_weights
+from cakeops.helpers import route, routing_backward, row_tiles, row_weights
 from cakeops_triton._common import INTERPRET, dot, dot_precision, round_to, serialised
 
 # Row tiles are laid out by the tile table, so BLOCK_M is fixed; the autotuner picks the rest

@@ -1,19 +1,22 @@
-"""One module per op: validation, saved-tensor contract, custom-op and autograd glue."""
+"""One module per op, each declaring its ``Inputs``, ``Kernels`` protocol and ``SPEC``
+(:mod:`cakeops.opspec` builds the rest). A module added here is an op: nothing else lists them."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable
 from typing import Any
 
-from cakeops.ops import causal_dot_product, moe_experts, rmsnorm_silu_gate
+from cakeops.opspec import OpSpec
 from cakeops.registry import Explanation, explain_inputs
 
-#: Spec module of each op, by op name.
-SPECS = {
-    "rmsnorm_silu_gate": rmsnorm_silu_gate,
-    "causal_dot_product": causal_dot_product,
-    "moe_experts": moe_experts,
-}
+#: Every op's spec by name, in the order the op modules sort.
+SPECS: dict[str, OpSpec] = {}
+for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    if not _info.name.startswith("_"):
+        _spec = importlib.import_module(f"{__name__}.{_info.name}").SPEC
+        SPECS[_spec.name] = _spec
 
 
 def explain(op: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Explanation:

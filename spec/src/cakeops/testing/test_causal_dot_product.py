@@ -203,7 +203,7 @@ class TestCausalDotProduct:
         torch.library.opcheck(torch.ops.cakeops.causal_dot_product.default, (q, k, v))
         torch.library.opcheck(
             torch.ops.cakeops.causal_dot_product_backward.default,
-            (g, q.detach(), k.detach(), v.detach(), backend),
+            (g, q.detach(), k.detach(), v.detach()),
         )
 
     def test_compile_fullgraph(self, backend, device):

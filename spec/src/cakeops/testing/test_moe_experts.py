@@ -224,7 +224,7 @@ class TestMoEExperts:
         torch.library.opcheck(torch.ops.cakeops.moe_experts.default, (*tensors, 2, True, 1.0))
         torch.library.opcheck(
             torch.ops.cakeops.moe_experts_backward.default,
-            (g, *(t.detach() for t in tensors), 2, False, 1.0, backend),
+            (g, *(t.detach() for t in tensors), 2, False, 1.0),
         )
 
     def test_compile_fullgraph(self, backend, device):

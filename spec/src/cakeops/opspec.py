@@ -1,0 +1,403 @@
+"""An op declared once: its arguments as a frozen :class:`OpInputs` dataclass, its rules as an
+:class:`OpSpec`; everything else is built here from the two.
+
+From the declaration this module builds, for every op alike: the custom op ``cakeops::<op>`` and
+its fake, the backward op ``cakeops::<op>_backward`` and its fake, ``setup_context`` and the
+backward, the ``torch.autograd.Function`` the public function calls (so ``torch.func`` transforms
+work), argument type checks from the annotations, ``bind`` (what :func:`cakeops.explain` and the
+CLI validate with), the backend choice per call and the checks on what a backend returns.
+
+The contract every op shares:
+
+- arguments are checked once, here, before any backend runs (types from the annotations, then
+  the op's own ``check``);
+- the op saves exactly its tensor inputs and recomputes everything else;
+- the backward returns one gradient per tensor input, shaped like it, in its dtype;
+- inputs with nothing to compute (``no_work``) give a zero output and zero gradients without
+  asking a backend;
+- kernels run with autocast off, in their inputs' dtypes; the backward runs on the backend that
+  ran the forward; forward-mode AD is refused.
+
+Kernel signature every backend implements for an op (arguments validated and in declaration
+order; see each op's ``Kernels`` protocol)::
+
+    forward(*inputs) -> output
+    backward(grad_output, *inputs) -> one gradient per tensor input
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from cakeops import _spec
+from cakeops.registry import Backend, forcing, select
+
+Shape = tuple[int, ...]
+
+
+class OpInputs(Mapping[str, Any]):
+    """Base of each op's frozen ``Inputs`` dataclass: the validated arguments of one call, by
+    name, in declaration order. Backends are asked about these (``not_supported_reasons``); they
+    read like a mapping too (``inputs["x"]``), as the interface before them did."""
+
+    op: ClassVar[str] = ""
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._names():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensor arguments by name."""
+        return {k: v for k, v in self.items() if isinstance(v, torch.Tensor)}
+
+    @property
+    def selecting(self) -> torch.Tensor:
+        """The first tensor argument: its device and dtype drive the backend choice."""
+        return next(iter(self.tensors.values()))
+
+    @property
+    def device_type(self) -> str:
+        return self.selecting.device.type
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.selecting.dtype
+
+
+# --------------------------------------------------------------------------------------------
+# Argument kinds, from the annotations
+
+
+def _kind(annotation: Any) -> str:
+    """``Tensor``, ``float``, ``int``, ``bool`` or ``int?`` (an int or None): the custom-op
+    schema type of an argument."""
+    if annotation in (torch.Tensor, float, int, bool):
+        return {torch.Tensor: "Tensor", float: "float", int: "int", bool: "bool"}[annotation]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and set(
+        typing.get_args(annotation)
+    ) == {int, type(None)}:
+        return "int?"
+    raise TypeError(f"unsupported argument annotation {annotation!r}")
+
+
+def _checked_value(op: str, name: str, kind: str, value: Any) -> Any:
+    """``value`` after the type check of its kind (numbers of kind ``float`` become floats)."""
+    if kind == "Tensor":
+        _spec.check_tensor(op, name, value)
+        return value
+    if kind == "float":
+        return _spec.check_number(op, name, value)
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise TypeError(f"{op}: argument '{name}' expected a bool, got {_spec.describe(value)}")
+        return value
+    optional = kind == "int?"
+    if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    expected = "an int or None" if optional else "an int"
+    raise TypeError(f"{op}: argument '{name}' expected {expected}, got {_spec.describe(value)}")
+
+
+# --------------------------------------------------------------------------------------------
+# The backend of each call
+
+
+#: Marks a saved tensor's place among an autograd context's parameters.
+_SAVED = "<saved tensor>"
+
+# op -> the backend that ran this thread's latest forward of it (read by setup_context, which
+# runs right after the forward, on the same thread)
+_forward_choice = threading.local()
+
+
+def _run_kernel(backend: Backend, op: str, kind: str, *args: Any) -> Any:
+    """``backend``'s ``forward`` or ``backward`` kernel with autocast off: the kernels compute in
+    their inputs' dtypes whatever autocast region surrounds the op (the ops have no autocast
+    rule, like a custom op: cast the inputs to run them in 16-bit), forward and backward alike."""
+    kernel = getattr(backend.kernels(op), kind)
+    devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
+    with contextlib.ExitStack() as stack:
+        for device in devices & {"cpu", "cuda", "xpu", "mps"}:
+            stack.enter_context(torch.autocast(device, enabled=False))
+        return kernel(*args)
+
+
+def _checked(op: str, backend: Backend, name: str, got: Any, like: torch.Tensor) -> torch.Tensor:
+    """``got`` made contiguous, after checking it has ``like``'s shape, dtype and device."""
+    if (
+        not isinstance(got, torch.Tensor)
+        or got.shape != like.shape
+        or got.dtype != like.dtype
+        or got.device != like.device
+    ):
+        raise RuntimeError(
+            f"{op}: backend {backend.name!r} returned {name} as {_spec.describe(got)}, expected "
+            f"{_spec.dtype_name(like.dtype)} of shape {tuple(like.shape)} on {like.device}"
+        )
+    return got.contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# The spec
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OpSpec:
+    """What the spec owns about one op, besides its arguments (the ``inputs`` dataclass).
+
+    - ``check(inputs) -> inputs``: the op's own validation, after the type checks; raises
+      ``ValueError``/``TypeError`` naming the op and the argument; returns the inputs with
+      defaults resolved (``dataclasses.replace``), which is what backends get.
+    - ``output(inputs) -> (shape, dtype)``: the output's (on the inputs' device).
+    - ``no_work(inputs)``: nothing to compute; the output and the gradients are zeros.
+    - ``example(device, dtype) -> inputs``: small valid inputs (``cakeops info``, smoke tests).
+    - ``dtypes``: the dtypes of the selecting (first) tensor the spec accepts.
+    """
+
+    inputs: type[OpInputs]
+    check: Callable[[Any], Any]
+    output: Callable[[Any], tuple[Shape, torch.dtype]]
+    no_work: Callable[[Any], bool]
+    example: Callable[..., Any]
+    dtypes: tuple[torch.dtype, ...] = _spec.FLOAT_DTYPES
+    #: name, kind, default (``dataclasses.MISSING`` when required), keyword-only
+    arguments: tuple[tuple[str, str, Any, bool], ...] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(self.inputs)
+        arguments = tuple(
+            (f.name, _kind(hints[f.name]), f.default, bool(f.kw_only))
+            for f in dataclasses.fields(self.inputs)  # type: ignore[arg-type]
+        )
+        object.__setattr__(self, "arguments", arguments)
+        self._build()
+
+    # -- names --------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.inputs.op
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        """The tensor arguments: saved for the backward, one gradient each."""
+        return tuple(name for name, kind, _, _ in self.arguments if kind == "Tensor")
+
+    @property
+    def saved(self) -> tuple[str, ...]:
+        """The saved-tensor contract: exactly the tensor inputs."""
+        return self.tensor_names
+
+    # -- validation -----------------------------------------------------------------------
+
+    def typed(self, values: tuple[Any, ...]) -> OpInputs:
+        """The inputs from positional ``values`` (declaration order) after the type checks of
+        their annotations (cheap: no shapes)."""
+        checked = {
+            name: _checked_value(self.name, name, kind, value)
+            for (name, kind, _, _), value in zip(self.arguments, values, strict=True)
+        }
+        return self.inputs(**checked)
+
+    def validate(self, values: tuple[Any, ...]) -> OpInputs:
+        """Every check, in declaration order: types, then the op's own."""
+        return self.check(self.typed(values))
+
+    def bind(self, *args: Any, **kwargs: Any) -> OpInputs:
+        """Validate a call's arguments as the public function takes them."""
+        try:
+            inputs = self.inputs(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}: {exc}") from None
+        return self.validate(tuple(inputs.values()))
+
+    def output_like(self, inputs: OpInputs) -> torch.Tensor:
+        shape, dtype = self.output(inputs)
+        return torch.empty(shape, dtype=dtype, device=inputs.selecting.device)
+
+    # -- the public call ------------------------------------------------------------------
+
+    def __call__(self, **arguments: Any) -> torch.Tensor:
+        """The public function's body: ``op(**arguments)`` by argument name."""
+        if torch.compiler.is_compiling():
+            # One graph node, with the op's registered autograd; the op validates its arguments
+            # (Dynamo does not trace the Inputs dataclass).
+            return self.forward_op(
+                *(arguments.get(name, default) for name, _, default, _ in self.arguments)
+            )
+        try:
+            given = self.inputs(**arguments)  # the defaults; a missing argument is a TypeError
+        except TypeError as exc:
+            raise TypeError(f"{self.name}: {exc}") from None
+        inputs = self.typed(tuple(given.values()))
+        _spec.check_no_forward_ad(self.name, inputs.tensors)
+        return self._function.apply(*inputs.values())
+
+    def positional(self, *args: Any) -> torch.Tensor:
+        """The op with every argument positional, in declaration order (an autograd
+        ``Function.apply`` shape); the missing ones take their defaults."""
+        names = [name for name, _, _, _ in self.arguments]
+        if len(args) > len(names):
+            raise TypeError(f"{self.name}: takes {len(names)} arguments, got {len(args)}")
+        return self(**dict(zip(names, args, strict=False)))
+
+    # -- what is built --------------------------------------------------------------------
+
+    def _schema(self, prefix: str, returns: str) -> str:
+        args = ", ".join(f"{kind} {name}" for name, kind, _, _ in self.arguments)
+        return f"({prefix}{args}) -> {returns}"
+
+    def _build(self) -> None:
+        op, n = self.name, len(self.tensor_names)
+        forward_op = torch.library.custom_op(
+            f"cakeops::{op}", self._forward, mutates_args=(), schema=self._schema("", "Tensor")
+        )
+        forward_op.register_fake(self._forward_fake)
+        backward_op = torch.library.custom_op(
+            f"cakeops::{op}_backward",
+            self._backward_kernel,
+            mutates_args=(),
+            schema=self._schema("Tensor grad_output, ", f"({', '.join(['Tensor'] * n)})"),
+        )
+        backward_op.register_fake(self._backward_fake)
+        forward_op.register_autograd(self._backward, setup_context=self._setup_context)
+        for name, value in (
+            ("forward_op", forward_op),
+            ("backward_op", backward_op),
+            ("_function", self._autograd_function()),
+            ("_backward_function", self._double_backward_refused()),
+        ):
+            object.__setattr__(self, name, value)
+
+    def _forward(self, *values: Any) -> torch.Tensor:
+        inputs = self.validate(values)
+        if self.no_work(inputs):
+            return self.output_like(inputs).zero_()
+        backend = select(self.name, inputs)
+        _forward_choice.__dict__[self.name] = backend.name
+        out = _run_kernel(backend, self.name, "forward", *inputs.values())
+        return _checked(self.name, backend, "the output", out, self.output_like(inputs))
+
+    def _forward_fake(self, *values: Any) -> torch.Tensor:
+        return self.output_like(self.validate(values))
+
+    def _check_grad_output(self, g: Any, inputs: OpInputs) -> None:
+        like = self.output_like(inputs)
+        _spec.check_tensor(self.name, "grad_output", g)
+        if g.shape != like.shape or g.dtype != like.dtype:
+            raise ValueError(
+                f"{self.name}: argument 'grad_output' expected {_spec.dtype_name(like.dtype)} of "
+                f"shape {tuple(like.shape)}, got {_spec.describe(g)}"
+            )
+
+    def _backward_kernel(self, g: torch.Tensor, *values: Any) -> tuple[torch.Tensor, ...]:
+        inputs = self.validate(values)
+        self._check_grad_output(g, inputs)
+        tensors = inputs.tensors
+        if self.no_work(inputs):
+            return tuple(torch.zeros_like(t) for t in tensors.values())
+        backend = select(self.name, inputs)
+        grads = _run_kernel(backend, self.name, "backward", g.contiguous(), *inputs.values())
+        if len(grads) != len(tensors):
+            raise RuntimeError(
+                f"{self.name}: backend {backend.name!r} returned {len(grads)} gradients, "
+                f"expected {len(tensors)} ({', '.join(tensors)})"
+            )
+        return tuple(
+            _checked(self.name, backend, f"d{name}", grad, like)
+            for (name, like), grad in zip(tensors.items(), grads, strict=True)
+        )
+
+    def _backward_fake(self, g: torch.Tensor, *values: Any) -> tuple[torch.Tensor, ...]:
+        inputs = self.validate(values)
+        self._check_grad_output(g, inputs)
+        return tuple(torch.empty_like(t) for t in inputs.tensors.values())
+
+    def _setup_context(self, ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        tensors = tuple(v for v in inputs if isinstance(v, torch.Tensor))
+        ctx.save_for_backward(*tensors)
+        ctx.params = tuple(_SAVED if isinstance(v, torch.Tensor) else v for v in inputs)
+        # The backend that ran the forward, whatever chose it (a use_backend() context, an
+        # environment variable or the priorities): an eager backward may run on another thread
+        # (CUDA), where that context is not visible, and the environment may have changed since.
+        # A compiled graph is cached and reused across contexts, so under torch.compile nothing
+        # is recorded and the backward selects again when it runs.
+        ctx.backend = (
+            "" if torch.compiler.is_compiling() else _forward_choice.__dict__.get(self.name, "")
+        )
+
+    def _backward(self, ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        saved = iter(ctx.saved_tensors)
+        values = tuple(next(saved) if p is _SAVED else p for p in ctx.params)
+        with forcing(ctx.backend, self.name) if ctx.backend else contextlib.nullcontext():
+            if torch.compiler.is_compiling():
+                grads = self.backward_op(grad, *values)
+            else:
+                grads = self._backward_function.apply(grad, *values)
+        grads = iter(grads)
+        return tuple(next(grads) if p is _SAVED else None for p in ctx.params)
+
+    def _autograd_function(self) -> type:
+        """The ``torch.autograd.Function`` the public function calls: the custom op forward, the
+        same ``setup_context`` and backward (the custom op's own registration serves direct
+        callers of ``torch.ops.cakeops``). PyTorch's generated Function for a custom op defines
+        no ``setup_context``, so ``torch.func.grad``, ``vjp`` and ``jacrev`` refuse it
+        (pytorch/pytorch#170834); this one does, and its vmap rule is generated."""
+        return type(
+            f"{self.name}_function",
+            (torch.autograd.Function,),
+            {
+                "forward": staticmethod(lambda *values: self.forward_op(*values)),
+                "setup_context": staticmethod(self._setup_context),
+                "backward": staticmethod(self._backward),
+                "generate_vmap_rule": True,
+            },
+        )
+
+    def _double_backward_refused(self) -> type:
+        """The Function around the backward op: a backward run with ``create_graph=True`` (as
+        ``torch.func.grad`` does) works, and a second derivative through it is a clear error
+        instead of a silent zero."""
+
+        def refuse(ctx: Any, *grads: Any) -> None:
+            raise NotImplementedError(
+                f"{self.name}: second derivatives (backward of the backward) are not supported"
+            )
+
+        return type(
+            f"{self.name}_backward_function",
+            (torch.autograd.Function,),
+            {
+                "forward": staticmethod(lambda *values: self.backward_op(*values)),
+                "setup_context": staticmethod(lambda ctx, inputs, output: None),
+                "backward": staticmethod(refuse),
+                "generate_vmap_rule": True,
+            },
+        )
+
+
+def specs() -> Mapping[str, OpSpec]:
+    """Every op's spec by name, in declaration order (imports the op modules)."""
+    from cakeops.ops import SPECS
+
+    return SPECS
