@@ -18,6 +18,8 @@ from cakeops_numba.cpu import causal_dot_product as cpu_kernels
 
 import cakeops
 from cakeops import registry
+from cakeops.ops import causal_dot_product as causal
+from cakeops.ops import rmsnorm_silu_gate as rmsnorm
 from cakeops.testing import test_causal_dot_product as suite
 
 pytestmark = pytest.mark.skipif(
@@ -72,13 +74,13 @@ def test_automatic_choice_on_cpu():
     for dtype, expected in ((torch.float32, "numba"), (torch.float16, "numba"),
                             (torch.bfloat16, "torch")):  # fmt: skip
         t = q.to(dtype)
-        picked = registry.select("causal_dot_product", {"q": t, "k": t, "v": t})
+        picked = registry.select("causal_dot_product", causal.Inputs(t, t, t))
         assert picked.name == expected, dtype
-    reasons = numba_backend.not_supported_reasons("rmsnorm_silu_gate", {"x": q})
+    reasons = numba_backend.not_supported_reasons("rmsnorm_silu_gate", rmsnorm.Inputs(q, q, q))
     assert any("serves devices cuda" in r for r in reasons)
     # bfloat16 is a CUDA dtype of the backend: the CPU kernel's narrower list is the reason
     t = q.bfloat16()
-    reasons = numba_backend.not_supported_reasons("causal_dot_product", {"q": t, "k": t, "v": t})
+    reasons = numba_backend.not_supported_reasons("causal_dot_product", causal.Inputs(t, t, t))
     assert reasons == [
         "supports dtypes float16, float32 for causal_dot_product on cpu, got bfloat16"
     ]

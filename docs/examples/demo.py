@@ -145,7 +145,7 @@ def backend_table(model: Model, steps: int = 3) -> None:
     for name, backend in ((n, registry.backends()[n]) for n in names):
         reason = backend.unavailable_reason()
         if reason is None:
-            missing = [op for op in registry.OPS if op not in backend.ops]
+            missing = [op for op in registry.op_names() if op not in backend.ops]
             reason = f"does not implement {', '.join(missing)}" if missing else None
         if reason is not None:
             results[name] = reason

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from _timing import median_ms
 from numba import njit, prange
 
 from cakeops.helpers import (
@@ -29,6 +28,7 @@ from cakeops.helpers import (
     row_weights,
     swiglu_backward,
 )
+from cakeops.measure import alternating_medians
 from cakeops_torch import moe_experts as torch_kernels
 
 TILE = 32
@@ -148,7 +148,10 @@ def compare(T: int, D: int, F_: int, E: int, top_k: int) -> float:
 
     for a, b in zip(numba_step(), torch_step(), strict=True):
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-3 * float(b.abs().max())), "mismatch"
-    ms = median_ms({"numba": numba_step, "torch": torch_step}, repeats=3)
+    seconds = alternating_medians(
+        {"numba": numba_step, "torch": torch_step}, torch.device("cpu"), 3, warmup=1
+    )
+    ms = {name: s * 1e3 for name, s in seconds.items()}
     ratio = ms["numba"] / ms["torch"]
     print(f"T {T} D {D} F {F_} E {E} top {top_k}: numba {ms['numba']:.0f} ms, torch backend "
           f"{ms['torch']:.0f} ms, numba / torch = {ratio:.2f}")  # fmt: skip

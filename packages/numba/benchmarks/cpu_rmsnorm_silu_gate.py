@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from _timing import median_ms
 from numba import get_num_threads, njit, prange
 
+from cakeops.measure import alternating_medians
 from cakeops_torch import rmsnorm_silu_gate as torch_kernels
 
 ONE = np.float32(1.0)
@@ -101,7 +101,10 @@ def compare(rows: int, D: int, eps: float = 1e-6) -> float:
 
     for a, b in zip(numba_step(), torch_step(), strict=True):
         assert np.allclose(a, b.numpy(), rtol=1e-4, atol=1e-3)
-    ms = median_ms({"numba": numba_step, "torch": torch_step})
+    seconds = alternating_medians(
+        {"numba": numba_step, "torch": torch_step}, torch.device("cpu"), 7, warmup=1
+    )
+    ms = {name: s * 1e3 for name, s in seconds.items()}
     numba_ms, torch_ms = ms["numba"], ms["torch"]
     ratio = numba_ms / torch_ms
     print(f"rows {rows} x D {D}: numba {numba_ms:.1f} ms, torch backend {torch_ms:.1f} ms, "

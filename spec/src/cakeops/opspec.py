@@ -32,6 +32,7 @@ import dataclasses
 import threading
 import types
 import typing
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -394,6 +395,23 @@ class OpSpec:
                 "generate_vmap_rule": True,
             },
         )
+
+
+def moved_to_helpers(module: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` forwarding the backend helpers that lived in the op modules
+    before :mod:`cakeops.helpers` (with a ``DeprecationWarning`` naming the new place)."""
+
+    def __getattr__(name: str) -> Any:
+        from cakeops import helpers
+
+        if name not in helpers.__all__:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(
+            f"{module}.{name} moved to cakeops.helpers.{name}", DeprecationWarning, stacklevel=2
+        )
+        return getattr(helpers, name)
+
+    return __getattr__
 
 
 def specs() -> Mapping[str, OpSpec]:

@@ -25,11 +25,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cakeops._spec import dtype_name
+
+if TYPE_CHECKING:
+    from cakeops.opspec import OpInputs
 
 ENTRY_POINT_GROUP = "cakeops.backends"
 
@@ -104,8 +107,9 @@ class Backend:
     def is_available(self) -> bool:
         return self.unavailable_reason() is None
 
-    def not_supported_reasons(self, op: str, inputs: Mapping[str, Any]) -> list[str]:
-        """Every reason this backend cannot run ``op`` on ``inputs`` (empty when it can)."""
+    def not_supported_reasons(self, op: str, inputs: OpInputs) -> list[str]:
+        """Every reason this backend cannot run ``op`` on ``inputs`` (empty when it can): the
+        op's validated ``Inputs`` (read them by attribute, or by name like a mapping)."""
         kernels = self.ops.get(op)
         if kernels is None:
             return [f"does not implement {op}"]
@@ -124,12 +128,38 @@ class Backend:
         return reasons
 
     def kernels(self, op: str) -> ModuleType:
-        """The imported kernel module for ``op`` (imported once, on first use)."""
+        """The imported kernel module for ``op`` (imported once, on first use); one without a
+        callable ``forward`` and ``backward`` is refused with a clear error."""
         module = self._modules.get(op)
         if module is None:
             module = importlib.import_module(self.ops[op].module)
+            missing = [f for f in ("forward", "backward") if not callable(getattr(module, f, None))]
+            if missing:
+                raise BackendError(
+                    f"{op}: backend {self.name!r}: kernel module {module.__name__!r} defines no "
+                    f"{' or '.join(missing)} (see the op's Kernels protocol in cakeops.ops.{op})"
+                )
             self._modules[op] = module
         return module
+
+
+def package_kernels(
+    package: str,
+    devices: Mapping[str, int | None],
+    dtypes: tuple[torch.dtype, ...],
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, OpKernels]:
+    """The :class:`OpKernels` of every op ``package`` has a module for, named after the op
+    (``<package>.<op>``), found without importing them: each serves ``devices`` and ``dtypes``
+    unless ``overrides[op]`` replaces some of those fields (``device_dtypes`` too). A backend
+    built this way serves a new op as soon as it has the module, with no name to mistype."""
+    found = {}
+    for op in op_names():
+        module = f"{package}.{op}"
+        if importlib.util.find_spec(module) is not None:
+            fields = {"devices": devices, "dtypes": dtypes, **(overrides or {}).get(op, {})}
+            found[op] = OpKernels(module=module, **fields)
+    return found
 
 
 def _first_tensor(inputs: Mapping[str, Any]) -> torch.Tensor | None:

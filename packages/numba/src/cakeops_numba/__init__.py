@@ -21,12 +21,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 
-from cakeops import Backend, OpKernels
+from cakeops import Backend
+from cakeops.opspec import OpInputs
+from cakeops.registry import package_kernels
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
@@ -63,11 +63,9 @@ class NumbaBackend(Backend):
             return "numba-cuda finds no usable CUDA driver"
         return None
 
-    def not_supported_reasons(self, op: str, inputs: Mapping[str, Any]) -> list[str]:
+    def not_supported_reasons(self, op: str, inputs: OpInputs) -> list[str]:
         reasons = super().not_supported_reasons(op, inputs)
-        first = next((t for t in inputs.values() if isinstance(t, torch.Tensor)), None)
-        on_cuda = first is not None and first.device.type == "cuda"
-        if on_cuda and self.cuda_unavailable_reason is not None:
+        if inputs.device_type == "cuda" and self.cuda_unavailable_reason is not None:
             reasons.append(self.cuda_unavailable_reason)
         return reasons
 
@@ -76,19 +74,16 @@ backend = NumbaBackend(
     name="numba",
     distribution="cakeops-numba",
     description="numba-cuda kernels (zero-copy, on PyTorch's stream), njit CPU kernels if faster",
-    ops={
-        "rmsnorm_silu_gate": OpKernels(
-            module="cakeops_numba.rmsnorm_silu_gate", devices=devices(False), dtypes=DTYPES
-        ),
-        "causal_dot_product": OpKernels(
-            module="cakeops_numba.causal_dot_product",
-            devices=devices(True),
-            dtypes=DTYPES,
-            # the njit CPU kernel: float16 and float32; the simulator takes every dtype
-            device_dtypes={} if SIMULATOR else {"cpu": (torch.float16, torch.float32)},
-        ),
-        "moe_experts": OpKernels(
-            module="cakeops_numba.moe_experts", devices=devices(False), dtypes=DTYPES
-        ),
-    },
+    ops=package_kernels(
+        __name__,
+        devices=devices(cpu_kernel=False),
+        dtypes=DTYPES,
+        overrides={
+            "causal_dot_product": {
+                "devices": devices(cpu_kernel=True),
+                # the njit CPU kernel: float16 and float32; the simulator takes every dtype
+                "device_dtypes": {} if SIMULATOR else {"cpu": (torch.float16, torch.float32)},
+            }
+        },
+    ),
 )

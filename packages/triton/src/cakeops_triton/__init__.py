@@ -12,7 +12,8 @@ import os
 
 import torch
 
-from cakeops import Backend, OpKernels
+from cakeops import Backend
+from cakeops.registry import package_kernels
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
@@ -33,15 +34,5 @@ backend = TritonBackend(
     name="triton",
     distribution="cakeops-triton",
     description="Triton kernels: fused, float32 math, deterministic reductions",
-    ops={
-        "rmsnorm_silu_gate": OpKernels(
-            module="cakeops_triton.rmsnorm_silu_gate", devices=DEVICES, dtypes=DTYPES
-        ),
-        "causal_dot_product": OpKernels(
-            module="cakeops_triton.causal_dot_product", devices=DEVICES, dtypes=DTYPES
-        ),
-        "moe_experts": OpKernels(
-            module="cakeops_triton.moe_experts", devices=DEVICES, dtypes=DTYPES
-        ),
-    },
+    ops=package_kernels(__name__, devices=DEVICES, dtypes=DTYPES),
 )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import platform
-import statistics
 import textwrap
 import time
 from collections.abc import Callable
@@ -21,34 +20,8 @@ from typing import Any
 
 import torch
 
-from cakeops.testing import SavedTensors, peak_memory
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_it(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 2) -> float:
-    """Median wall time of ``fn`` in seconds."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def saved_bytes(forward: Callable[[], Any]) -> int:
-    """Bytes of the tensors the autograd graph keeps from ``forward`` for the backward."""
-    with SavedTensors() as saved:
-        out = forward()
-    del out
-    return saved.nbytes()
+from cakeops.measure import alternating_medians, peak_memory, saved_bytes, sync
+from cakeops.registry import explain_inputs
 
 
 def cakeops_rows(fn: Callable[..., Any], backend: str) -> list[tuple[str, Callable[..., Any]]]:
@@ -66,6 +39,30 @@ def cakeops_rows(fn: Callable[..., Any], backend: str) -> list[tuple[str, Callab
 
         rows.append(("cakeops [torch]", on_torch))
     return rows
+
+
+def example_run(op: str, device: torch.device) -> list[dict[str, Any]]:
+    """The benchmark of an op without a module here: the op on the spec's example inputs, on
+    the backend the automatic choice picks (and ``torch`` beside it)."""
+    from cakeops.ops import SPECS
+
+    spec = SPECS[op]
+    inputs = spec.example(device)
+    tensors = {k: v.requires_grad_(v.is_floating_point()) for k, v in inputs.tensors.items()}
+    params = {k: v for k, v in inputs.items() if k not in tensors}
+    g = torch.randn_like(spec.output_like(inputs))
+    backend = explain_inputs(op, spec.validate(tuple(inputs.values()))).backend or "torch"
+    contenders = {}
+    for label, fn in cakeops_rows(lambda: spec(**tensors, **params), backend):
+        contenders[label] = (
+            fn,
+            lambda fn=fn: torch.autograd.grad(fn(), tuple(tensors.values()), g),
+        )
+    results = measure(contenders, device, repeats=3)
+    baseline = f"cakeops [{backend}]"
+    print(format_table(f"\n{op} fwd+bwd, example inputs", results, baseline))
+    return [{"case": "example inputs", "dtype": "float32", "backend": backend,
+             "baseline": baseline, "results": results}]  # fmt: skip
 
 
 def measure(
@@ -86,20 +83,13 @@ def measure(
     for label, (_forward, step) in contenders.items():
         start = time.perf_counter()
         step()
-        _sync(device)
+        sync(device)
         if time.perf_counter() - start > slow_s:
             slow[label] = None
         else:
             step()  # a second warm-up: the first may have compiled or populated caches
             fast.append(label)
-    times: dict[str, list[float]] = {label: [] for label in fast}
-    for _ in range(repeats):
-        for label in fast:
-            _sync(device)
-            start = time.perf_counter()
-            contenders[label][1]()
-            _sync(device)
-            times[label].append(time.perf_counter() - start)
+    times = alternating_medians({label: contenders[label][1] for label in fast}, device, repeats)
     results = {}
     for label, (forward, step) in contenders.items():
         if label in slow:
@@ -107,7 +97,7 @@ def measure(
             peak = peak_memory(step, device)
             seconds = time.perf_counter() - start
         else:
-            seconds = statistics.median(times[label])
+            seconds = times[label]
             peak = peak_memory(step, device)
         results[label] = {
             "time_s": seconds,
@@ -285,7 +275,11 @@ def run(
     )
     for i, op in enumerate(ops, 1):
         print(f"\n[{i}/{len(ops)}] {op} ({datetime.now():%H:%M:%S})", flush=True)
-        module = importlib.import_module(f"cakeops.bench.{op}")
-        record["results"][op] = module.run(dev, quick)
+        try:
+            module = importlib.import_module(f"cakeops.bench.{op}")
+        except ModuleNotFoundError:  # an op with no comparison of its own yet
+            record["results"][op] = example_run(op, dev)
+        else:
+            record["results"][op] = module.run(dev, quick)
     _write_outputs(record, json_path, markdown_dir, plots_dir)
     return 0

@@ -77,3 +77,30 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def gpu_cases(device: torch.device, shape: tuple[int, ...]) -> list:
+    """``python -m cakeops.bench.gpu``: bfloat16 at ``(N, H, L, E, M)``."""
+    from cakeops.bench.gpu import GpuCase
+    from cakeops.ops.causal_dot_product import Inputs
+
+    N, H, L, E, M = shape
+    q = (torch.randn(N, H, L, E, device=device) * E**-0.5).bfloat16()
+    k = (torch.randn(N, H, L, E, device=device) * E**-0.5).bfloat16()
+    v = torch.randn(N, H, L, M, device=device, dtype=torch.bfloat16)
+    return [GpuCase("bfloat16", Inputs(q, k, v))]
+
+
+def gpu_peers(inputs: dict[str, Any]) -> dict[str, Any]:
+    """flash-linear-attention's chunked kernel, when it imports (its layout is (B, T, H, D))."""
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn
+    except Exception as exc:  # not installed, or a different API
+        print(f"flash-linear-attention not compared: {exc}")
+        return {}
+
+    def fla():
+        q, k, v = (inputs[n].transpose(1, 2) for n in ("q", "k", "v"))
+        return chunk_linear_attn(q, k, v, scale=1.0, normalize=False)[0].transpose(1, 2)
+
+    return {"flash-linear-attention": fla}

@@ -10,17 +10,19 @@ on the CPU too, to check the script itself).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 import cakeops
 from cakeops import registry
-from cakeops.bench import time_it
+from cakeops.measure import time_it
+from cakeops.ops import SPECS
 
 FULL = {
     "rmsnorm_silu_gate": (32768, 4096),
@@ -32,6 +34,19 @@ QUICK = {
     "causal_dot_product": (1, 2, 256, 32, 32),
     "moe_experts": (256, 64, 96, 8, 2),
 }
+
+
+LIMIT_NAMES = {"copy_bytes_per_s": "copy bandwidth", "bf16_flop_per_s": "bf16 matrix rate"}
+
+
+class GpuCase(NamedTuple):
+    """One GPU benchmark case of an op: its inputs, and optionally the useful work of a
+    forward+backward (bytes moved or FLOPs) with the device limit it is a fraction of."""
+
+    name: str
+    inputs: Any
+    work: float = 0.0
+    limit: str = "copy_bytes_per_s"
 
 
 def device_limits(device: torch.device, quick: bool) -> dict[str, float]:
@@ -46,143 +61,69 @@ def device_limits(device: torch.device, quick: bool) -> dict[str, float]:
     return {"copy_bytes_per_s": 2 * src.nbytes / copy_s, "bf16_flop_per_s": 2 * size**3 / mm_s}
 
 
-def _backends_for(op: str, example: dict[str, Any]) -> list[str]:
+def _backends_for(op: str, inputs) -> list[str]:
     names = []
     for name, backend in registry.backends().items():
         usable = registry.why_unavailable(backend) is None
-        usable = usable and not backend.not_supported_reasons(op, example)
+        usable = usable and not backend.not_supported_reasons(op, inputs)
         if name != "reference" and usable:
             names.append(name)
     return names
 
 
-def _rmsnorm(device, shape, dtype) -> tuple[dict, Callable, Callable, float, float]:
-    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
-    z = torch.randn_like(x, requires_grad=True)
-    w = torch.ones(shape[1], device=device, dtype=dtype, requires_grad=True)
-    g = torch.randn_like(x)
-    y = [None]
-
-    def fwd():
-        y[0] = cakeops.rmsnorm_silu_gate(x, z, w)
-
-    def bwd():
-        torch.autograd.grad(y[0], (x, z, w), g, retain_graph=True)
-
-    nbytes = x.numel() * x.element_size()
-    # forward reads x, z and writes y; backward reads g, x, z and writes dx, dz
-    return {"x": x, "z": z, "weight": w}, fwd, bwd, 3 * nbytes, 5 * nbytes
+def _cases(op: str, device: torch.device, quick: bool) -> list[GpuCase]:
+    """The op's GPU cases: its bench module's ``gpu_cases(device, shape)`` at the shape of
+    ``QUICK``/``FULL``, or else the spec's example inputs in bfloat16 (no device-limit column)."""
+    shape = (QUICK if quick else FULL).get(op)
+    try:
+        module = importlib.import_module(f"cakeops.bench.{op}")
+    except ModuleNotFoundError:
+        module = None
+    if shape is not None and hasattr(module, "gpu_cases"):
+        return module.gpu_cases(device, shape)
+    return [GpuCase("bfloat16", SPECS[op].example(device, torch.bfloat16))]
 
 
-def _causal(device, shape):
-    N, H, L, E, M = shape
-    q = (torch.randn(N, H, L, E, device=device) * E**-0.5).bfloat16().requires_grad_()
-    k = (torch.randn(N, H, L, E, device=device) * E**-0.5).bfloat16().requires_grad_()
-    v = torch.randn(N, H, L, M, device=device, dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(N, H, L, M, device=device, dtype=torch.bfloat16)
-    return {"q": q, "k": k, "v": v}, g
-
-
-def _moe(device, shape):
-    T, D, F, E, k = shape
-    x = torch.randn(T, D, device=device, dtype=torch.bfloat16, requires_grad=True)
-    logits = torch.randn(T, E, device=device, requires_grad=True)
-
-    def w(*s, fan_in):
-        return (torch.randn(s, device=device) * fan_in**-0.5).bfloat16().requires_grad_()
-
+def _time_case(op: str, case: GpuCase, device: torch.device, repeats: int, limits) -> list[dict]:
+    spec = SPECS[op]
     inputs = {
-        "x": x,
-        "router_logits": logits,
-        "w_gate": w(E, F, D, fan_in=D),
-        "w_up": w(E, F, D, fan_in=D),
-        "w_down": w(E, D, F, fan_in=F),
+        k: v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v
+        for k, v in case.inputs.items()
     }
-    return inputs, torch.randn(T, D, device=device, dtype=torch.bfloat16), 18 * T * k * D * F
-
-
-def run(device: torch.device, quick: bool) -> dict[str, Any]:
-    shapes = QUICK if quick else FULL
-    limits = device_limits(device, quick)
-    repeats = 3 if quick else 10
-    rows: list[dict[str, Any]] = []
-
-    # bfloat16 is the target's dtype; float16 as well, which every CUDA backend takes (numba's
-    # kernels have no bfloat16).
-    for dtype in (torch.bfloat16, torch.float16):
-        inputs, fwd, bwd, fwd_bytes, bwd_bytes = _rmsnorm(
-            device, shapes["rmsnorm_silu_gate"], dtype
-        )
-        for name in _backends_for("rmsnorm_silu_gate", inputs):
-            with cakeops.use_backend(name):
-                fwd()
-                f_s = time_it(fwd, device, repeats)
-                b_s = time_it(bwd, device, repeats)
-            parts = (("forward", f_s, fwd_bytes), ("backward", b_s, bwd_bytes))
-            for part, seconds, nbytes in parts:
-                rows.append(
-                    {
-                        "op": "rmsnorm_silu_gate",
-                        "part": f"{part} {str(dtype).removeprefix('torch.')}",
-                        "impl": name,
-                        "time_s": seconds,
-                        "fraction": nbytes / seconds / limits["copy_bytes_per_s"],
-                        "of": "copy bandwidth",
-                    }
-                )
-
-    qkv, g = _causal(device, shapes["causal_dot_product"])
-    contenders = {
-        name: (lambda: cakeops.causal_dot_product(*qkv.values()), name)
-        for name in _backends_for("causal_dot_product", qkv)
+    tensors = tuple(v for v in inputs.values() if isinstance(v, torch.Tensor))
+    g = torch.randn_like(spec.output_like(case.inputs))
+    contenders: dict[str, tuple[Any, str | None]] = {
+        name: (lambda: spec(**inputs), name) for name in _backends_for(op, case.inputs)
     }
-    try:  # flash-linear-attention's chunked kernel, when installed
-        from fla.ops.linear_attn import chunk_linear_attn
-
-        def fla():
-            q, k, v = (t.transpose(1, 2) for t in qkv.values())  # (B, T, H, D) layout
-            return chunk_linear_attn(q, k, v, scale=1.0, normalize=False)[0]
-
-        contenders["flash-linear-attention"] = (fla, None)
-    except Exception as exc:  # not installed, or a different API
-        print(f"flash-linear-attention not compared: {exc}", file=sys.stderr)
+    module = sys.modules.get(f"cakeops.bench.{op}")
+    for label, fn in getattr(module, "gpu_peers", lambda _: {})(inputs).items():
+        contenders[label] = (fn, None)
+    rows = []
     for label, (fn, backend) in contenders.items():
 
         def step(fn=fn):
             out = fn()
-            grad = g if out.shape == g.shape else g.transpose(1, 2)  # fla's (B, T, H, M)
-            return torch.autograd.grad(out, tuple(qkv.values()), grad)
+            return torch.autograd.grad(out, tensors, g.view_as(out))
 
-        if backend:
-            with cakeops.use_backend(backend):
-                seconds = time_it(step, device, repeats)
-        else:
+        with cakeops.use_backend(backend) if backend else contextlib.nullcontext():
+            forward_s = time_it(fn, device, repeats)
             seconds = time_it(step, device, repeats)
-        rows.append(
-            {"op": "causal_dot_product", "part": "fwd+bwd", "impl": label, "time_s": seconds}
-        )
+        row = {"op": op, "part": f"fwd+bwd {case.name}", "impl": label, "time_s": seconds,
+               "forward_s": forward_s}  # fmt: skip
+        if case.work:
+            row["fraction"] = case.work / seconds / limits[case.limit]
+            row["of"] = LIMIT_NAMES[case.limit]
+        rows.append(row)
+    return rows
 
-    moe_inputs, g, flops = _moe(device, shapes["moe_experts"])
-    top_k = shapes["moe_experts"][4]
-    for name in _backends_for("moe_experts", {**moe_inputs, "top_k": top_k}):
 
-        def step():
-            out = cakeops.moe_experts(*moe_inputs.values(), top_k=top_k)
-            return torch.autograd.grad(out, tuple(moe_inputs.values()), g)
-
-        with cakeops.use_backend(name):
-            seconds = time_it(step, device, repeats)
-        rows.append(
-            {
-                "op": "moe_experts",
-                "part": "fwd+bwd",
-                "impl": name,
-                "time_s": seconds,
-                "fraction": flops / seconds / limits["bf16_flop_per_s"],
-                "of": "bf16 matrix rate",
-            }
-        )
-
+def run(device: torch.device, quick: bool) -> dict[str, Any]:
+    limits = device_limits(device, quick)
+    repeats = 3 if quick else 10
+    rows: list[dict[str, Any]] = []
+    for op in SPECS:
+        for case in _cases(op, device, quick):
+            rows += _time_case(op, case, device, repeats, limits)
     for row in rows:
         base = next(
             (
@@ -197,7 +138,7 @@ def run(device: torch.device, quick: bool) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "limits": limits,
-        "shapes": shapes,
+        "shapes": QUICK if quick else FULL,
         "rows": rows,
     }
 

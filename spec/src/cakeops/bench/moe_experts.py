@@ -96,3 +96,22 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def gpu_cases(device: torch.device, shape: tuple[int, ...]) -> list:
+    """``python -m cakeops.bench.gpu``: bfloat16 at ``(T, D, F, E, top_k)``; the useful work is
+    the 9 expert GEMMs of forward (3) and backward (6) over ``T * top_k`` rows."""
+    from cakeops.bench.gpu import GpuCase
+    from cakeops.ops.moe_experts import Inputs
+
+    T, D, F, E, k = shape
+
+    def w(*s, fan_in):
+        return (torch.randn(s, device=device) * fan_in**-0.5).bfloat16()
+
+    x = torch.randn(T, D, device=device, dtype=torch.bfloat16)
+    logits = torch.randn(T, E, device=device)
+    inputs = Inputs(
+        x, logits, w(E, F, D, fan_in=D), w(E, F, D, fan_in=D), w(E, D, F, fan_in=F), top_k=k
+    )
+    return [GpuCase("bfloat16", inputs, 18 * T * k * D * F, "bf16_flop_per_s")]

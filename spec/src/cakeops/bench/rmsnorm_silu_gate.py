@@ -88,3 +88,20 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def gpu_cases(device: torch.device, shape: tuple[int, ...]) -> list:
+    """``python -m cakeops.bench.gpu``: bfloat16 and float16 (every CUDA backend takes it);
+    forward+backward reads x, z, g twice and writes y, dx, dz: the bytes of 8 x-sized tensors."""
+    from cakeops.bench.gpu import GpuCase
+    from cakeops.ops.rmsnorm_silu_gate import Inputs
+
+    cases = []
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(shape, device=device, dtype=dtype)
+        w = torch.ones(shape[-1], device=device, dtype=dtype)
+        nbytes = 8 * x.numel() * x.element_size()
+        cases.append(
+            GpuCase(str(dtype).removeprefix("torch."), Inputs(x, torch.randn_like(x), w), nbytes)
+        )
+    return cases

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from cakeops import _spec
-from cakeops.opspec import OpInputs, OpSpec
+from cakeops.opspec import OpInputs, OpSpec, moved_to_helpers
 
 OP = "causal_dot_product"
 
@@ -69,8 +69,9 @@ def check(a: Inputs) -> Inputs:
 
 def example(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Inputs:
     """Small valid inputs, for ``cakeops info`` and smoke tests."""
-    q = torch.randn(1, 2, 16, 8, device=device, dtype=dtype)
-    return Inputs(q, torch.randn_like(q), torch.randn_like(q))
+    q = torch.randn(1, 2, 40, 8, device=device, dtype=dtype) * 8**-0.5
+    v = torch.randn(1, 2, 40, 6, device=device, dtype=dtype)
+    return Inputs(q, torch.randn_like(q), v)
 
 
 SPEC = OpSpec(
@@ -98,3 +99,6 @@ class CausalDotProduct:
     @staticmethod
     def apply(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return causal_dot_product(queries, keys, values)
+
+
+__getattr__ = moved_to_helpers(__name__)  # route, combine, ...: now in cakeops.helpers

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from cakeops import _spec
-from cakeops.opspec import OpInputs, OpSpec
+from cakeops.opspec import OpInputs, OpSpec, moved_to_helpers
 
 OP = "moe_experts"
 WEIGHTS = ("w_gate", "w_up", "w_down")
@@ -159,3 +159,6 @@ def moe_experts(
     16-bit. Saves only the five inputs; gradients flow to all of them.
     """
     return SPEC(**locals())
+
+
+__getattr__ = moved_to_helpers(__name__)  # route, combine, ...: now in cakeops.helpers

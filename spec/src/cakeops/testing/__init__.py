@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import pytest
 import torch
 
 from cakeops._spec import relative_error, tolerance
+from cakeops.measure import SavedTensors, peak_memory  # noqa: F401 (part of this API)
 
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str, dtype=None) -> None:
@@ -67,33 +69,6 @@ def tensors_on_ctx(grad_fn) -> list[str]:
     return [k for k, v in vars(grad_fn).items() if has_tensor(v)]
 
 
-class SavedTensors:
-    """Records every tensor the autograd graph packs while the block runs."""
-
-    def __init__(self) -> None:
-        self.packed: list[torch.Tensor] = []
-
-    def __enter__(self) -> SavedTensors:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self.packed.append(t)
-        return t
-
-    def nbytes(self) -> int:
-        """Bytes held, each storage counted once."""
-        seen = {}
-        for t in self.packed:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())
-
-
 def run_with_grads(
     fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], g: torch.Tensor
 ):
@@ -127,6 +102,18 @@ def assert_func_grad_matches_autograd(
         assert torch.equal(a, b), f"torch.func.grad differs from autograd for argument {name}"
 
 
+def assert_bad_input_raises(
+    op: str, call: Callable[[], Any], error: type[Exception], argument: str
+) -> None:
+    """``call()`` raises ``error`` with the spec's message: the op, the argument, what was
+    expected and what came."""
+    with pytest.raises(error) as info:
+        call()
+    message = str(info.value)
+    assert message.startswith(f"{op}: argument '{argument}' expected"), message
+    assert "got" in message, message
+
+
 def assert_saves_exactly(fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], names):
     """The autograd graph of ``fn(*tensors)`` holds exactly ``tensors`` and nothing on its ctx."""
     with SavedTensors() as saved:
@@ -138,25 +125,3 @@ def assert_saves_exactly(fn: Callable[..., torch.Tensor], tensors: Sequence[torc
         assert same_tensor(got, want), f"saved tensor for {name} is not the input itself"
     assert tensors_on_ctx(out.grad_fn) == []
     return out
-
-
-def peak_memory(fn: Callable[[], Any], device: torch.device) -> int:
-    """Peak bytes allocated while ``fn`` runs, above what was allocated before it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    from torch.profiler import ProfilerActivity, profile
-
-    # Every allocation and free on the CPU is a raw "[memory]" event with its size.
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    current = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        current += event.nbytes()
-        peak = max(peak, current)
-    return peak

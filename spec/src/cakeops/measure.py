@@ -1,0 +1,99 @@
+"""Measuring what a run costs, for the benchmarks and the conformance suite: wall time (one
+timer: contenders in alternation, medians), peak memory allocated and the bytes the autograd
+graph keeps for the backward."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def alternating_medians(
+    steps: Mapping[str, Callable[[], Any]], device: torch.device, repeats: int, warmup: int = 0
+) -> dict[str, float]:
+    """Median seconds of each step after ``warmup`` untimed calls of each, the timed calls
+    alternating between the steps (round-robin) so that a shared machine's drifting speed slows
+    every step alike and the ratios stay fair."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {label: [] for label in steps}
+    for _ in range(repeats):
+        for label, step in steps.items():
+            sync(device)
+            start = time.perf_counter()
+            step()
+            sync(device)
+            times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
+def time_it(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn`` in seconds, after ``warmup`` calls."""
+    return alternating_medians({"fn": fn}, device, repeats, warmup)["fn"]
+
+
+class SavedTensors:
+    """Records every tensor the autograd graph packs while the block runs."""
+
+    def __init__(self) -> None:
+        self.packed: list[torch.Tensor] = []
+
+    def __enter__(self) -> SavedTensors:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.packed.append(t)
+        return t
+
+    def nbytes(self) -> int:
+        """Bytes held, each storage counted once."""
+        seen = {}
+        for t in self.packed:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+
+def saved_bytes(forward: Callable[[], Any]) -> int:
+    """Bytes of the tensors the autograd graph keeps from ``forward`` for the backward."""
+    with SavedTensors() as saved:
+        out = forward()
+    del out
+    return saved.nbytes()
+
+
+def peak_memory(fn: Callable[[], Any], device: torch.device) -> int:
+    """Peak bytes allocated while ``fn`` runs, above what was allocated before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    # Every allocation and free on the CPU is a raw "[memory]" event with its size.
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak

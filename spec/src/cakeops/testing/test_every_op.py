@@ -1,0 +1,154 @@
+"""Conformance checks every op shares, generated from its spec (``cakeops.ops.<op>.SPEC``): one
+test class per op, on the spec's example inputs. An op added to ``cakeops.ops`` is checked here
+with no edit; its own module (``test_<op>.py``) holds the checks only it has.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch.utils.checkpoint import checkpoint
+
+from cakeops.ops import SPECS
+from cakeops.opspec import OpSpec
+from cakeops.testing import (
+    assert_autocast_changes_nothing,
+    assert_bad_input_raises,
+    assert_func_grad_matches_autograd,
+    assert_saves_exactly,
+    run_with_grads,
+)
+
+
+def example(spec: OpSpec, device: torch.device, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """The spec's example inputs (floating tensors requiring grad), an upstream gradient, and
+    the op as a function of the tensors alone."""
+    torch.manual_seed(seed)
+    inputs = spec.example(device, dtype)
+    tensors = tuple(
+        t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs.tensors.values()
+    )
+    params = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
+    names = spec.tensor_names
+
+    def op(*ts: torch.Tensor) -> torch.Tensor:
+        return spec(**dict(zip(names, ts, strict=True)), **params)
+
+    g = torch.randn_like(spec.output_like(inputs))
+    return tensors, g, op, inputs
+
+
+class Contract:
+    """What every op promises, whatever the backend (the ``op`` attribute names the op)."""
+
+    op: str
+
+    @property
+    def spec(self) -> OpSpec:
+        return SPECS[self.op]
+
+    def test_saves_exactly_the_inputs(self, backend, device):
+        tensors, g, op, _ = example(self.spec, device)
+        out = assert_saves_exactly(op, tensors, self.spec.saved)
+        out.backward(g)
+
+    def test_checkpoint_gives_same_gradients(self, backend, device):
+        tensors, g, op, _ = example(self.spec, device)
+        plain = run_with_grads(op, tensors, g)
+        ckpt = run_with_grads(lambda *t: checkpoint(op, *t, use_reentrant=False), tensors, g)
+        for a, b in zip(plain, ckpt, strict=True):
+            assert torch.equal(a, b)
+
+    def test_deterministic(self, backend, dtype, device):
+        tensors, g, op, _ = example(self.spec, device, dtype)
+        first = run_with_grads(op, tensors, g)
+        second = run_with_grads(op, tensors, g)
+        for a, b in zip(first, second, strict=True):
+            assert torch.equal(a, b)
+
+    def test_autocast_does_not_reach_the_kernels(self, backend, device):
+        """The ops have no autocast rule: inside an autocast region, float32 inputs give exactly
+        the float32 results and gradients, forward and backward alike."""
+        tensors, g, op, _ = example(self.spec, device)
+        assert_autocast_changes_nothing(op, tensors, g)
+
+    def test_torch_func_grad(self, backend, device):
+        tensors, g, op, _ = example(self.spec, device)
+        assert_func_grad_matches_autograd(op, tensors, g)
+
+    def test_forward_mode_ad_is_refused(self, backend, device):
+        """No silent zero tangents: jvp and dual tensors get a clear error."""
+        tensors, _, op, _ = example(self.spec, device)
+        first, *rest = (t.detach() for t in tensors)
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            torch.func.jvp(lambda a: op(a, *rest), (first,), (torch.ones_like(first),))
+        last = self.spec.tensor_names[-1]
+        with fwAD.dual_level(), pytest.raises(NotImplementedError, match=f"argument '{last}'"):
+            op(first, *rest[:-1], fwAD.make_dual(rest[-1], torch.ones_like(rest[-1])))
+
+    def test_opcheck(self, backend, device):
+        tensors, g, _, inputs = example(self.spec, device)
+        values = [tensors[self.spec.tensor_names.index(k)] if k in inputs.tensors else v
+                  for k, v in inputs.items()]  # fmt: skip
+        torch.library.opcheck(getattr(torch.ops.cakeops, self.op).default, tuple(values))
+        detached = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
+        backward = getattr(torch.ops.cakeops, f"{self.op}_backward").default
+        torch.library.opcheck(backward, (g, *detached))
+
+    def test_compile_fullgraph(self, backend, device):
+        tensors, g, op, _ = example(self.spec, device)
+        torch._dynamo.reset()
+        eager = run_with_grads(op, tensors, g)
+        compiled = run_with_grads(torch.compile(op, fullgraph=True), tensors, g)
+        for a, b in zip(eager, compiled, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    def test_empty_first_dimension(self, backend, dtype, device):
+        """No rows: an empty output and gradients, zero where they have elements."""
+        _, _, _, inputs = example(self.spec, device, dtype)
+        first = self.spec.tensor_names[0]
+        empty = {first: inputs[first][:0]}
+        for name, t in inputs.tensors.items():  # tensors sharing the first dim shrink with it
+            if name != first and t.dim() and t.shape[0] == inputs[first].shape[0]:
+                empty[name] = t[:0]
+        sized = {**inputs, **empty}
+        tensors = tuple(sized[n].detach().requires_grad_() for n in self.spec.tensor_names)
+        params = {k: v for k, v in sized.items() if not isinstance(v, torch.Tensor)}
+
+        def op(*ts):
+            return self.spec(**dict(zip(self.spec.tensor_names, ts, strict=True)), **params)
+
+        out, *grads = run_with_grads(op, tensors, torch.zeros_like(op(*tensors)))
+        assert out.numel() == 0
+        for grad, t in zip(grads, tensors, strict=True):
+            assert grad.shape == t.shape and not grad.any()
+
+    @pytest.mark.parametrize("kind", ["not-a-tensor", "integer", "other-device", "bad-type"])
+    def test_bad_argument_types(self, backend, device, kind):
+        """Generic bad inputs from the argument schema: each raises naming the argument."""
+        _, _, _, inputs = example(self.spec, device)
+        for name, bad, error in _bad_arguments(self.spec, inputs, kind):
+            args = tuple(bad if k == name else v for k, v in inputs.items())
+            assert_bad_input_raises(self.op, lambda a=args: self.spec.positional(*a), error, name)
+
+
+def _bad_arguments(spec: OpSpec, inputs, kind: str) -> list[tuple[str, Any, type]]:
+    tensors = inputs.tensors
+    if kind == "not-a-tensor":
+        return [(name, t.tolist(), TypeError) for name, t in tensors.items()]
+    if kind == "integer":
+        first = spec.tensor_names[0]
+        return [(first, tensors[first].long(), TypeError)]
+    if kind == "other-device":
+        return [(name, t.to("meta"), ValueError) for name, t in list(tensors.items())[1:]]
+    return [
+        (name, "0", TypeError) for name, k, _, _ in spec.arguments if k != "Tensor"
+    ]  # a string where a number or a flag goes
+
+
+for _name in SPECS:
+    _cls = f"TestContract_{_name}"
+    globals()[_cls] = type(_cls, (Contract,), {"op": _name})
