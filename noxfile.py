@@ -51,9 +51,11 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    """ruff, then mypy: every in-tree backend's kernel modules against their op's protocol."""
+    session.install("ruff", "mypy")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("python", "tests/typecheck/kernels.py")
 
 
 @nox.session

@@ -12,15 +12,15 @@ import threading
 import numpy as np
 import pytest
 import torch
-from cakeops_numba import SIMULATOR
-from cakeops_numba import backend as numba_backend
-from cakeops_numba.cpu import causal_dot_product as cpu_kernels
 
 import cakeops
 from cakeops import registry
 from cakeops.ops import causal_dot_product as causal
 from cakeops.ops import rmsnorm_silu_gate as rmsnorm
 from cakeops.testing import test_causal_dot_product as suite
+from cakeops_numba import SIMULATOR
+from cakeops_numba import backend as numba_backend
+from cakeops_numba.cpu import causal_dot_product as cpu_kernels
 
 pytestmark = pytest.mark.skipif(
     SIMULATOR, reason="NUMBA_ENABLE_CUDASIM=1 sends CPU tensors to the simulated CUDA kernels"
