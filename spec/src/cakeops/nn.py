@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from cakeops.ops.moe_experts import moe_experts
 from cakeops.ops.rmsnorm_silu_gate import rmsnorm_silu_gate
+
+
+def _options(module: torch.nn.Module, *names: str) -> dict[str, Any]:
+    return {name: getattr(module, name) for name in names}
+
+
+def _described(options: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in options.items())
 
 
 class RMSNormSiLUGate(torch.nn.Module):
@@ -37,19 +47,12 @@ class RMSNormSiLUGate(torch.nn.Module):
         torch.nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return rmsnorm_silu_gate(
-            x,
-            z,
-            self.weight,
-            self.eps,
-            group_size=self.group_size,
-            norm_before_gate=self.norm_before_gate,
-        )
+        options = _options(self, "group_size", "norm_before_gate")
+        return rmsnorm_silu_gate(x, z, self.weight, self.eps, **options)
 
     def extra_repr(self) -> str:
-        return (
-            f"{self.hidden_size}, eps={self.eps}, group_size={self.group_size}, "
-            f"norm_before_gate={self.norm_before_gate}"
+        return f"{self.hidden_size}, " + _described(
+            _options(self, "eps", "group_size", "norm_before_gate")
         )
 
 
@@ -91,20 +94,10 @@ class MoEExperts(torch.nn.Module):
             torch.nn.init.uniform_(w, -bound, bound)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        return moe_experts(
-            x,
-            router_logits,
-            self.w_gate,
-            self.w_up,
-            self.w_down,
-            top_k=self.top_k,
-            renormalize=self.renormalize,
-            scale=self.scale,
-        )
+        weights = (self.w_gate, self.w_up, self.w_down)
+        options = _options(self, "top_k", "renormalize", "scale")
+        return moe_experts(x, router_logits, *weights, **options)
 
     def extra_repr(self) -> str:
-        return (
-            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-            f"intermediate_size={self.intermediate_size}, top_k={self.top_k}, "
-            f"renormalize={self.renormalize}, scale={self.scale}"
-        )
+        sizes = ("num_experts", "hidden_size", "intermediate_size")
+        return _described(_options(self, *sizes, "top_k", "renormalize", "scale"))

@@ -10,14 +10,14 @@ its ``tl.dot`` multiplies the raw bits of bfloat16 operands.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
+from cakeops_triton import INTERPRET
+
 EMULATE: tl.constexpr = tl.constexpr(INTERPRET)
 # Programs a persistent launch puts on each multiprocessor; the interpreter's stand-in count of
 # multiprocessors is small, so that its launches loop over several blocks each.

@@ -41,6 +41,13 @@ def cakeops_rows(fn: Callable[..., Any], backend: str) -> list[tuple[str, Callab
     return rows
 
 
+def result_row(case: str, dtype: torch.dtype | str, backend: str, baseline: str, results, **extra):
+    """One case of an op's record: what ``op_markdown`` and ``write_plots`` read."""
+    dtype = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    return {"case": case, "dtype": dtype, "backend": backend, "baseline": baseline,
+            "results": results, **extra}  # fmt: skip
+
+
 def example_run(op: str, device: torch.device) -> list[dict[str, Any]]:
     """The benchmark of an op without a module here: the op on the spec's example inputs, on
     the backend the automatic choice picks (and ``torch`` beside it)."""
@@ -61,8 +68,7 @@ def example_run(op: str, device: torch.device) -> list[dict[str, Any]]:
     results = measure(contenders, device, repeats=3)
     baseline = f"cakeops [{backend}]"
     print(format_table(f"\n{op} fwd+bwd, example inputs", results, baseline))
-    return [{"case": "example inputs", "dtype": "float32", "backend": backend,
-             "baseline": baseline, "results": results}]  # fmt: skip
+    return [result_row("example inputs", "float32", backend, baseline, results)]
 
 
 def measure(

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 import cakeops
-from cakeops.bench import cakeops_rows, format_table, measure
+from cakeops.bench import cakeops_rows, format_table, measure, result_row
 
 # name -> (N, H, L, E, M)
 CASES = {
@@ -67,15 +67,7 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
             fastest = min(results, key=lambda r: results[r]["time_s"])
             mem = ours["peak_bytes"] / results["masked composite"]["peak_bytes"]
             print(f"  fastest: {fastest}; cakeops peak memory / masked composite's: {mem:.3f}")
-            rows.append(
-                {
-                    "case": name,
-                    "dtype": dt,
-                    "backend": backend,
-                    "baseline": "masked composite",
-                    "results": results,
-                }
-            )
+            rows.append(result_row(name, dt, backend, "masked composite", results))
     return rows
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import cakeops
-from cakeops.bench import cakeops_rows, format_table, measure
+from cakeops.bench import cakeops_rows, format_table, measure, result_row
 
 # name -> (T, D, F, E, top_k)
 CASES = {
@@ -86,15 +86,7 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
                 f"  cakeops speed-up over the eager loop: {base['time_s'] / ours['time_s']:.2f}x; "
                 f"peak memory ratio: {ours['peak_bytes'] / base['peak_bytes']:.2f}"
             )
-            rows.append(
-                {
-                    "case": name,
-                    "dtype": dt,
-                    "backend": backend,
-                    "baseline": "eager loop (index_add_)",
-                    "results": results,
-                }
-            )
+            rows.append(result_row(name, dt, backend, "eager loop (index_add_)", results))
     return rows
 
 

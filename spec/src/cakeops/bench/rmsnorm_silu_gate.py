@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import cakeops
-from cakeops.bench import cakeops_rows, format_table, measure
+from cakeops.bench import cakeops_rows, format_table, measure, result_row
 
 # name -> (rows x D, group_size)
 CASES = {
@@ -78,14 +78,14 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
                 f"{ours_r['saved_bytes'] == inputs_bytes}"
             )
             rows.append(
-                {
-                    "case": name,
-                    "dtype": str(dtype).removeprefix("torch."),
-                    "backend": backend,
-                    "baseline": "eager composite",
-                    "input_bytes": inputs_bytes,
-                    "results": results,
-                }
+                result_row(
+                    name,
+                    str(dtype).removeprefix("torch."),
+                    backend,
+                    "eager composite",
+                    results,
+                    input_bytes=inputs_bytes,
+                )
             )
     return rows
 

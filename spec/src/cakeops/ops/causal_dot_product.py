@@ -11,9 +11,11 @@ recomputed. :func:`cakeops.helpers.backward_by_scans` builds the backward from o
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
+from torch import Tensor
 
 from cakeops import _spec
 from cakeops.opspec import OpInputs, OpSpec, moved_to_helpers
@@ -32,13 +34,16 @@ class Inputs(OpInputs):
 
 
 class Kernels(Protocol):
-    """What a backend's ``causal_dot_product`` kernel module defines."""
+    """What a backend's ``causal_dot_product`` kernel module defines: ``forward(q, k, v) ->
+    out`` and ``backward(g, q, k, v) -> (dq, dk, dv)``."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    @property
+    def forward(self) -> Callable[[Tensor, Tensor, Tensor], Tensor]: ...
 
+    @property
     def backward(
-        self, g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+        self,
+    ) -> Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]: ...
 
 
 def check(a: Inputs) -> Inputs:

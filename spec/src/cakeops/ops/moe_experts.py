@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
+from torch import Tensor
 
 from cakeops import _spec
 from cakeops.opspec import OpInputs, OpSpec, moved_to_helpers
@@ -43,32 +45,21 @@ class Inputs(OpInputs):
 
 
 class Kernels(Protocol):
-    """What a backend's ``moe_experts`` kernel module defines."""
+    """What a backend's ``moe_experts`` kernel module defines: ``forward(x, router_logits,
+    w_gate, w_up, w_down, top_k, renormalize, scale) -> out`` and ``backward(g, ...same...) ->
+    (dx, drouter_logits, dw_gate, dw_up, dw_down)``."""
 
+    @property
     def forward(
         self,
-        x: torch.Tensor,
-        router_logits: torch.Tensor,
-        w_gate: torch.Tensor,
-        w_up: torch.Tensor,
-        w_down: torch.Tensor,
-        top_k: int,
-        renormalize: bool,
-        scale: float,
-    ) -> torch.Tensor: ...
+    ) -> Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, bool, float], Tensor]: ...
 
+    @property
     def backward(
         self,
-        g: torch.Tensor,
-        x: torch.Tensor,
-        router_logits: torch.Tensor,
-        w_gate: torch.Tensor,
-        w_up: torch.Tensor,
-        w_down: torch.Tensor,
-        top_k: int,
-        renormalize: bool,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    ) -> Callable[
+        [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, bool, float], tuple[Tensor, ...]
+    ]: ...
 
 
 def check(a: Inputs) -> Inputs:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
+from torch import Tensor
 
 from cakeops import _spec
 from cakeops.opspec import OpInputs, OpSpec
@@ -39,28 +41,17 @@ class Inputs(OpInputs):
 
 
 class Kernels(Protocol):
-    """What a backend's ``rmsnorm_silu_gate`` kernel module defines."""
+    """What a backend's ``rmsnorm_silu_gate`` kernel module defines: ``forward(x, z, weight,
+    eps, group_size, norm_before_gate) -> y`` and ``backward(g, ...same...) -> (dx, dz,
+    dweight)``."""
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        z: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        group_size: int,
-        norm_before_gate: bool,
-    ) -> torch.Tensor: ...
+    @property
+    def forward(self) -> Callable[[Tensor, Tensor, Tensor, float, int, bool], Tensor]: ...
 
+    @property
     def backward(
         self,
-        g: torch.Tensor,
-        x: torch.Tensor,
-        z: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        group_size: int,
-        norm_before_gate: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    ) -> Callable[[Tensor, Tensor, Tensor, Tensor, float, int, bool], tuple[Tensor, ...]]: ...
 
 
 def check(a: Inputs) -> Inputs:

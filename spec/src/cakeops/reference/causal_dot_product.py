@@ -2,7 +2,7 @@
 
 Written as scans of per-position states, with no masked product anywhere, so that every output
 and gradient entry is computed from exactly the values it depends on: a NaN or Inf reaches
-what depends on it and nothing else (the non-finite contract of ops.md section 2).
+what depends on it and nothing else (the non-finite contract of the op's docs page).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ def forward(x, z, weight, eps, group_size, norm_before_gate):
 
 
 def backward(g, x, z, weight, eps, group_size, norm_before_gate):
-    """The ops.md formulas in float64 (the suite checks them against autograd of ``math``)."""
+    """The op page's backward formulas in float64 (the suite checks them against autograd of
+    ``math``)."""
     dtypes = (x.dtype, z.dtype, weight.dtype)
     g, x, z, w = g.double(), x.double(), z.double(), weight.double()
     sig = torch.sigmoid(z)

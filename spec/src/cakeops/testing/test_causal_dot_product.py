@@ -1,4 +1,5 @@
-"""Conformance of ``causal_dot_product`` (ops.md section 2) for the backend under test."""
+"""Conformance of ``causal_dot_product`` (docs/content/ops/causal_dot_product.md) for the
+backend under test: the checks only this op has (``test_every_op`` has the shared ones)."""
 
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ class TestCausalDotProduct:
     def test_non_finite_values_reach_only_what_depends_on_them(
         self, backend, dtype, device, poisoned
     ):
-        """The non-finite contract (ops.md section 2): a NaN or Inf in an input or in the
+        """The non-finite contract (the op's docs page): a NaN or Inf in an input or in the
         upstream gradient makes non-finite exactly the output and gradient entries the float64
         reference makes non-finite (causal in time, no masked zero times NaN), and every other
         entry is what it is without it. NaN and -Inf sit mid-chunk in different heads."""

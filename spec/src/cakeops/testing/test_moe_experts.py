@@ -1,4 +1,4 @@
-"""Conformance of ``moe_experts`` (ops.md section 3) for the backend under test."""
+"""Conformance of ``moe_experts`` (docs/content/ops/moe_experts.md) for the backend under test."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Conformance of ``rmsnorm_silu_gate`` (ops.md section 1) for the backend under test."""
+"""Conformance of ``rmsnorm_silu_gate`` (docs/content/ops/rmsnorm_silu_gate.md) for the
+backend under test: the checks only this op has (``test_every_op`` has the shared ones)."""
 
 from __future__ import annotations
 
