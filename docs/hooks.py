@@ -1,4 +1,6 @@
-"""mkdocs hook: the per-backend dtype tables come from the backend registry, not from prose.
+"""mkdocs hooks: the per-backend dtype tables come from the backend registry, not from prose,
+and the "Ops" section of the navigation lists every page in ``ops/`` (a new op's page needs no
+edit of ``mkdocs.yml``).
 
 A page line ``<!-- cakeops:dtypes OP -->`` becomes a table of every installed backend that
 implements OP: the input dtypes it declares and the devices it serves with their priority
@@ -8,6 +10,7 @@ implements OP: the input dtypes it declares and the devices it serves with their
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 MARKER = re.compile(r"^<!-- cakeops:dtypes (\w+) -->$", re.M)
@@ -42,3 +45,12 @@ def _table(op: str) -> str:
 
 def on_page_markdown(markdown: str, **_kwargs) -> str:
     return MARKER.sub(lambda m: _table(m.group(1)), markdown)
+
+
+def on_config(config, **_kwargs):
+    """Fill the nav's "Ops" section with ``ops/*.md``, sorted."""
+    pages = sorted(Path(config["docs_dir"], "ops").glob("*.md"))
+    for entry in config["nav"] or []:
+        if isinstance(entry, dict) and "Ops" in entry:
+            entry["Ops"] = [{p.stem: f"ops/{p.name}"} for p in pages]
+    return config

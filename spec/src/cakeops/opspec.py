@@ -254,13 +254,13 @@ class OpSpec:
         _spec.check_no_forward_ad(self.name, inputs.tensors)
         return self._function.apply(*inputs.values())
 
-    def positional(self, *args: Any) -> torch.Tensor:
-        """The op with every argument positional, in declaration order (an autograd
+    def positional(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The op with every argument positional too, in declaration order (an autograd
         ``Function.apply`` shape); the missing ones take their defaults."""
         names = [name for name, _, _, _ in self.arguments]
         if len(args) > len(names):
             raise TypeError(f"{self.name}: takes {len(names)} arguments, got {len(args)}")
-        return self(**dict(zip(names, args, strict=False)))
+        return self(**dict(zip(names, args, strict=False)), **kwargs)
 
     # -- what is built --------------------------------------------------------------------
 
