@@ -158,6 +158,16 @@ def _checked(op: str, backend: Backend, name: str, got: Any, like: torch.Tensor)
     return got.contiguous()
 
 
+def _returns(n: int) -> str:
+    """The backward op's return schema: ``n`` gradients."""
+    return "Tensor" if n == 1 else f"({', '.join(['Tensor'] * n)})"
+
+
+def _unwrapped(grads: tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The backward op's result: a lone gradient as itself (its schema returns a Tensor)."""
+    return grads[0] if len(grads) == 1 else grads
+
+
 # --------------------------------------------------------------------------------------------
 # The spec
 
@@ -278,7 +288,8 @@ class OpSpec:
             f"cakeops::{op}_backward",
             self._backward_kernel,
             mutates_args=(),
-            schema=self._schema("Tensor grad_output, ", f"({', '.join(['Tensor'] * n)})"),
+            # one gradient: a Tensor (a schema's 1-tuple is not a tuple)
+            schema=self._schema("Tensor grad_output, ", _returns(n)),
         )
         backward_op.register_fake(self._backward_fake)
         forward_op.register_autograd(self._backward, setup_context=self._setup_context)
@@ -316,7 +327,7 @@ class OpSpec:
         self._check_grad_output(g, inputs)
         tensors = inputs.tensors
         if self.no_work(inputs):
-            return tuple(torch.zeros_like(t) for t in tensors.values())
+            return _unwrapped(tuple(torch.zeros_like(t) for t in tensors.values()))
         backend = select(self.name, inputs)
         grads = _run_kernel(backend, self.name, "backward", g.contiguous(), *inputs.values())
         if len(grads) != len(tensors):
@@ -324,15 +335,17 @@ class OpSpec:
                 f"{self.name}: backend {backend.name!r} returned {len(grads)} gradients, "
                 f"expected {len(tensors)} ({', '.join(tensors)})"
             )
-        return tuple(
-            _checked(self.name, backend, f"d{name}", grad, like)
-            for (name, like), grad in zip(tensors.items(), grads, strict=True)
+        return _unwrapped(
+            tuple(
+                _checked(self.name, backend, f"d{name}", grad, like)
+                for (name, like), grad in zip(tensors.items(), grads, strict=True)
+            )
         )
 
     def _backward_fake(self, g: torch.Tensor, *values: Any) -> tuple[torch.Tensor, ...]:
         inputs = self.validate(values)
         self._check_grad_output(g, inputs)
-        return tuple(torch.empty_like(t) for t in inputs.tensors.values())
+        return _unwrapped(tuple(torch.empty_like(t) for t in inputs.tensors.values()))
 
     def _setup_context(self, ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         tensors = tuple(v for v in inputs if isinstance(v, torch.Tensor))
@@ -355,7 +368,7 @@ class OpSpec:
                 grads = self.backward_op(grad, *values)
             else:
                 grads = self._backward_function.apply(grad, *values)
-        grads = iter(grads)
+        grads = iter((grads,) if isinstance(grads, torch.Tensor) else grads)
         return tuple(next(grads) if p is _SAVED else None for p in ctx.params)
 
     def _autograd_function(self) -> type:

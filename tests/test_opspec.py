@@ -1,0 +1,85 @@
+"""The generated glue on an op declared here (one tensor argument, one gradient), as a new op
+module would declare it: the custom ops, autograd, torch.func, torch.compile and opcheck."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import pytest
+import torch
+
+import cakeops
+from cakeops.opspec import OpInputs, OpSpec
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Inputs(OpInputs):
+    op = "test_scaled_square"
+    x: torch.Tensor
+    _: dataclasses.KW_ONLY
+    scale: float = 1.0
+
+
+def _check(a: Inputs) -> Inputs:
+    if a.x.dim() != 1:
+        raise ValueError(f"{Inputs.op}: argument 'x' expected 1 dimension, got {a.x.dim()}")
+    return a
+
+
+SPEC = OpSpec(
+    inputs=Inputs,
+    check=_check,
+    output=lambda a: (a.x.shape, a.x.dtype),
+    no_work=lambda a: a.x.numel() == 0,
+    example=lambda device="cpu", dtype=torch.float32: Inputs(torch.randn(5, device=device)),
+)
+
+
+@pytest.fixture(autouse=True)
+def toy_backend():
+    module = types.ModuleType("_cakeops_toy_kernels")
+    module.forward = lambda x, scale: scale * x * x
+    module.backward = lambda g, x, scale: (2 * scale * x * g,)
+    sys.modules[module.__name__] = module
+    kernels = cakeops.OpKernels(module=module.__name__, devices={"cpu": 1}, dtypes=(torch.float32,))
+    cakeops.register_backend(
+        cakeops.Backend("toy", "cakeops-toy", ops={Inputs.op: kernels}), replace=True
+    )
+    yield
+    cakeops.unregister_backend("toy")
+    sys.modules.pop(module.__name__)
+
+
+def test_forward_backward_and_the_contract():
+    x = torch.randn(6, requires_grad=True)
+    y = SPEC(x=x, scale=1.5)
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(y, 1.5 * x * x)
+    torch.testing.assert_close(dx, 3 * x)
+    assert SPEC.saved == ("x",)
+    with pytest.raises(ValueError, match="argument 'x' expected 1 dimension"):
+        SPEC(x=torch.randn(2, 2))
+    with pytest.raises(TypeError, match="argument 'scale' expected a float"):
+        SPEC(x=x, scale="2")
+
+
+def test_one_gradient_through_torch_func_compile_and_opcheck():
+    x = torch.randn(6)
+    grad = torch.func.grad(lambda t: SPEC(x=t, scale=2.0).sum())(x)
+    torch.testing.assert_close(grad, 4 * x)
+    torch._dynamo.reset()
+    xc = x.clone().requires_grad_()
+    compiled = torch.compile(lambda t: SPEC(x=t, scale=2.0), fullgraph=True)
+    (dx,) = torch.autograd.grad(compiled(xc).sum(), xc)
+    torch.testing.assert_close(dx, 4 * x)
+    torch.library.opcheck(torch.ops.cakeops.test_scaled_square.default, (xc, 2.0))
+    torch.library.opcheck(torch.ops.cakeops.test_scaled_square_backward.default, (x, x, 2.0))
+
+
+def test_no_work_gives_zeros_without_a_backend():
+    x = torch.randn(0, requires_grad=True)
+    y = SPEC(x=x)
+    (dx,) = torch.autograd.grad(y, x, torch.zeros(0))
+    assert y.shape == (0,) and dx.shape == (0,)
