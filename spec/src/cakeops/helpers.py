@@ -32,6 +32,7 @@ __all__ = [
     "row_weights",
     "slot_sum",
     "swiglu_backward",
+    "swiglu_rows",
 ]
 
 
@@ -145,20 +146,29 @@ class SwiGLUGrads(NamedTuple):
     d_up: torch.Tensor  # (rows, F) gradient at the up pre-activation
 
 
-def swiglu_backward(hg: torch.Tensor, hu: torch.Tensor, u: torch.Tensor, routing: Routing):
-    """The SwiGLU's part of the backward, per sorted row, from the recomputed gate and up
-    pre-activations ``hg``, ``hu`` and ``u = g_t W_down[e]`` (float32, consumed in place).
+def swiglu_rows(hg: torch.Tensor, hu: torch.Tensor, u: torch.Tensor, w: torch.Tensor):
+    """The SwiGLU's part of the backward for a block of rows with combine weights ``w``
+    ``(rows, 1)``, from the recomputed gate and up pre-activations ``hg``, ``hu`` and
+    ``u = g_t W_down[e]`` (float32, consumed in place): ``(h, <h, u> per row, d_gate, d_up)``.
 
     ``<y, g> = <h W_down^T, g> = <h, u>``, so the expert output is never recomputed; the routing
     weight multiplies ``u`` once."""
     sig = torch.sigmoid(hg)
     gate = hg * sig
     h = gate * hu
-    dweights = torch.empty(routing.order.numel(), dtype=u.dtype, device=u.device)
-    dweights[routing.order] = (h * u).sum(-1)
-    dh = u.mul_(row_weights(routing).to(u.dtype).unsqueeze(-1))
+    dot = (h * u).sum(-1)
+    dh = u.mul_(w)
     d_up = dh * gate
     d_gate = dh.mul_(hu).mul_(sig.mul_(hg.mul_(1 - sig).add_(1)))  # dh * hu * silu'(hg)
+    return h, dot, d_gate, d_up
+
+
+def swiglu_backward(hg: torch.Tensor, hu: torch.Tensor, u: torch.Tensor, routing: Routing):
+    """:func:`swiglu_rows` over every sorted row, with ``dL/dw_ts`` put in ``(T, k)`` order."""
+    w = row_weights(routing).to(u.dtype).unsqueeze(-1)
+    h, dot, d_gate, d_up = swiglu_rows(hg, hu, u, w)
+    dweights = torch.empty(routing.order.numel(), dtype=u.dtype, device=u.device)
+    dweights[routing.order] = dot
     return SwiGLUGrads(h, dweights.view_as(routing.weights), d_gate, d_up)
 
 

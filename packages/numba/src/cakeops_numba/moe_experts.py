@@ -22,6 +22,7 @@ import torch
 from numba import cuda, float32
 
 from cakeops.helpers import (
+    cast_grads,
     combine,
     dispatch_backward,
     route,
@@ -175,10 +176,5 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     dx_rows = _mm(dhg, None, w_gate, tables, D, True)
     dx_rows += _mm(dhu, None, w_up, tables, D, True)
     dlogits = routing_backward(routing, dweights, renormalize, scale)
-    return (
-        dispatch_backward(dx_rows, routing).to(x.dtype),
-        dlogits.to(router_logits.dtype),
-        d_gate.to(w_gate.dtype),
-        d_up.to(w_up.dtype),
-        d_down.to(w_down.dtype),
-    )
+    grads = (dispatch_backward(dx_rows, routing), dlogits, d_gate, d_up, d_down)
+    return cast_grads(grads, (x, router_logits, w_gate, w_up, w_down))

@@ -22,7 +22,16 @@ import torch
 import torch.nn.functional as F
 
 from cakeops import compute_dtype
-from cakeops.helpers import Routing, route, routing_backward, row_weights
+from cakeops.helpers import (
+    Routing,
+    cast_grads,
+    combine,
+    route,
+    routing_backward,
+    row_weights,
+    slot_sum,
+    swiglu_rows,
+)
 
 
 def _mm_dtype(x: torch.Tensor) -> torch.dtype:
@@ -77,7 +86,7 @@ def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
     acc = compute_dtype(x.dtype)
     routing = route(router_logits, top_k, renormalize, scale, acc)
     rows = x[routing.token]  # dispatch: (T * k, D) sorted by expert, cast per expert
-    y = torch.empty((T * top_k, D), dtype=acc, device=x.device)
+    y = torch.empty((T * top_k, D), dtype=acc, device=x.device)  # sorted by expert
     if _grouped(x, w_gate, w_up, w_down):
         F_ = w_gate.shape[1]
         for e0, e1, s, t, offs in _runs(routing, max(F_, D)):
@@ -86,18 +95,13 @@ def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
             hu = torch._grouped_mm(xe, w_up[e0:e1].transpose(1, 2), offs=offs).to(acc)
             h = F.silu(hg).mul_(hu).to(x.dtype)
             out = torch._grouped_mm(h, w_down[e0:e1].transpose(1, 2), offs=offs)
-            y[routing.order[s:t]] = out.to(acc)
-        return _combine(y, routing, T, top_k, D, acc).to(x.dtype)
+            y[s:t] = out.to(acc)
+        return combine(y, routing).to(x.dtype)
     for e, s, t in _experts(routing):
         xe = rows[s:t].to(mm)
         h = F.silu((xe @ w_gate[e].to(mm).T).to(acc)).mul_((xe @ w_up[e].to(mm).T).to(acc))
-        y[routing.order[s:t]] = (h.to(mm) @ w_down[e].to(mm).T).to(acc)
-    return _combine(y, routing, T, top_k, D, acc).to(x.dtype)
-
-
-def _combine(y, routing, T, top_k, D, acc):
-    """``out_t = sum_s w_ts y_(t,s)``, summed in slot order."""
-    return (y.view(T, top_k, D) * routing.weights.to(acc).unsqueeze(-1)).sum(1)
+        y[s:t] = (h.to(mm) @ w_down[e].to(mm).T).to(acc)
+    return combine(y, routing).to(x.dtype)
 
 
 def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
@@ -117,9 +121,9 @@ def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scal
     backward_pass = _grouped_backward if _grouped(x, w_gate, w_up, w_down) else _loop_backward
     backward_pass(routing, rows, g_rows, slot_w, (w_gate, w_up, w_down), dx_rows, dw_flat, grads)
     # dispatch backward: each token's copies summed in slot order (no routing weight again)
-    dx = dx_rows.view(T, top_k, D).sum(1).to(x.dtype)
+    dx = slot_sum(dx_rows, routing)
     dlogits = routing_backward(routing, dw_flat.view(T, top_k), renormalize, scale)
-    return dx, dlogits.to(router_logits.dtype), *grads
+    return cast_grads((dx, dlogits, *grads), (x, router_logits, w_gate, w_up, w_down))
 
 
 def _loop_backward(routing, rows, g_rows, slot_w, weights, dx_rows, dw_flat, grads):
@@ -130,15 +134,9 @@ def _loop_backward(routing, rows, g_rows, slot_w, weights, dx_rows, dw_flat, gra
         xe, ge, we = rows[s:t].to(mm), g_rows[s:t].to(mm), slot_w[s:t, None]
         wg, wu, wd = w_gate[e].to(mm), w_up[e].to(mm), w_down[e].to(mm)
         hg, hu = (xe @ wg.T).to(acc), (xe @ wu.T).to(acc)
-        sig = torch.sigmoid(hg)
-        gate = hg * sig
-        h = gate * hu
         u = (ge @ wd).to(acc)  # g_t W_down: dL/dh before the routing weight
-        dw_flat[routing.order[s:t]] = (h * u).sum(-1)  # <y, g> = <h W_down^T, g> = <h, g W_down>
-        dh = u.mul_(we)
+        h, dw_flat[routing.order[s:t]], dhg, dhu = swiglu_rows(hg, hu, u, we)
         grads[2][e] = (ge.to(acc) * we).T @ h  # dW_down = dy^T h with dy = w g
-        dhu = dh * gate
-        dhg = dh.mul_(hu).mul_(sig.mul_(hg.mul_(1 - sig).add_(1)))  # dh * hu * silu'(hg)
         xe_acc = xe.to(acc)
         grads[0][e] = dhg.T @ xe_acc
         grads[1][e] = dhu.T @ xe_acc
@@ -155,16 +153,11 @@ def _grouped_backward(routing, rows, g_rows, slot_w, weights, dx_rows, dw_flat, 
         xe, ge, we = rows[s:t], g_rows[s:t], slot_w[s:t, None]
         hg = torch._grouped_mm(xe, w_gate[e0:e1].transpose(1, 2), offs=offs).to(acc)
         hu = torch._grouped_mm(xe, w_up[e0:e1].transpose(1, 2), offs=offs).to(acc)
-        sig = torch.sigmoid(hg)
-        gate = hg * sig
-        h = gate * hu
         u = torch._grouped_mm(ge, w_down[e0:e1], offs=offs).to(acc)  # g_t W_down
-        dw_flat[routing.order[s:t]] = (h * u).sum(-1)
-        dh = u.mul_(we)
+        h, dw_flat[routing.order[s:t]], dhg, dhu = swiglu_rows(hg, hu, u, we)
         dy = (ge.to(acc) * we).to(dt)
         grads[2][e0:e1] = torch._grouped_mm(dy.T, h.to(dt), offs=offs)
-        dhu = (dh * gate).to(dt)
-        dhg = dh.mul_(hu).mul_(sig.mul_(hg.mul_(1 - sig).add_(1))).to(dt)
+        dhu, dhg = dhu.to(dt), dhg.to(dt)
         grads[0][e0:e1] = torch._grouped_mm(dhg.T, xe, offs=offs)
         grads[1][e0:e1] = torch._grouped_mm(dhu.T, xe, offs=offs)
         dx = torch._grouped_mm(dhg, w_gate[e0:e1], offs=offs).to(acc)
