@@ -19,8 +19,8 @@ import cakeops
 from cakeops.testing import run_with_grads
 from cakeops.testing import test_moe_experts as moe_suite
 from cakeops.testing.test_rmsnorm_silu_gate import check_against_reference, make_inputs, run
-from cakeops_torch import moe_experts as moe_kernels
 from cakeops_torch import rmsnorm_silu_gate as kernels
+from cakeops_torch import routed_experts as moe_kernels  # the experts of moe_experts
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from cakeops.ops import explain
 from cakeops.ops.causal_dot_product import CausalDotProduct, causal_dot_product
 from cakeops.ops.moe_experts import moe_experts
 from cakeops.ops.rmsnorm_silu_gate import RMSNormSiLUGateFunction, rmsnorm_silu_gate
+from cakeops.ops.routed_experts import routed_experts
 from cakeops.registry import (
     Backend,
     BackendError,
@@ -43,7 +44,19 @@ __all__ = [
     "register_backend",
     "relative_error",
     "rmsnorm_silu_gate",
+    "routed_experts",
     "tolerance",
     "unregister_backend",
     "use_backend",
 ]
+
+
+def __getattr__(name: str):
+    """The public function of an op module added without an import here."""
+    from cakeops.ops import SPECS
+
+    if name in SPECS:
+        import importlib
+
+        return getattr(importlib.import_module(f"cakeops.ops.{name}"), name)
+    raise AttributeError(f"module 'cakeops' has no attribute {name!r}")

@@ -26,6 +26,7 @@ __all__ = [
     "combine",
     "compute_dtype",
     "dispatch_backward",
+    "given_routing",
     "route",
     "routing_backward",
     "row_tiles",
@@ -60,9 +61,9 @@ def backward_by_scans(scan, g, q, k, v):
 
 
 class Routing(NamedTuple):
-    probs: torch.Tensor  # (T, E) softmax
+    probs: torch.Tensor  # (T, E) softmax (None for a routing given by the caller)
     experts: torch.Tensor  # (T, k) selected experts, ties to the lower id
-    r: torch.Tensor  # (T, k) probabilities of the selected experts
+    r: torch.Tensor  # (T, k) probabilities of the selected experts (None when given)
     weights: torch.Tensor  # (T, k) combine weights
     order: torch.Tensor  # (T * k,) flat (token, slot) indices sorted by expert
     token: torch.Tensor  # (T * k,) token of each sorted row
@@ -82,12 +83,19 @@ def route(router_logits, top_k, renormalize, scale, dtype=torch.float32) -> Rout
     probs = probs32 if dtype == torch.float32 else torch.softmax(router_logits.to(dtype), dim=-1)
     r = probs.gather(1, experts)
     weights = r / r.sum(-1, keepdim=True) if renormalize else r
+    return given_routing(experts, weights * scale, probs.shape[1])._replace(probs=probs, r=r)
+
+
+def given_routing(experts: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Routing:
+    """The :class:`Routing` of experts and combine weights chosen elsewhere (``routed_experts``):
+    rows sorted by expert, stable (no ``probs`` or ``r``: their backward is the caller's)."""
     flat = experts.flatten()
     by_expert, order = torch.sort(flat, stable=True)
     # each expert's first sorted row (no bincount: its output size would wait for the device)
-    ids = torch.arange(probs.shape[1] + 1, device=flat.device, dtype=flat.dtype)
+    ids = torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype)
     offsets = torch.searchsorted(by_expert, ids)
-    return Routing(probs, experts, r, weights * scale, order, order // top_k, offsets)
+    top_k = max(1, experts.shape[1])
+    return Routing(None, experts, None, weights, order, order // top_k, offsets)  # type: ignore[arg-type]
 
 
 def routing_backward(routing: Routing, dweights, renormalize, scale):

@@ -12,7 +12,8 @@ The contract every op shares:
 - arguments are checked once, here, before any backend runs (types from the annotations, then
   the op's own ``check``);
 - the op saves exactly its tensor inputs and recomputes everything else;
-- the backward returns one gradient per tensor input, shaped like it, in its dtype;
+- the backward returns one gradient per tensor input, shaped like it, in its dtype (none for a
+  tensor marked ``NO_GRAD``, such as integer ids);
 - inputs with nothing to compute (``no_work``) give a zero output and zero gradients without
   asking a backend;
 - kernels run with autocast off, in their inputs' dtypes; the backward runs on the backend that
@@ -42,6 +43,11 @@ from cakeops import _spec
 from cakeops.registry import Backend, forcing, select
 
 Shape = tuple[int, ...]
+
+
+#: ``dataclasses.field(metadata=NO_GRAD)`` marks a tensor argument without a gradient (integer
+#: ids): it is saved like the others, and the backward returns nothing for it.
+NO_GRAD = {"grad": False}
 
 
 class OpInputs(Mapping[str, Any]):
@@ -210,9 +216,20 @@ class OpSpec:
         return self.inputs.op
 
     @property
+    def names(self) -> tuple[str, ...]:
+        """Every argument, in declaration order."""
+        return tuple(name for name, _, _, _ in self.arguments)
+
+    @property
     def tensor_names(self) -> tuple[str, ...]:
         """The tensor arguments: saved for the backward, one gradient each."""
         return tuple(name for name, kind, _, _ in self.arguments if kind == "Tensor")
+
+    @property
+    def differentiable(self) -> tuple[str, ...]:
+        """The tensor arguments that get a gradient (all but those marked ``NO_GRAD``)."""
+        fields = {f.name: f for f in dataclasses.fields(self.inputs)}  # type: ignore[arg-type]
+        return tuple(n for n in self.tensor_names if fields[n].metadata.get("grad", True))
 
     @property
     def saved(self) -> tuple[str, ...]:
@@ -279,7 +296,7 @@ class OpSpec:
         return f"({prefix}{args}) -> {returns}"
 
     def _build(self) -> None:
-        op, n = self.name, len(self.tensor_names)
+        op, n = self.name, len(self.differentiable)
         forward_op = torch.library.custom_op(
             f"cakeops::{op}", self._forward, mutates_args=(), schema=self._schema("", "Tensor")
         )
@@ -325,7 +342,7 @@ class OpSpec:
     def _backward_kernel(self, g: torch.Tensor, *values: Any) -> tuple[torch.Tensor, ...]:
         inputs = self.validate(values)
         self._check_grad_output(g, inputs)
-        tensors = inputs.tensors
+        tensors = {name: inputs[name] for name in self.differentiable}
         if self.no_work(inputs):
             return _unwrapped(tuple(torch.zeros_like(t) for t in tensors.values()))
         backend = select(self.name, inputs)
@@ -345,7 +362,7 @@ class OpSpec:
     def _backward_fake(self, g: torch.Tensor, *values: Any) -> tuple[torch.Tensor, ...]:
         inputs = self.validate(values)
         self._check_grad_output(g, inputs)
-        return _unwrapped(tuple(torch.empty_like(t) for t in inputs.tensors.values()))
+        return _unwrapped(tuple(torch.empty_like(inputs[name]) for name in self.differentiable))
 
     def _setup_context(self, ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         tensors = tuple(v for v in inputs if isinstance(v, torch.Tensor))
@@ -369,7 +386,8 @@ class OpSpec:
             else:
                 grads = self._backward_function.apply(grad, *values)
         grads = iter((grads,) if isinstance(grads, torch.Tensor) else grads)
-        return tuple(next(grads) if p is _SAVED else None for p in ctx.params)
+        differentiable = self.differentiable
+        return tuple(next(grads) if name in differentiable else None for name in self.names)
 
     def _autograd_function(self) -> type:
         """The ``torch.autograd.Function`` the public function calls: the custom op forward, the

@@ -1,169 +1,21 @@
-"""The routed SwiGLU experts in plain PyTorch: sorted, dropless, deterministic.
-
-The (token, slot) pairs are sorted by expert once; each expert then runs one grouped pass over its
-own contiguous rows (no dense all-experts compute, no padding to a capacity). The combine sums the
-``(T, top_k, D)`` view of the expert outputs in slot order, and the dispatch backward sums each
-token's copies the same way: no ``index_add_``, no atomics. The backward recomputes the routing
-and the gate/up projections; experts that received no token keep exact zero gradients.
-
-Matmuls run in float32 for 16-bit inputs on the CPU (weights cast per expert, on the fly) and in
-the input dtype with float32 accumulation on accelerators.
-
-Where ``torch._grouped_mm`` exists and takes the inputs (weights in the matmul dtype, so no weight
-copy; rows 16-byte aligned; float32 on the CPU, 16-bit on CUDA), each projection of a run of
-experts is one grouped matmul over their sorted rows instead of one matmul per expert. The runs
-hold at most ``GROUP_ELEMENTS`` elements of the widest temporary, so memory stays bounded like the
-loop's. Anywhere else the per-expert loop runs.
-"""
+"""The routed SwiGLU experts of an MoE layer in plain PyTorch: the spec's routing, then the
+experts of :mod:`cakeops_torch.routed_experts` (sorted, dropless, deterministic, grouped matmuls
+where they apply); the backward recomputes the routing and adds its backward."""
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
 from cakeops import compute_dtype
-from cakeops.helpers import (
-    Routing,
-    cast_grads,
-    combine,
-    route,
-    routing_backward,
-    row_weights,
-    slot_sum,
-    swiglu_rows,
-)
-
-
-def _mm_dtype(x: torch.Tensor) -> torch.dtype:
-    if x.dtype == torch.float64:
-        return torch.float64
-    return x.dtype if x.device.type != "cpu" else torch.float32
-
-
-GROUP_ELEMENTS = 1 << 21
-
-
-def _experts(routing: Routing):
-    """``(e, start, end)`` for every expert that received rows."""
-    bounds = routing.bounds
-    for e in range(len(bounds) - 1):
-        start, end = bounds[e], bounds[e + 1]
-        if end > start:
-            yield e, start, end
-
-
-def _grouped(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes these operands as they are."""
-    if not hasattr(torch, "_grouped_mm") or any(w.dtype != x.dtype for w in weights):
-        return False
-    allowed = {"cpu": (torch.float32,), "cuda": (torch.bfloat16,)}.get(x.device.type, ())
-    align = 16 // x.element_size()
-    D, F = x.shape[1], weights[0].shape[1]
-    return x.dtype in allowed and D > 0 and F > 0 and D % align == 0 and F % align == 0
-
-
-def _runs(routing: Routing, width: int):
-    """Runs of consecutive experts ``(e0, e1, start, end, offs)``: rows ``start:end`` belong to
-    experts ``e0..e1-1``, ``offs`` their end offsets relative to ``start`` (int32), at most
-    ``GROUP_ELEMENTS`` elements of ``(rows, width)`` per run (a bigger expert runs alone)."""
-    bounds = routing.bounds
-    E = len(bounds) - 1
-    e0 = 0
-    while e0 < E:
-        e1 = e0 + 1
-        while e1 < E and (bounds[e1 + 1] - bounds[e0]) * width <= GROUP_ELEMENTS:
-            e1 += 1
-        start, end = bounds[e0], bounds[e1]
-        if end > start:
-            offs = torch.tensor(bounds[e0 + 1 : e1 + 1], dtype=torch.int32) - start
-            yield e0, e1, start, end, offs.to(routing.order.device)
-        e0 = e1
+from cakeops.helpers import cast_grads, route, routing_backward
+from cakeops_torch.routed_experts import experts_backward, experts_forward
 
 
 def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
-    T, D = x.shape
-    mm = _mm_dtype(x)
-    acc = compute_dtype(x.dtype)
-    routing = route(router_logits, top_k, renormalize, scale, acc)
-    rows = x[routing.token]  # dispatch: (T * k, D) sorted by expert, cast per expert
-    y = torch.empty((T * top_k, D), dtype=acc, device=x.device)  # sorted by expert
-    if _grouped(x, w_gate, w_up, w_down):
-        F_ = w_gate.shape[1]
-        for e0, e1, s, t, offs in _runs(routing, max(F_, D)):
-            xe = rows[s:t]
-            hg = torch._grouped_mm(xe, w_gate[e0:e1].transpose(1, 2), offs=offs).to(acc)
-            hu = torch._grouped_mm(xe, w_up[e0:e1].transpose(1, 2), offs=offs).to(acc)
-            h = F.silu(hg).mul_(hu).to(x.dtype)
-            out = torch._grouped_mm(h, w_down[e0:e1].transpose(1, 2), offs=offs)
-            y[s:t] = out.to(acc)
-        return combine(y, routing).to(x.dtype)
-    for e, s, t in _experts(routing):
-        xe = rows[s:t].to(mm)
-        h = F.silu((xe @ w_gate[e].to(mm).T).to(acc)).mul_((xe @ w_up[e].to(mm).T).to(acc))
-        y[s:t] = (h.to(mm) @ w_down[e].to(mm).T).to(acc)
-    return combine(y, routing).to(x.dtype)
+    routing = route(router_logits, top_k, renormalize, scale, compute_dtype(x.dtype))
+    return experts_forward(x, routing, w_gate, w_up, w_down)
 
 
 def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
-    T, D = x.shape
-    acc = compute_dtype(x.dtype)
-    routing = route(router_logits, top_k, renormalize, scale, acc)
-    rows = x[routing.token]
-    g_rows = g[routing.token]  # each slot's copy of its token's gradient
-    slot_w = row_weights(routing).to(acc)
-    dx_rows = torch.empty((T * top_k, D), dtype=acc, device=x.device)
-    dw_flat = torch.empty(T * top_k, dtype=acc, device=x.device)
-    # Each expert's weight gradient is one float32-accumulated matmul over its rows, stored in the
-    # weight's dtype as it is produced: no float32 buffer for all experts at once.
-    grads = [
-        torch.zeros_like(w, memory_format=torch.contiguous_format) for w in (w_gate, w_up, w_down)
-    ]
-    backward_pass = _grouped_backward if _grouped(x, w_gate, w_up, w_down) else _loop_backward
-    backward_pass(routing, rows, g_rows, slot_w, (w_gate, w_up, w_down), dx_rows, dw_flat, grads)
-    # dispatch backward: each token's copies summed in slot order (no routing weight again)
-    dx = slot_sum(dx_rows, routing)
-    dlogits = routing_backward(routing, dw_flat.view(T, top_k), renormalize, scale)
-    return cast_grads((dx, dlogits, *grads), (x, router_logits, w_gate, w_up, w_down))
-
-
-def _loop_backward(routing, rows, g_rows, slot_w, weights, dx_rows, dw_flat, grads):
-    """One pass per expert; fills ``dx_rows``, ``dw_flat`` (``<y, g>`` per slot) and ``grads``."""
-    w_gate, w_up, w_down = weights
-    mm, acc = _mm_dtype(rows), dx_rows.dtype
-    for e, s, t in _experts(routing):
-        xe, ge, we = rows[s:t].to(mm), g_rows[s:t].to(mm), slot_w[s:t, None]
-        wg, wu, wd = w_gate[e].to(mm), w_up[e].to(mm), w_down[e].to(mm)
-        hg, hu = (xe @ wg.T).to(acc), (xe @ wu.T).to(acc)
-        u = (ge @ wd).to(acc)  # g_t W_down: dL/dh before the routing weight
-        h, dw_flat[routing.order[s:t]], dhg, dhu = swiglu_rows(hg, hu, u, we)
-        grads[2][e] = (ge.to(acc) * we).T @ h  # dW_down = dy^T h with dy = w g
-        xe_acc = xe.to(acc)
-        grads[0][e] = dhg.T @ xe_acc
-        grads[1][e] = dhu.T @ xe_acc
-        dx_rows[routing.order[s:t]] = (dhg.to(mm) @ wg + dhu.to(mm) @ wu).to(acc)
-
-
-def _grouped_backward(routing, rows, g_rows, slot_w, weights, dx_rows, dw_flat, grads):
-    """``_loop_backward`` with every projection a grouped matmul over a run of experts."""
-    w_gate, w_up, w_down = weights
-    acc = dx_rows.dtype
-    dt = rows.dtype
-    F_, D = w_gate.shape[1], w_gate.shape[2]
-    for e0, e1, s, t, offs in _runs(routing, max(F_, D)):
-        xe, ge, we = rows[s:t], g_rows[s:t], slot_w[s:t, None]
-        hg = torch._grouped_mm(xe, w_gate[e0:e1].transpose(1, 2), offs=offs).to(acc)
-        hu = torch._grouped_mm(xe, w_up[e0:e1].transpose(1, 2), offs=offs).to(acc)
-        u = torch._grouped_mm(ge, w_down[e0:e1], offs=offs).to(acc)  # g_t W_down
-        h, dw_flat[routing.order[s:t]], dhg, dhu = swiglu_rows(hg, hu, u, we)
-        dy = (ge.to(acc) * we).to(dt)
-        grads[2][e0:e1] = torch._grouped_mm(dy.T, h.to(dt), offs=offs)
-        dhu, dhg = dhu.to(dt), dhg.to(dt)
-        grads[0][e0:e1] = torch._grouped_mm(dhg.T, xe, offs=offs)
-        grads[1][e0:e1] = torch._grouped_mm(dhu.T, xe, offs=offs)
-        dx = torch._grouped_mm(dhg, w_gate[e0:e1], offs=offs).to(acc)
-        dx_rows[routing.order[s:t]] = dx.add_(torch._grouped_mm(dhu, w_up[e0:e1], offs=offs))
-    # An expert without rows: the grouped matmul's output for it is not guaranteed to be zero.
-    bounds = routing.bounds
-    empty = [e for e in range(len(bounds) - 1) if bounds[e + 1] == bounds[e]]
-    for grad in grads:
-        grad[empty] = 0
+    routing = route(router_logits, top_k, renormalize, scale, compute_dtype(x.dtype))
+    dx, dweights, *dws = experts_backward(g, x, routing, w_gate, w_up, w_down)
+    dlogits = routing_backward(routing, dweights, renormalize, scale)
+    return cast_grads((dx, dlogits, *dws), (x, router_logits, w_gate, w_up, w_down))

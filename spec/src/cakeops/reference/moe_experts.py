@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import threading
-
 import torch
-import torch.nn.functional as F
+
+from cakeops.reference import routed_experts as routed
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, scale: float):
@@ -28,16 +27,10 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, scale: flo
 
 
 def math(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
-    """The op in float64; autograd of this is the reference gradient."""
-    x, w_gate, w_up, w_down = x.double(), w_gate.double(), w_up.double(), w_down.double()
+    """The op in float64: its routing, then the experts of ``routed_experts``; autograd of this
+    is the reference gradient."""
     experts, weights = route(router_logits, top_k, renormalize, scale)
-    out = torch.zeros_like(x)
-    for e in range(w_gate.shape[0]):
-        token, slot = (experts == e).nonzero(as_tuple=True)
-        rows = x[token]
-        h = F.silu(rows @ w_gate[e].T) * (rows @ w_up[e].T)
-        out = out.index_add(0, token, (h @ w_down[e].T) * weights[token, slot, None])
-    return out
+    return routed.math(x, experts, weights, w_gate, w_up, w_down)
 
 
 def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
@@ -45,22 +38,5 @@ def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
 
 
 def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
-    """Autograd of :func:`math`, run on a fresh thread: autograd is switched off (thread-locally)
-    inside a custom op's kernel."""
-    inputs = (x, router_logits, w_gate, w_up, w_down)
-    result: list = []
-
-    def work():
-        leaves = [t.detach().double().requires_grad_() for t in inputs]
-        out = math(*leaves, top_k, renormalize, scale)
-        result.extend(torch.autograd.grad(out, leaves, g.double(), allow_unused=True))
-
-    thread = threading.Thread(target=work)
-    thread.start()
-    thread.join()
-    if len(result) != len(inputs):
-        raise RuntimeError("moe_experts: reference backward failed (see the thread's traceback)")
-    return tuple(
-        (torch.zeros_like(t) if d is None else d.to(t.dtype))
-        for d, t in zip(result, inputs, strict=True)
-    )
+    params = {"top_k": top_k, "renormalize": renormalize, "scale": scale}
+    return routed.grads_by_autograd(math, g, (x, router_logits, w_gate, w_up, w_down), params)

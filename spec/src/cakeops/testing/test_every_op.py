@@ -24,21 +24,23 @@ from cakeops.testing import (
 
 
 def example(spec: OpSpec, device: torch.device, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """The spec's example inputs (floating tensors requiring grad), an upstream gradient, and
-    the op as a function of the tensors alone."""
+    """The spec's example inputs: the differentiable tensors (cloned, requiring grad), an
+    upstream gradient, the op as a function of those tensors alone, and the inputs."""
     torch.manual_seed(seed)
     inputs = spec.example(device, dtype)
-    tensors = tuple(
-        t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs.tensors.values()
-    )
-    params = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
-    names = spec.tensor_names
+    return _as_function(spec, inputs)
+
+
+def _as_function(spec: OpSpec, inputs):
+    names = spec.differentiable
+    tensors = tuple(inputs[n].detach().clone().requires_grad_() for n in names)
+    fixed = {k: v for k, v in inputs.items() if k not in names}
 
     def op(*ts: torch.Tensor) -> torch.Tensor:
-        return spec(**dict(zip(names, ts, strict=True)), **params)
+        return spec(**dict(zip(names, ts, strict=True)), **fixed)
 
     g = torch.randn_like(spec.output_like(inputs))
-    return tensors, g, op, inputs
+    return tensors, g, op, spec.inputs(**{**inputs, **dict(zip(names, tensors, strict=True))})
 
 
 class Contract:
@@ -51,8 +53,9 @@ class Contract:
         return SPECS[self.op]
 
     def test_saves_exactly_the_inputs(self, backend, device):
-        tensors, g, op, _ = example(self.spec, device)
-        out = assert_saves_exactly(op, tensors, self.spec.saved)
+        tensors, g, op, inputs = example(self.spec, device)
+        saved = tuple(inputs[n] for n in self.spec.saved)
+        out = assert_saves_exactly(lambda *_: op(*tensors), saved, self.spec.saved)
         out.backward(g)
 
     def test_checkpoint_gives_same_gradients(self, backend, device):
@@ -85,15 +88,14 @@ class Contract:
         first, *rest = (t.detach() for t in tensors)
         with pytest.raises(NotImplementedError, match="forward-mode AD"):
             torch.func.jvp(lambda a: op(a, *rest), (first,), (torch.ones_like(first),))
-        last = self.spec.tensor_names[-1]
+        last = self.spec.differentiable[-1]
         with fwAD.dual_level(), pytest.raises(NotImplementedError, match=f"argument '{last}'"):
             plain = (first, *rest)
             op(*plain[:-1], fwAD.make_dual(plain[-1], torch.ones_like(plain[-1])))
 
     def test_opcheck(self, backend, device):
-        tensors, g, _, inputs = example(self.spec, device)
-        values = [tensors[self.spec.tensor_names.index(k)] if k in inputs.tensors else v
-                  for k, v in inputs.items()]  # fmt: skip
+        _, g, _, inputs = example(self.spec, device)
+        values = list(inputs.values())
         torch.library.opcheck(getattr(torch.ops.cakeops, self.op).default, tuple(values))
         detached = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
         backward = getattr(torch.ops.cakeops, f"{self.op}_backward").default
@@ -111,17 +113,13 @@ class Contract:
         """No rows: an empty output and gradients, zero where they have elements."""
         _, _, _, inputs = example(self.spec, device, dtype)
         first = self.spec.tensor_names[0]
-        empty = {first: inputs[first][:0]}
-        for name, t in inputs.tensors.items():  # tensors sharing the first dim shrink with it
-            if name != first and t.dim() and t.shape[0] == inputs[first].shape[0]:
-                empty[name] = t[:0]
-        sized = {**inputs, **empty}
-        tensors = tuple(sized[n].detach().requires_grad_() for n in self.spec.tensor_names)
-        params = {k: v for k, v in sized.items() if not isinstance(v, torch.Tensor)}
-
-        def op(*ts):
-            return self.spec(**dict(zip(self.spec.tensor_names, ts, strict=True)), **params)
-
+        rows = inputs[first].shape[0]
+        empty = {  # the tensors sharing the first dim shrink with it
+            name: t.detach()[:0]
+            for name, t in inputs.items()
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows
+        }
+        tensors, _, op, _ = _as_function(self.spec, self.spec.inputs(**{**inputs, **empty}))
         out, *grads = run_with_grads(op, tensors, torch.zeros_like(op(*tensors)))
         assert out.numel() == 0
         for grad, t in zip(grads, tensors, strict=True):
