@@ -29,7 +29,7 @@ def install(session: nox.Session, *extra: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole suite: conformance on every in-tree backend, dispatch, CLI, packaging."""
-    install(session, EXAMPLE_BACKEND, "pytest", "hatchling", "numpy", "matplotlib")
+    install(session, EXAMPLE_BACKEND, "pytest", "hatchling", "numpy", "matplotlib", "transformers")
     session.run("pytest", *session.posargs)
     # The documented command a third-party backend certifies itself with.
     session.run("pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=example", "-q")

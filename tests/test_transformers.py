@@ -1,0 +1,172 @@
+"""cakeops inside Hugging Face transformers, on tiny random configs of the real package (no
+downloads): each family's loss and every parameter's gradient match the unpatched model; a few
+training steps under torch.compile and activation checkpointing; save and reload.
+
+Both runs are float32; each is within the spec's float32 tolerance of the exact values, so the
+two are compared within twice that."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+import cakeops
+from cakeops.integrations.transformers import apply_cakeops
+
+COMMON = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+#: family -> (config class, its MoE and attention sizes); FAMILIES feeds the docs' table too
+FAMILIES = {
+    "Qwen2-MoE": (tf.Qwen2MoeConfig, {"intermediate_size": 48, "moe_intermediate_size": 16,
+                  "shared_expert_intermediate_size": 24, "num_experts": 4,
+                  "num_experts_per_tok": 2}),
+    "Qwen3-MoE": (tf.Qwen3MoeConfig, {"intermediate_size": 48, "moe_intermediate_size": 16,
+                  "num_experts": 4, "num_experts_per_tok": 2, "head_dim": 8}),
+    "Mixtral": (tf.MixtralConfig, {"intermediate_size": 16, "num_local_experts": 4,
+                "num_experts_per_tok": 2}),
+    "OLMoE": (tf.OlmoeConfig, {"intermediate_size": 16, "num_experts": 4,
+              "num_experts_per_tok": 2, "eos_token_id": 1, "pad_token_id": 0}),
+    "DeepSeek-V3": (tf.DeepseekV3Config, {"intermediate_size": 48, "moe_intermediate_size": 16,
+                    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+                    "topk_group": 1, "first_k_dense_replace": 1, "n_shared_experts": 1,
+                    "kv_lora_rank": 8, "q_lora_rank": 8, "qk_rope_head_dim": 4,
+                    "qk_nope_head_dim": 4, "v_head_dim": 8}),
+    "Qwen3-Next": (tf.Qwen3NextConfig, {"intermediate_size": 48, "moe_intermediate_size": 16,
+                   "shared_expert_intermediate_size": 16, "num_experts": 4,
+                   "num_experts_per_tok": 2, "head_dim": 8, "linear_num_value_heads": 2,
+                   "linear_num_key_heads": 2, "linear_key_head_dim": 8,
+                   "linear_value_head_dim": 8, "linear_conv_kernel_dim": 2,
+                   "layer_types": ["linear_attention", "full_attention"]}),
+}  # fmt: skip
+TOLERANCE = 2 * cakeops.tolerance(torch.float32)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pair(family: str):
+    """The unpatched model and a copy running on cakeops, same weights."""
+    config_class, sizes = FAMILIES[family]
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config_class(**COMMON, **sizes))
+    return model, apply_cakeops(copy.deepcopy(model))
+
+
+def tokens(seed: int = 1):
+    return torch.randint(
+        0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loss_and_every_gradient_match_the_model(family):
+    model, patched = pair(family)
+    # proof that cakeops runs the experts: a backend that does not exist is refused
+    with cakeops.use_backend("nope", op="routed_experts"), pytest.raises(cakeops.BackendError):
+        patched(tokens())
+    ids = tokens()
+    loss, grads = loss_and_grads(model, ids)
+    loss_c, grads_c = loss_and_grads(patched, ids)
+    assert cakeops.relative_error(loss_c, loss) <= TOLERANCE
+    assert grads.keys() == grads_c.keys()
+    for name, grad in grads.items():
+        err = cakeops.relative_error(grads_c[name], grad)
+        assert err <= TOLERANCE, f"{name}: relative error {err:.2e}"
+
+
+def test_gated_norms_swapped_keeping_parameters_and_names():
+    model, patched = pair("Qwen3-Next")
+    names = [type(m).__name__ for m in patched.modules()]
+    assert "CakeopsQwen3NextRMSNormGated" in names
+    assert list(model.state_dict()) == list(patched.state_dict())
+
+
+def test_experts_implementation_by_name_at_construction(tmp_path):
+    """``from_config(..., experts_implementation="cakeops")``, then save and reload with it."""
+    config_class, sizes = FAMILIES["Qwen3-MoE"]
+    model = tf.AutoModelForCausalLM.from_config(
+        config_class(**COMMON, **sizes), experts_implementation="cakeops"
+    )
+    ids = tokens()
+    out = model(ids).logits
+    model.save_pretrained(tmp_path)
+    again = tf.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="cakeops")
+    torch.testing.assert_close(again(ids).logits, out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["compile", "checkpointing"])
+def test_training_steps(mode):
+    """A few optimiser steps on cakeops match the unpatched model's, compiled or with
+    activation checkpointing (Qwen3-Next: its experts and its gated norms on cakeops)."""
+    model, patched = pair("Qwen3-Next")
+    if mode == "checkpointing":
+        for m in (model, patched):
+            m.gradient_checkpointing_enable({"use_reentrant": False})
+            m.train()
+    losses = {}
+    for name, m in (("model", model), ("cakeops", patched)):
+        step = torch.compile(m) if mode == "compile" else m
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses[name] = []
+        ids = tokens()
+        for _ in range(3):
+            optimizer.zero_grad()
+            loss = step(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            losses[name].append(loss.detach())
+    for a, b in zip(losses["cakeops"], losses["model"], strict=True):
+        assert cakeops.relative_error(a, b) <= TOLERANCE
+    assert losses["cakeops"][-1] < losses["cakeops"][0]
+
+
+def models_table() -> str:
+    """The supported-models table of the README and docs: what this module tests."""
+    version = tf.__version__
+    rows = [
+        "| family | config | experts | gated norm | transformers |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for family, (config_class, _) in FAMILIES.items():
+        model = pair(family)[1]
+        norms = sorted({type(m).__name__.removeprefix("Cakeops") for m in model.modules()
+                        if type(m).__name__.startswith("Cakeops")})  # fmt: skip
+        norm = ", ".join(f"`{n}`" for n in norms) or "-"
+        rows.append(
+            f"| {family} | `{config_class.__name__}` | routed_experts | {norm} | {version} |"
+        )
+    return "\n".join(rows)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/content/transformers.md"])
+def test_supported_models_table_is_current(page):
+    """Regenerate with ``python tests/test_transformers.py``."""
+    text = (ROOT / page).read_text()
+    block = text.split("<!-- hf-models:start -->\n")[1].split("<!-- hf-models:end -->")[0]
+    assert block.strip() == models_table(), f"{page}: run python tests/test_transformers.py"
+
+
+if __name__ == "__main__":
+    for page in ("README.md", "docs/content/transformers.md"):
+        path = ROOT / page
+        head, rest = path.read_text().split("<!-- hf-models:start -->\n")
+        tail = rest.split("<!-- hf-models:end -->")[1]
+        path.write_text(
+            f"{head}<!-- hf-models:start -->\n{models_table()}\n<!-- hf-models:end -->{tail}"
+        )
+        print(f"wrote {page}")
