@@ -170,3 +170,24 @@ if __name__ == "__main__":
             f"{head}<!-- hf-models:start -->\n{models_table()}\n<!-- hf-models:end -->{tail}"
         )
         print(f"wrote {page}")
+
+
+def test_mamba2_gated_norm_swapped():
+    """Mamba2's grouped norm after the gate; called without a gate it stays the model's own."""
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+    torch.manual_seed(0)
+    norm = MambaRMSNormGated(32, group_size=8, eps=1e-5)
+    norm.weight.data.uniform_(0.5, 1.5)
+    holder = torch.nn.Sequential(copy.deepcopy(norm))
+    apply_cakeops(holder)
+    patched = holder[0]
+    assert type(patched).__name__ == "CakeopsMambaRMSNormGated"
+    x, z = torch.randn(6, 32, requires_grad=True), torch.randn(6, 32, requires_grad=True)
+    for gate in (z, None):
+        want = norm(x, gate)
+        got = patched(x, gate)
+        assert cakeops.relative_error(got, want) <= TOLERANCE
+    (dx,) = torch.autograd.grad(patched(x, z).sum(), x)
+    (want_dx,) = torch.autograd.grad(norm(x, z).sum(), x)
+    assert cakeops.relative_error(dx, want_dx) <= TOLERANCE
