@@ -76,6 +76,14 @@ def bench(session: nox.Session) -> None:
     record = ["--markdown", "docs/bench/cpu", "--plots", "docs/content/bench/cpu"]
     record = [] if "--quick" in session.posargs else record
     session.run("cakeops", "bench", "--json", "bench-results/bench.json", *record, *session.posargs)
+    # A training step of small Hugging Face MoE models: eager experts, grouped_mm, cakeops.
+    session.install(*CONSTRAINTS, "transformers")
+    hf = (
+        ["--quick"]
+        if "--quick" in session.posargs
+        else ["--markdown", "docs/bench/cpu/hf_models.md"]
+    )
+    session.run("python", "-m", "cakeops.bench.hf_models", *hf)
 
 
 @nox.session

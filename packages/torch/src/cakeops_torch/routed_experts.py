@@ -10,12 +10,12 @@ projections; experts that received no token keep exact zero gradients.
 Matmuls run in float32 for 16-bit inputs on the CPU (weights cast per expert, on the fly) and in
 the input dtype with float32 accumulation on accelerators.
 
-Where ``torch._grouped_mm`` exists and takes the inputs (contiguous weights in the matmul dtype,
-so no weight copy; rows 16-byte aligned; float32 on the CPU, 16-bit on CUDA), each projection of
-a run of experts is one grouped matmul over their sorted rows instead of one matmul per expert.
+Where ``torch._grouped_mm`` exists and takes the inputs (weights in the matmul dtype, views of a
+packed gate/up tensor included, so no weight copy; rows and strides 16-byte aligned; float32 on
+the CPU, 16-bit on CUDA), each projection of a run of experts is one grouped matmul over their
+sorted rows instead of one matmul per expert.
 The runs hold at most ``GROUP_ELEMENTS`` elements of the widest temporary, so memory stays
-bounded like the loop's. Anywhere else (views of a packed gate/up tensor included) the
-per-expert loop runs.
+bounded like the loop's. Anywhere else the per-expert loop runs.
 """
 
 from __future__ import annotations
@@ -57,12 +57,15 @@ def _grouped(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` takes these operands as they are."""
     if not hasattr(torch, "_grouped_mm") or any(w.dtype != x.dtype for w in weights):
         return False
-    if not all(w.is_contiguous() for w in weights):  # views of a packed (E, 2F, D) gate/up
+    if any(w.stride(-1) != 1 for w in weights):
         return False
     allowed = {"cpu": (torch.float32,), "cuda": (torch.bfloat16,)}.get(x.device.type, ())
     align = 16 // x.element_size()
     D, F = x.shape[1], weights[0].shape[1]
-    return x.dtype in allowed and D > 0 and F > 0 and D % align == 0 and F % align == 0
+    # views of a packed (E, 2F, D) gate/up tensor qualify: only their strides must be aligned
+    strides = [st for w in weights for st in w.stride()[:-1]]
+    aligned = all(st % align == 0 for st in strides)
+    return x.dtype in allowed and D > 0 and F > 0 and D % align == 0 and F % align == 0 and aligned
 
 
 def _runs(routing: Routing, width: int):

@@ -1,0 +1,108 @@
+"""A training step (forward+backward) of small Hugging Face MoE models, per family: the model's
+eager experts, transformers' ``grouped_mm`` and cakeops, timed in alternation in one run.
+
+    python -m cakeops.bench.hf_models [--quick] [--markdown PATH]
+
+Needs ``cakeops[transformers]``. Sizes are small (CPU-friendly), the routing is each model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cakeops.bench import format_table, measure
+
+COMMON = {"vocab_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 1024}  # fmt: skip
+#: family -> (transformers config class, sizes): 8 experts, top-2
+FAMILIES = {
+    "Qwen3-MoE": ("Qwen3MoeConfig", {"hidden_size": 256, "intermediate_size": 512,
+                  "moe_intermediate_size": 256, "num_experts": 8, "num_experts_per_tok": 2,
+                  "head_dim": 64}),
+    "Mixtral": ("MixtralConfig", {"hidden_size": 256, "intermediate_size": 256,
+                "num_local_experts": 8, "num_experts_per_tok": 2}),
+    "OLMoE": ("OlmoeConfig", {"hidden_size": 256, "intermediate_size": 256, "num_experts": 8,
+              "num_experts_per_tok": 2, "eos_token_id": 1, "pad_token_id": 0}),
+}  # fmt: skip
+IMPLEMENTATIONS = ("eager", "grouped_mm", "cakeops")
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    import transformers as tf
+
+    import cakeops.integrations.transformers  # noqa: F401  (registers "cakeops")
+
+    device = torch.device("cpu")
+    batch, seq = (1, 64) if quick else (2, 256)
+    rows = []
+    for family, (config_name, sizes) in FAMILIES.items():
+        torch.manual_seed(0)
+        config = getattr(tf, config_name)(**COMMON, **sizes)
+        base = tf.AutoModelForCausalLM.from_config(config)
+        ids = torch.randint(0, COMMON["vocab_size"], (batch, seq))
+        contenders = {}
+        for impl in IMPLEMENTATIONS:
+            model = copy.deepcopy(base)
+            model.set_experts_implementation(impl)
+
+            def forward(model=model, ids=ids):
+                return model(ids, labels=ids).loss
+
+            def step(forward=forward, model=model):
+                model.zero_grad(set_to_none=True)
+                forward().backward()
+
+            contenders[f"experts: {impl}"] = (forward, step)
+        results = measure(contenders, device, repeats=2 if quick else 5)
+        print(format_table(f"\n{family}, batch {batch} x {seq} tokens", results, "experts: eager"))
+        rows.append({"family": family, "tokens": batch * seq, "results": results})
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    import platform
+
+    import transformers as tf
+
+    lines = [
+        f"Measured {datetime.now(timezone.utc):%Y-%m-%d} on {platform.processor() or 'a CPU'} "
+        f"({torch.get_num_threads()} threads), torch {torch.__version__}, transformers "
+        f"{tf.__version__}, with `python -m cakeops.bench.hf_models`: a training step "
+        "(forward+backward) of the whole tiny model, median time, the implementations in "
+        "alternation; *peak* is the memory allocated during the step.",
+        "",
+        "| family | tokens | experts | time (ms) | vs eager | peak (MiB) |",
+        "| --- | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        base = row["results"]["experts: eager"]["time_s"]
+        for label, r in row["results"].items():
+            lines.append(
+                f"| {row['family']} | {row['tokens']} | {label.removeprefix('experts: ')} | "
+                f"{r['time_s'] * 1e3:.1f} | {base / r['time_s']:.2f}x | "
+                f"{r['peak_bytes'] / 2**20:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cakeops.bench.hf_models", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="short sequences")
+    parser.add_argument("--markdown", metavar="PATH", help="write the table there")
+    args = parser.parse_args(argv)
+    rows = run(args.quick)
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(markdown(rows))
+        print(f"wrote {args.markdown}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
