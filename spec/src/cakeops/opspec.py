@@ -185,17 +185,19 @@ class OpSpec:
     - ``check(inputs) -> inputs``: the op's own validation, after the type checks; raises
       ``ValueError``/``TypeError`` naming the op and the argument; returns the inputs with
       defaults resolved (``dataclasses.replace``), which is what backends get.
-    - ``output(inputs) -> (shape, dtype)``: the output's (on the inputs' device).
-    - ``no_work(inputs)``: nothing to compute; the output and the gradients are zeros.
     - ``example(device, dtype) -> inputs``: small valid inputs (``cakeops info``, smoke tests).
+    - ``output(inputs) -> (shape, dtype)``: the output's (on the inputs' device); by default
+      those of the first tensor argument.
+    - ``no_work(inputs)``: nothing to compute, the output and the gradients are zeros; by
+      default when the first tensor argument is empty.
     - ``dtypes``: the dtypes of the selecting (first) tensor the spec accepts.
     """
 
     inputs: type[OpInputs]
     check: Callable[[Any], Any]
-    output: Callable[[Any], tuple[Shape, torch.dtype]]
-    no_work: Callable[[Any], bool]
     example: Callable[..., Any]
+    output: Callable[[Any], tuple[Shape, torch.dtype]] = lambda a: (a.selecting.shape, a.dtype)
+    no_work: Callable[[Any], bool] = lambda a: a.selecting.numel() == 0
     dtypes: tuple[torch.dtype, ...] = _spec.FLOAT_DTYPES
     #: name, kind, default (``dataclasses.MISSING`` when required), keyword-only
     arguments: tuple[tuple[str, str, Any, bool], ...] = dataclasses.field(init=False)

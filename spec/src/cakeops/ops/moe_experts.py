@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 
 from cakeops import _spec
+from cakeops.ops.routed_experts import check_weights, example_weights
 from cakeops.opspec import OpInputs, OpSpec, moved_to_helpers
 
 OP = "moe_experts"
-WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -67,23 +67,14 @@ def check(a: Inputs) -> Inputs:
     if not math.isfinite(a.scale):
         raise ValueError(f"{OP}: argument 'scale' expected a finite number, got {a.scale!r}")
     x, router_logits, top_k = a.x, a.router_logits, a.top_k
-    w_gate, w_up, w_down = a.w_gate, a.w_up, a.w_down
     if x.dim() != 2:
         raise ValueError(
             f"{OP}: argument 'x' expected 2 dimensions (T, D), got shape {tuple(x.shape)}"
         )
     _spec.check_float_dtype(OP, "x", x)
     _spec.check_float_dtype(OP, "router_logits", router_logits)
-    for name, w in zip(WEIGHTS, (w_gate, w_up, w_down), strict=True):
-        if w.dtype not in (x.dtype, torch.float32):
-            raise TypeError(
-                f"{OP}: argument '{name}' expected dtype {_spec.dtype_name(x.dtype)} (the dtype of "
-                f"x) or float32 (master weights), got {_spec.dtype_name(w.dtype)}"
-            )
-    _spec.check_dtype_like(OP, "w_up", w_up, "w_gate", w_gate)
-    _spec.check_dtype_like(OP, "w_down", w_down, "w_gate", w_gate)
     _spec.check_same_device(OP, a.tensors)
-    T, D = x.shape
+    T = x.shape[0]
     if router_logits.dim() != 2 or router_logits.shape[0] != T:
         raise ValueError(
             f"{OP}: argument 'router_logits' expected shape ({T}, E) (T of x), "
@@ -92,21 +83,7 @@ def check(a: Inputs) -> Inputs:
     E = router_logits.shape[1]
     if E < 1:
         raise ValueError(f"{OP}: argument 'router_logits' expected at least one expert, got E=0")
-    if w_gate.dim() != 3 or w_gate.shape[0] != E or w_gate.shape[2] != D:
-        raise ValueError(
-            f"{OP}: argument 'w_gate' expected shape ({E}, F, {D}) (E of router_logits, D of x), "
-            f"got {tuple(w_gate.shape)}"
-        )
-    F = w_gate.shape[1]
-    if w_up.shape != w_gate.shape:
-        raise ValueError(
-            f"{OP}: argument 'w_up' expected shape {tuple(w_gate.shape)} (the shape of w_gate), "
-            f"got {tuple(w_up.shape)}"
-        )
-    if w_down.shape != (E, D, F):
-        raise ValueError(
-            f"{OP}: argument 'w_down' expected shape ({E}, {D}, {F}), got {tuple(w_down.shape)}"
-        )
+    check_weights(OP, a, E, "E of router_logits")
     if not 1 <= top_k <= E:
         raise ValueError(f"{OP}: argument 'top_k' expected an int in 1..{E}, got {top_k}")
     return a
@@ -116,20 +93,12 @@ def example(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float
     """Small valid inputs (T, D, F, E = 8, 16, 24, 4), for ``cakeops info`` and smoke tests."""
     T, D, F, E = 8, 16, 24, 4
 
-    def rand(*s):
-        return torch.randn(s, device=device, dtype=dtype) * 0.1
-
     logits = torch.randn(T, E, device=device)
-    return Inputs(rand(T, D), logits, rand(E, F, D), rand(E, F, D), rand(E, D, F), top_k=2)
+    x = torch.randn(T, D, device=device, dtype=dtype) * 0.1
+    return Inputs(x, logits, *example_weights(E, F, D, device, dtype), top_k=2)
 
 
-SPEC = OpSpec(
-    inputs=Inputs,
-    check=check,
-    output=lambda a: (a.x.shape, a.x.dtype),
-    no_work=lambda a: a.x.shape[0] == 0,
-    example=example,
-)
+SPEC = OpSpec(inputs=Inputs, check=check, example=example)  # output like x, no work if x empty
 
 
 def moe_experts(

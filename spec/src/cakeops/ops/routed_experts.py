@@ -72,7 +72,7 @@ def check(a: Inputs) -> Inputs:
             f"{OP}: argument 'top_k_index' expected dtype int64 or int32, "
             f"got {_spec.dtype_name(index.dtype)}"
         )
-    T, D = x.shape
+    T = x.shape[0]
     if index.dim() != 2 or index.shape[0] != T:
         raise ValueError(
             f"{OP}: argument 'top_k_index' expected shape ({T}, k) (T of x), "
@@ -84,33 +84,51 @@ def check(a: Inputs) -> Inputs:
             f"{OP}: argument 'top_k_weights' expected shape {tuple(index.shape)} (the shape of "
             f"top_k_index), got {tuple(weights.shape)}"
         )
+    _spec.check_same_device(OP, a.tensors)
+    E, _ = check_weights(OP, a, None, "E >= 1")
+    _check_ids(index, E)
+    return a
+
+
+def check_weights(op: str, a: OpInputs, E: int | None, where_e: str) -> tuple[int, int]:
+    """The dtypes and shapes of ``a.w_gate``, ``a.w_up`` ``(E, F, D)`` and ``a.w_down``
+    ``(E, D, F)`` against ``a.x`` (``E`` given, or read from ``w_gate``: ``where_e`` says where it
+    comes from); returns ``(E, F)``. Shared with ``moe_experts``."""
+    x, w_gate, w_up, w_down = a.x, a.w_gate, a.w_up, a.w_down
     for name in ("w_gate", "w_up", "w_down"):
         w = a[name]
         if w.dtype not in (x.dtype, torch.float32):
             raise TypeError(
-                f"{OP}: argument '{name}' expected dtype {_spec.dtype_name(x.dtype)} (the dtype of "
+                f"{op}: argument '{name}' expected dtype {_spec.dtype_name(x.dtype)} (the dtype of "
                 f"x) or float32 (master weights), got {_spec.dtype_name(w.dtype)}"
             )
-    _spec.check_dtype_like(OP, "w_up", a.w_up, "w_gate", a.w_gate)
-    _spec.check_dtype_like(OP, "w_down", a.w_down, "w_gate", a.w_gate)
-    _spec.check_same_device(OP, a.tensors)
-    if a.w_gate.dim() != 3 or a.w_gate.shape[2] != D or a.w_gate.shape[0] < 1:
+    _spec.check_dtype_like(op, "w_up", w_up, "w_gate", w_gate)
+    _spec.check_dtype_like(op, "w_down", w_down, "w_gate", w_gate)
+    D = x.shape[1]
+    ok = w_gate.dim() == 3 and w_gate.shape[2] == D and w_gate.shape[0] == (E or w_gate.shape[0])
+    if not ok or w_gate.shape[0] < 1:
         raise ValueError(
-            f"{OP}: argument 'w_gate' expected shape (E, F, {D}) (D of x, E >= 1), "
-            f"got {tuple(a.w_gate.shape)}"
+            f"{op}: argument 'w_gate' expected shape ({E or 'E'}, F, {D}) ({where_e}, D of x), "
+            f"got {tuple(w_gate.shape)}"
         )
-    E, F = a.w_gate.shape[:2]
-    if a.w_up.shape != a.w_gate.shape:
+    E, F = w_gate.shape[:2]
+    if w_up.shape != w_gate.shape:
         raise ValueError(
-            f"{OP}: argument 'w_up' expected shape {tuple(a.w_gate.shape)} (the shape of "
-            f"w_gate), got {tuple(a.w_up.shape)}"
+            f"{op}: argument 'w_up' expected shape {tuple(w_gate.shape)} (the shape of "
+            f"w_gate), got {tuple(w_up.shape)}"
         )
-    if a.w_down.shape != (E, D, F):
+    if w_down.shape != (E, D, F):
         raise ValueError(
-            f"{OP}: argument 'w_down' expected shape ({E}, {D}, {F}), got {tuple(a.w_down.shape)}"
+            f"{op}: argument 'w_down' expected shape ({E}, {D}, {F}), got {tuple(w_down.shape)}"
         )
-    _check_ids(index, E)
-    return a
+    return E, F
+
+
+def example_weights(E: int, F: int, D: int, device, dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """Small random ``w_gate``, ``w_up``, ``w_down`` for example inputs."""
+    return tuple(
+        torch.randn(s, device=device, dtype=dtype) * 0.1 for s in ((E, F, D), (E, F, D), (E, D, F))
+    )  # type: ignore[return-value]
 
 
 def _check_ids(index: Tensor, E: int) -> None:
@@ -131,21 +149,13 @@ def example(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float
     tests: each token's two experts distinct, weights like a renormalised softmax."""
     T, D, F, E, k = 8, 16, 24, 4, 2
 
-    def rand(*s):
-        return torch.randn(s, device=device, dtype=dtype) * 0.1
-
     index = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(device)
     weights = torch.softmax(torch.randn(T, k, device=device), dim=-1).to(dtype)
-    return Inputs(rand(T, D), index, weights, rand(E, F, D), rand(E, F, D), rand(E, D, F))
+    x = torch.randn(T, D, device=device, dtype=dtype)
+    return Inputs(x, index, weights, *example_weights(E, F, D, device, dtype))
 
 
-SPEC = OpSpec(
-    inputs=Inputs,
-    check=check,
-    output=lambda a: (a.x.shape, a.x.dtype),
-    no_work=lambda a: a.x.shape[0] == 0,
-    example=example,
-)
+SPEC = OpSpec(inputs=Inputs, check=check, example=example)  # output like x, no work if x empty
 
 
 def routed_experts(
