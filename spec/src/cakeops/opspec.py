@@ -35,7 +35,7 @@ import types
 import typing
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
@@ -48,6 +48,22 @@ Shape = tuple[int, ...]
 #: ``dataclasses.field(metadata=NO_GRAD)`` marks a tensor argument without a gradient (integer
 #: ids): it is saved like the others, and the backward returns nothing for it.
 NO_GRAD = {"grad": False}
+
+
+ForwardT = TypeVar("ForwardT", covariant=True)
+BackwardT = TypeVar("BackwardT", covariant=True)
+
+
+class Kernels(Protocol[ForwardT, BackwardT]):
+    """What a backend's kernel module for an op defines; each op parametrises it with its
+    ``forward`` and ``backward`` signatures (``cakeops.ops.<op>.Kernels``), which a type checker
+    verifies a module against (``_: cakeops.ops.<op>.Kernels = my_backend.<op>``)."""
+
+    @property
+    def forward(self) -> ForwardT: ...
+
+    @property
+    def backward(self) -> BackwardT: ...
 
 
 class OpInputs(Mapping[str, Any]):

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from cakeops import _spec
+from cakeops import _spec, opspec
 from cakeops.opspec import OpInputs, OpSpec, moved_to_helpers
 
 OP = "causal_dot_product"
@@ -33,17 +32,12 @@ class Inputs(OpInputs):
     v: torch.Tensor
 
 
-class Kernels(Protocol):
-    """What a backend's ``causal_dot_product`` kernel module defines: ``forward(q, k, v) ->
-    out`` and ``backward(g, q, k, v) -> (dq, dk, dv)``."""
-
-    @property
-    def forward(self) -> Callable[[Tensor, Tensor, Tensor], Tensor]: ...
-
-    @property
-    def backward(
-        self,
-    ) -> Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]: ...
+#: What a backend's ``causal_dot_product`` kernel module defines: ``forward(q, k, v) -> out`` and
+#: ``backward(g, q, k, v) -> (dq, dk, dv)``.
+Kernels = opspec.Kernels[
+    Callable[[Tensor, Tensor, Tensor], Tensor],
+    Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]],
+]
 
 
 def check(a: Inputs) -> Inputs:

@@ -15,12 +15,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from cakeops import _spec
+from cakeops import _spec, opspec
 from cakeops.ops.routed_experts import check_weights, example_weights
 from cakeops.opspec import OpInputs, OpSpec, moved_to_helpers
 
@@ -44,22 +43,15 @@ class Inputs(OpInputs):
     scale: float = 1.0
 
 
-class Kernels(Protocol):
-    """What a backend's ``moe_experts`` kernel module defines: ``forward(x, router_logits,
-    w_gate, w_up, w_down, top_k, renormalize, scale) -> out`` and ``backward(g, ...same...) ->
-    (dx, drouter_logits, dw_gate, dw_up, dw_down)``."""
-
-    @property
-    def forward(
-        self,
-    ) -> Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, bool, float], Tensor]: ...
-
-    @property
-    def backward(
-        self,
-    ) -> Callable[
+#: What a backend's ``moe_experts`` kernel module defines: ``forward(x, router_logits, w_gate,
+#: w_up, w_down, top_k, renormalize, scale) -> out`` and ``backward(g, ...same...) -> (dx,
+#: drouter_logits, dw_gate, dw_up, dw_down)``.
+Kernels = opspec.Kernels[
+    Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, bool, float], Tensor],
+    Callable[
         [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, bool, float], tuple[Tensor, ...]
-    ]: ...
+    ],
+]
 
 
 def check(a: Inputs) -> Inputs:

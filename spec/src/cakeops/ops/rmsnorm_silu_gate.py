@@ -14,12 +14,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from cakeops import _spec
+from cakeops import _spec, opspec
 from cakeops.opspec import OpInputs, OpSpec
 
 OP = "rmsnorm_silu_gate"
@@ -40,18 +39,12 @@ class Inputs(OpInputs):
     norm_before_gate: bool = True
 
 
-class Kernels(Protocol):
-    """What a backend's ``rmsnorm_silu_gate`` kernel module defines: ``forward(x, z, weight,
-    eps, group_size, norm_before_gate) -> y`` and ``backward(g, ...same...) -> (dx, dz,
-    dweight)``."""
-
-    @property
-    def forward(self) -> Callable[[Tensor, Tensor, Tensor, float, int, bool], Tensor]: ...
-
-    @property
-    def backward(
-        self,
-    ) -> Callable[[Tensor, Tensor, Tensor, Tensor, float, int, bool], tuple[Tensor, ...]]: ...
+#: What a backend's ``rmsnorm_silu_gate`` kernel module defines: ``forward(x, z, weight, eps,
+#: group_size, norm_before_gate) -> y`` and ``backward(g, ...same...) -> (dx, dz, dweight)``.
+Kernels = opspec.Kernels[
+    Callable[[Tensor, Tensor, Tensor, float, int, bool], Tensor],
+    Callable[[Tensor, Tensor, Tensor, Tensor, float, int, bool], tuple[Tensor, ...]],
+]
 
 
 def check(a: Inputs) -> Inputs:

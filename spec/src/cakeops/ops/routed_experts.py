@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from cakeops import _spec
+from cakeops import _spec, opspec
 from cakeops.opspec import NO_GRAD, OpInputs, OpSpec
 
 OP = "routed_experts"
@@ -44,18 +43,13 @@ class Inputs(OpInputs):
     w_down: torch.Tensor
 
 
-class Kernels(Protocol):
-    """What a backend's ``routed_experts`` kernel module defines: ``forward(x, top_k_index,
-    top_k_weights, w_gate, w_up, w_down) -> out`` and ``backward(g, ...same...) -> (dx,
-    dtop_k_weights, dw_gate, dw_up, dw_down)``."""
-
-    @property
-    def forward(self) -> Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]: ...
-
-    @property
-    def backward(
-        self,
-    ) -> Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, ...]]: ...
+#: What a backend's ``routed_experts`` kernel module defines: ``forward(x, top_k_index,
+#: top_k_weights, w_gate, w_up, w_down) -> out`` and ``backward(g, ...same...) -> (dx,
+#: dtop_k_weights, dw_gate, dw_up, dw_down)``.
+Kernels = opspec.Kernels[
+    Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor],
+    Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, ...]],
+]
 
 
 def check(a: Inputs) -> Inputs:
