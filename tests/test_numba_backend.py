@@ -7,6 +7,10 @@ Its CUDA kernels are certified in numba's simulator (``nox -s tests``) and on a 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -136,3 +140,35 @@ def test_compiles_without_a_writable_cache(monkeypatch):
     a = np.arange(4.0)
     cpu_kernels._compiled(double)(a)
     assert a.tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_simulator_shared_arrays_are_one_per_block_under_contention():
+    """numba's simulator allocates a block's shared array with an unlocked check-then-store;
+    with a slow allocation every simulated thread would get its own array (the cause of rare
+    wrong results in the simulator runs). cakeops_numba makes the allocation atomic."""
+    code = textwrap.dedent(
+        """
+        import threading, time
+        import numpy as np
+        import cakeops_numba._launch  # noqa: F401
+        from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+        fast = np.empty
+        np.empty = lambda *a, **k: (time.sleep(0.01), fast(*a, **k))[1]
+        shared, got, barrier = FakeCUDAShared(0), [], threading.Barrier(8)
+
+        def thread():
+            barrier.wait()
+            got.append(shared.array((4,), np.float32))
+
+        threads = [threading.Thread(target=thread) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len({id(a) for a in got}) == 1, len({id(a) for a in got})
+        """
+    )
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

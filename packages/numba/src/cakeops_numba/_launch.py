@@ -33,6 +33,39 @@ def view(t: torch.Tensor):
     return FakeCUDAArray(t.detach().numpy())
 
 
+def _thread_safe_simulator_shared_arrays() -> None:
+    """numba's simulator creates a block's ``cuda.shared.array`` on first use with an unlocked
+    check-then-store, from every simulated thread at once: under load two threads can each make
+    their own array and the block's threads then disagree on their shared memory (a wrong
+    result, now and then). The same allocation, keyed the same way, under a lock."""
+    import numpy as np
+    from numba.core import types
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    from numba.np import numpy_support
+
+    original = FakeCUDAShared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory: not keyed
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        frame = sys._getframe(1)  # the kernel line, the key numba uses
+        caller = (frame.f_code.co_filename, frame.f_lineno)
+        with lock:
+            found = self._allocations.get(caller)
+            if found is None:
+                found = self._allocations[caller] = np.empty(shape, dtype)
+        return found
+
+    FakeCUDAShared.array = array
+
+
+if SIMULATOR:
+    _thread_safe_simulator_shared_arrays()
+
+
 def blocks_for(rows: int, device: torch.device) -> int:
     """Blocks of a grid-stride launch over ``rows``: a few per multiprocessor, fewer in the
     simulator."""
