@@ -217,14 +217,25 @@ class OpSpec:
     dtypes: tuple[torch.dtype, ...] = _spec.FLOAT_DTYPES
     #: name, kind, default (``dataclasses.MISSING`` when required), keyword-only
     arguments: tuple[tuple[str, str, Any, bool], ...] = dataclasses.field(init=False)
+    #: every argument, in declaration order
+    names: tuple[str, ...] = dataclasses.field(init=False)
+    #: the tensor arguments: saved for the backward (the saved-tensor contract), one gradient each
+    tensor_names: tuple[str, ...] = dataclasses.field(init=False)
+    #: the tensor arguments that get a gradient (all but those marked ``NO_GRAD``)
+    differentiable: tuple[str, ...] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(self.inputs)
+        fields = dataclasses.fields(self.inputs)  # type: ignore[arg-type]
         arguments = tuple(
-            (f.name, _kind(hints[f.name]), f.default, bool(f.kw_only))
-            for f in dataclasses.fields(self.inputs)  # type: ignore[arg-type]
+            (f.name, _kind(hints[f.name]), f.default, bool(f.kw_only)) for f in fields
         )
+        tensors = tuple(name for name, kind, _, _ in arguments if kind == "Tensor")
+        grads = {f.name: f.metadata.get("grad", True) for f in fields}
         object.__setattr__(self, "arguments", arguments)
+        object.__setattr__(self, "names", tuple(name for name, _, _, _ in arguments))
+        object.__setattr__(self, "tensor_names", tensors)
+        object.__setattr__(self, "differentiable", tuple(n for n in tensors if grads[n]))
         self._build()
 
     # -- names --------------------------------------------------------------------------
@@ -232,22 +243,6 @@ class OpSpec:
     @property
     def name(self) -> str:
         return self.inputs.op
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Every argument, in declaration order."""
-        return tuple(name for name, _, _, _ in self.arguments)
-
-    @property
-    def tensor_names(self) -> tuple[str, ...]:
-        """The tensor arguments: saved for the backward, one gradient each."""
-        return tuple(name for name, kind, _, _ in self.arguments if kind == "Tensor")
-
-    @property
-    def differentiable(self) -> tuple[str, ...]:
-        """The tensor arguments that get a gradient (all but those marked ``NO_GRAD``)."""
-        fields = {f.name: f for f in dataclasses.fields(self.inputs)}  # type: ignore[arg-type]
-        return tuple(n for n in self.tensor_names if fields[n].metadata.get("grad", True))
 
     @property
     def saved(self) -> tuple[str, ...]:
@@ -461,10 +456,3 @@ def moved_to_helpers(module: str) -> Callable[[str], Any]:
         return getattr(helpers, name)
 
     return __getattr__
-
-
-def specs() -> Mapping[str, OpSpec]:
-    """Every op's spec by name, in declaration order (imports the op modules)."""
-    from cakeops.ops import SPECS
-
-    return SPECS
