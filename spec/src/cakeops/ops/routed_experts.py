@@ -149,7 +149,13 @@ def example(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float
     return Inputs(x, index, weights, *example_weights(E, F, D, device, dtype))
 
 
-SPEC = OpSpec(inputs=Inputs, check=check, example=example)  # output like x, no work if x empty
+SPEC = OpSpec(
+    inputs=Inputs,
+    check=check,
+    example=example,
+    # output like x; no work without rows, hidden features or slots
+    no_work=lambda a: a.x.numel() == 0 or a.top_k_index.shape[1] == 0,
+)
 
 
 def routed_experts(

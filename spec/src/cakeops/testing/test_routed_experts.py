@@ -40,12 +40,12 @@ def make_inputs(T, D, F, E, k, dtype, device, *, packed=False, weight_dtype=None
     weights = torch.softmax(rand(T, k), dim=-1).to(device, dtype).requires_grad_()
     wd = weight_dtype or dtype
     if packed:
-        gate_up = rand(E, 2 * F, D, scale=D**-0.5).to(device, wd).requires_grad_()
+        gate_up = rand(E, 2 * F, D, scale=max(D, 1) ** -0.5).to(device, wd).requires_grad_()
         w_gate, w_up = gate_up[:, :F], gate_up[:, F:]
     else:
-        w_gate = rand(E, F, D, scale=D**-0.5).to(device, wd).requires_grad_()
-        w_up = rand(E, F, D, scale=D**-0.5).to(device, wd).requires_grad_()
-    w_down = rand(E, D, F, scale=F**-0.5).to(device, wd).requires_grad_()
+        w_gate = rand(E, F, D, scale=max(D, 1) ** -0.5).to(device, wd).requires_grad_()
+        w_up = rand(E, F, D, scale=max(D, 1) ** -0.5).to(device, wd).requires_grad_()
+    w_down = rand(E, D, F, scale=max(F, 1) ** -0.5).to(device, wd).requires_grad_()
     x = rand(T, D).to(device, dtype).requires_grad_()
     g = rand(T, D).to(device, dtype)
     return (x, index.to(device, index_dtype), weights, w_gate, w_up, w_down), g
@@ -100,6 +100,16 @@ class TestRoutedExperts:
         check_against_reference(tensors, g, got)
         for grad in got[3:]:
             assert torch.equal(grad[1:4], torch.zeros_like(grad[1:4]))
+
+    @pytest.mark.parametrize("D, F, k", [(0, 6, 2), (8, 0, 2), (8, 6, 0)], ids=["d0", "f0", "k0"])
+    def test_empty_dims(self, backend, dtype, device, D, F, k):
+        """No hidden features, no intermediate features or no slots: the output is exactly zero,
+        and so is every gradient (each shaped like its input)."""
+        tensors, g = make_inputs(5, D, F, 4, k, dtype, device)
+        got = run(tensors, g)
+        x, _, *rest = tensors
+        for value, like in zip(got, (x, x, *rest), strict=True):
+            assert value.shape == like.shape and torch.equal(value, torch.zeros_like(value))
 
     def test_same_as_moe_experts_with_its_routing(self, backend, device):
         """``moe_experts`` is its routing followed by these experts."""

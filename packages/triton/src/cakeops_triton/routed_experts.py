@@ -1,0 +1,391 @@
+"""The routed SwiGLU experts in Triton, for a given routing: grouped GEMMs over rows sorted by
+expert (``moe_experts`` is the spec's routing followed by these).
+
+The sort by expert uses the spec's helpers (PyTorch ops that never wait for the device: the
+row-tile table is sized by an upper bound and the tiles past the last real one exit at once).
+``w_gate`` and ``w_up`` are read through their strides, so views of a packed ``(E, 2F, D)``
+tensor need no copy. Two kernels do the rest, each one launch for all experts, 16-bit operands
+on tensor cores with float32 accumulation. With float32 master weights the products run in
+float32 (``x`` widened as it loads), so that every gradient is as accurate as its own dtype asks:
+
+- ``_grouped_mm``: ``out[rows of e] = A[rows of e] @ W[e]^T`` (or ``@ W[e]``, by strides), its
+  row tiles mapped to experts by the table, the rows of ``A`` optionally gathered through an
+  index (the dispatch is a load, never a gathered copy of ``x``). ``MODE`` picks the fusion:
+  ``SWIGLU`` (the forward) multiplies the rows by ``W_gate[e]`` and ``W_up[e]`` in one pass and
+  stores ``silu(gate) * up`` in the activations' dtype; ``SWIGLU_BWD`` (the backward) adds
+  ``u = g W_down[e]`` as a third product over the same ``K = D`` loop and runs the SwiGLU
+  backward in the epilogue (``h``, the gate and up gradients, and each row's ``<h, u>`` partial
+  for the routing weights); ``SUM2`` accumulates ``A W[e]^T + A2 W2[e]^T`` (the input gradient
+  through gate and up). The ``PLAIN`` epilogue can scale each row by a per-row factor and store
+  it at another row (``DST``): the combine -- the down projection writes ``w_ts y_ts`` straight
+  into its ``(token, slot)`` place -- and the dispatch backward;
+- ``_grouped_weight_grad``: ``dW[e] = A[rows of e]^T @ B[rows of e]``, each program walking one
+  expert's rows in order (deterministic; an expert with no rows stores exact zeros), ``A``'s rows
+  optionally gathered and scaled by a per-row factor as they load.
+
+``_slot_sum_kernel`` then sums each token's ``top_k`` slots in slot order (deterministic, no
+atomics: one read of the float32 slots, one write in ``x``'s dtype). What is left to PyTorch is
+the sort by expert and the sum of the routing-weight partials over column tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cakeops.helpers import Routing, given_routing, row_tiles, row_weights
+from cakeops_triton._common import INTERPRET, dot, dot_precision, round_to, serialised
+
+# Row tiles are laid out by the tile table, so BLOCK_M is fixed; the autotuner picks the rest
+# per (N, K, mode) -- never per token count. The interpreter gets one small config.
+BLOCK_M = 32 if INTERPRET else 64
+if INTERPRET:
+    _CONFIGS = [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32})]
+    _GRAD_CONFIGS = [triton.Config({"BLOCK_P": 32, "BLOCK_Q": 32})]
+else:
+    _CONFIGS = [
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+        for bn, bk, w, st in (
+            # wide tiles, for rows and weights whose strides are multiples of 16 bytes
+            (64, 32, 4, 3), (64, 64, 4, 4), (128, 32, 8, 3), (128, 64, 8, 3), (256, 32, 8, 3),
+            (64, 32, 8, 3), (64, 64, 8, 3),
+            # narrow ones for the rest (loads one element at a time) and float32
+            (32, 32, 4, 1), (32, 32, 4, 2), (32, 16, 4, 1), (32, 32, 8, 2),
+        )
+    ]  # fmt: skip
+    _GRAD_CONFIGS = [
+        triton.Config({"BLOCK_P": bp, "BLOCK_Q": bq}, num_warps=w, num_stages=st)
+        for bp, bq, w, st in ((64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3), (128, 128, 8, 3),
+                              (32, 32, 4, 2))  # the last for float32 (FMA)
+    ]  # fmt: skip
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in _CONFIGS)
+BLOCK_R = 32  # rows per step of the weight-gradient reduction
+
+# What _grouped_mm computes and stores (constexpr: kernels read only constexpr globals).
+PLAIN: tl.constexpr = tl.constexpr(0)
+SWIGLU: tl.constexpr = tl.constexpr(1)
+SWIGLU_BWD: tl.constexpr = tl.constexpr(2)
+SUM2: tl.constexpr = tl.constexpr(3)
+
+
+def _prune(configs, args, **kwargs):
+    """Configs that compile without spilling (``nox -s gpu_compile`` checks it): wide tiles where
+    every row and weight stride is a multiple of 8 elements and every operand starts on 16 bytes
+    (vector loads; a packed gate/up tensor's ``w_up`` view starts ``F * D`` elements in), narrow
+    ones for other layouts and for float32 (FMA dots, operands in registers); three
+    accumulators (``SWIGLU_BWD``) take 8 warps and ``BLOCK_N * BLOCK_K`` within 2048."""
+    strides = ("stride_a", "stride_a2", "K", "N")
+    strides += tuple(f"stride_w{d}{i}" for i in ("", "2", "3") for d in "enk")
+    starts = ("A", "A2", "W", "W2", "W3")
+    aligned = all(args[name] % 8 == 0 or args[name] == 1 for name in strides) and all(
+        args[name].data_ptr() % 16 == 0 for name in starts
+    )
+    narrow = not aligned or kwargs["DTYPE"] == tl.float32
+    bwd = kwargs["MODE"] == SWIGLU_BWD.value
+    kept = [
+        c
+        for c in configs
+        if (c.kwargs["BLOCK_N"] <= 32) == narrow
+        and (not bwd or (c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 2048 and c.num_warps == 8))
+    ]
+    return kept or configs[:1]
+
+
+def _prune_grad(configs, args, **kwargs):
+    """float32 (FMA: operands in registers) takes the small tile, 16-bit the others."""
+    small = kwargs["DTYPE"] == tl.float32
+    kept = [c for c in configs if (c.kwargs["BLOCK_P"] == 32) == small]
+    return kept or configs[:1]
+
+
+@triton.autotune(
+    configs=_CONFIGS,
+    key=["N", "K", "MODE", "GATHER", "DTYPE", "PRECISION"],
+    prune_configs_by={"early_config_prune": _prune},
+)
+@triton.jit(do_not_specialize=["ROWS"])
+def _grouped_mm(
+    A, A2, IDX, W, W2, W3, OUT, OUT2, OUT3, DWP, DST, SCALE, TILE_EXPERT, TILE_ROW, ENDS,
+    ROWS, N, K, stride_a, stride_a2,
+    stride_we, stride_wn, stride_wk, stride_we2, stride_wn2, stride_wk2,
+    stride_we3, stride_wn3, stride_wk3,
+    GATHER: tl.constexpr, MODE: tl.constexpr, SCATTER: tl.constexpr, SCALED: tl.constexpr,
+    DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    row0 = tl.load(TILE_ROW + pid_m)
+    if row0 >= ROWS:  # a tile past the last real one (the table is sized by an upper bound)
+        return
+    e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(ENDS + e)
+    if GATHER:
+        src = tl.load(IDX + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        a_mask = row_ok[:, None] & k_ok[None, :]
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        a = tl.load(A + src[:, None] * stride_a + kk[None, :], mask=a_mask, other=0.0).to(DTYPE)
+        w = tl.load(
+            W + e * stride_we + kk[:, None] * stride_wk + cols[None, :] * stride_wn,
+            mask=w_mask,
+            other=0.0,
+        )
+        acc = dot(a, round_to(w, DTYPE), acc, PRECISION)
+        if MODE != PLAIN:  # the second weight (the up projection)
+            w2 = tl.load(
+                W2 + e * stride_we2 + kk[:, None] * stride_wk2 + cols[None, :] * stride_wn2,
+                mask=w_mask,
+                other=0.0,
+            )
+            if MODE == SUM2:  # ... against a second operand, into the same sum
+                a2 = tl.load(A2 + src[:, None] * stride_a2 + kk[None, :], mask=a_mask, other=0.0)
+                acc = dot(a2.to(DTYPE), round_to(w2, DTYPE), acc, PRECISION)
+            else:  # ... against the same rows, kept apart
+                acc2 = dot(a, round_to(w2, DTYPE), acc2, PRECISION)
+        if MODE == SWIGLU_BWD:  # u = g W_down[e]: the incoming gradient's rows, third weight
+            a3 = tl.load(A2 + src[:, None] * stride_a2 + kk[None, :], mask=a_mask, other=0.0)
+            w3 = tl.load(
+                W3 + e * stride_we3 + kk[:, None] * stride_wk3 + cols[None, :] * stride_wn3,
+                mask=w_mask,
+                other=0.0,
+            )
+            acc3 = dot(a3.to(DTYPE), round_to(w3, DTYPE), acc3, PRECISION)
+    rows64 = rows.to(tl.int64)
+    ok = row_ok[:, None] & col_ok[None, :]
+    out = rows64[:, None] * N + cols[None, :]
+    if MODE == SWIGLU:
+        h = acc / (1.0 + tl.exp(-acc)) * acc2
+        tl.store(OUT + out, round_to(h, OUT.dtype.element_ty), mask=ok)
+    elif MODE == SWIGLU_BWD:
+        sig = 1.0 / (1.0 + tl.exp(-acc))
+        gate = acc * sig
+        h = gate * acc2
+        # <y, g> = <h W_down^T, g> = <h, u>: this column tile's part, summed over tiles on the host
+        part = tl.sum(tl.where(ok, h * acc3, 0.0), axis=1)
+        tl.store(DWP + pid_n.to(tl.int64) * ROWS + rows64, part, mask=row_ok)
+        dh = acc3 * tl.load(SCALE + rows, mask=row_ok, other=0.0)[:, None]
+        d_gate = dh * acc2 * sig * (1.0 + acc * (1.0 - sig))
+        tl.store(OUT + out, round_to(h, OUT.dtype.element_ty), mask=ok)
+        tl.store(OUT2 + out, round_to(d_gate, OUT2.dtype.element_ty), mask=ok)
+        tl.store(OUT3 + out, round_to(dh * gate, OUT3.dtype.element_ty), mask=ok)
+    else:
+        if SCALED:
+            acc *= tl.load(SCALE + rows, mask=row_ok, other=0.0)[:, None]
+        if SCATTER:
+            dst = tl.load(DST + rows, mask=row_ok, other=0).to(tl.int64)
+            out = dst[:, None] * N + cols[None, :]
+        tl.store(OUT + out, acc, mask=ok)
+
+
+@triton.autotune(
+    configs=_GRAD_CONFIGS,
+    key=["P", "Q", "GATHER_A", "GATHER_B", "SCALED_A", "DTYPE", "PRECISION"],
+    prune_configs_by={"early_config_prune": _prune_grad},
+)
+@triton.jit
+def _grouped_weight_grad(
+    A, IDX_A, SCALE_A, B, IDX_B, DW, STARTS, ENDS,
+    stride_a, stride_b, P, Q,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, SCALED_A: tl.constexpr,
+    DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    e = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    q = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    start = tl.load(STARTS + e)
+    end = tl.load(ENDS + e)
+    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        ok = rows < end
+        if GATHER_A:
+            ra = tl.load(IDX_A + rows, mask=ok, other=0).to(tl.int64)
+        else:
+            ra = rows.to(tl.int64)
+        if GATHER_B:
+            rb = tl.load(IDX_B + rows, mask=ok, other=0).to(tl.int64)
+        else:
+            rb = rows.to(tl.int64)
+        a = tl.load(
+            A + ra[:, None] * stride_a + p[None, :], mask=ok[:, None] & (p < P)[None, :], other=0.0
+        ).to(DTYPE)
+        if SCALED_A:  # the combine weight of each row, applied as it loads
+            s = tl.load(SCALE_A + rows, mask=ok, other=0.0)
+            a = round_to(a.to(tl.float32) * s[:, None], DTYPE)
+        b = tl.load(
+            B + rb[:, None] * stride_b + q[None, :], mask=ok[:, None] & (q < Q)[None, :], other=0.0
+        )
+        acc = dot(tl.trans(a), b.to(DTYPE), acc, PRECISION)
+    out = e * P * Q + p.to(tl.int64)[:, None] * Q + q[None, :]
+    tl.store(DW + out, round_to(acc, DW.dtype.element_ty), mask=(p < P)[:, None] & (q < Q)[None, :])
+
+
+@triton.jit
+def _slot_sum_kernel(SLOTS, OUT, D, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``out[t] = sum_s slots[t, s]`` in slot order (deterministic), stored in ``OUT``'s dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = cols < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for s in range(TOP_K):
+        acc += tl.load(SLOTS + (t * TOP_K + s) * D + cols, mask=ok, other=0.0)
+    tl.store(OUT + t * D + cols, round_to(acc, OUT.dtype.element_ty), mask=ok)
+
+
+def _slot_sum(slots: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``(T * top_k, D)`` float32 rows in ``(token, slot)`` order summed per token: one read
+    of the slots, one write of the result in ``dtype``."""
+    D = slots.shape[1]
+    out = torch.empty((slots.shape[0] // top_k, D), dtype=dtype, device=slots.device)
+    block_d = min(1024, triton.next_power_of_2(max(D, 16)))
+    _slot_sum_kernel[(out.shape[0], triton.cdiv(D, block_d))](
+        slots, out, D, TOP_K=top_k, BLOCK_D=block_d
+    )
+    return out
+
+
+def _strides(w: torch.Tensor, transpose: bool = False) -> tuple[int, int, int]:
+    """``(expert, n, k)`` strides reading ``w[e]`` as ``W[e]`` (``a @ W[e]^T``) or, transposed,
+    as ``W[e]^T`` (``a @ W[e]``)."""
+    return (w.stride(0), w.stride(2), w.stride(1)) if transpose else w.stride()
+
+
+def _mm(
+    a, idx, w, tables, n_out: int, k_in: int, *, transpose=False, w2=None, w3=None, a2=None,
+    mode=PLAIN, dst=None, scale=None,
+):  # fmt: skip
+    """Grouped ``a @ W[e]^T`` (``a @ W[e]`` with ``transpose``) with the ``mode``'s fusion.
+
+    ``PLAIN``: float32 rows, row ``i`` times ``scale[i]`` stored at row ``dst[i]`` when given;
+    ``SWIGLU``: ``silu(a W[e]^T) * (a w2[e]^T)`` in the product dtype (``a``'s, or float32
+    with float32 weights); ``SUM2``:
+    ``a W[e]^T + a2 w2[e]^T`` (float32); ``SWIGLU_BWD`` (``a2`` the gradient rows, ``w3`` the
+    down weight): ``(h, d_gate, d_up)`` in the product dtype and the ``<h, u>`` partials, float32
+    ``(column tiles, rows)``.
+    """
+    tile_expert, tile_row, _, ends = tables
+    rows = idx.numel() if idx is not None else a.shape[0]
+    mode = getattr(mode, "value", mode)
+    compute = torch.promote_types(a.dtype, w.dtype)
+    stores_products = mode in (SWIGLU.value, SWIGLU_BWD.value)
+    out = torch.empty((rows, n_out), dtype=compute if stores_products else torch.float32,
+                      device=a.device)  # fmt: skip
+    out2, out3, dwp = out, out, out
+    if mode == SWIGLU_BWD.value:
+        out2, out3 = torch.empty_like(out), torch.empty_like(out)
+        # zeros: the autotuner's tile width decides how many of these rows are written
+        dwp = torch.zeros((triton.cdiv(n_out, MIN_BLOCK_N), rows), dtype=torch.float32,
+                          device=a.device)  # fmt: skip
+    ws = _strides(w, transpose)
+    ws2 = _strides(w if w2 is None else w2, transpose)
+    ws3 = _strides(w if w3 is None else w3, True)
+    a2 = a if a2 is None else a2
+
+    def grid(meta):
+        return (tile_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))
+
+    _grouped_mm[grid](
+        a, a2, a if idx is None else idx, w, w if w2 is None else w2, w if w3 is None else w3,
+        out, out2, out3, dwp, out if dst is None else dst, out if scale is None else scale,
+        tile_expert, tile_row, ends, rows, n_out, k_in, a.stride(0), a2.stride(0),
+        *ws, *ws2, *ws3,
+        GATHER=idx is not None, MODE=mode, SCATTER=dst is not None, SCALED=scale is not None,
+        DTYPE=_TL_DTYPES[compute], PRECISION=dot_precision(compute), BLOCK_M=BLOCK_M,
+    )  # fmt: skip
+    if mode == SWIGLU_BWD.value:
+        return out, out2, out3, dwp
+    return out
+
+
+def _weight_grad(
+    a, idx_a, b, idx_b, tables, num_experts: int, dtype: torch.dtype, scale_a=None
+) -> torch.Tensor:
+    """``dW[e] = A_e^T B_e`` for every expert (``A``'s rows times ``scale_a``), ``(E, P, Q)``
+    accumulated in float32 and stored once in ``dtype`` (the weight's)."""
+    _, _, starts, ends = tables
+    P, Q = a.shape[1], b.shape[1]
+    compute = torch.promote_types(a.dtype, b.dtype)
+    dw = torch.empty((num_experts, P, Q), dtype=dtype, device=a.device)
+
+    def grid(meta):
+        return (num_experts, triton.cdiv(P, meta["BLOCK_P"]), triton.cdiv(Q, meta["BLOCK_Q"]))
+
+    _grouped_weight_grad[grid](
+        a, a if idx_a is None else idx_a, a if scale_a is None else scale_a,
+        b, b if idx_b is None else idx_b, dw, starts, ends, a.stride(0), b.stride(0), P, Q,
+        GATHER_A=idx_a is not None, GATHER_B=idx_b is not None, SCALED_A=scale_a is not None,
+        DTYPE=_TL_DTYPES[compute], PRECISION=dot_precision(compute), BLOCK_R=BLOCK_R,
+    )  # fmt: skip
+    return dw
+
+
+def experts_forward(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
+    """The experts and the combine for a routing: ``(T, D)`` in ``x.dtype``."""
+    D, F_ = x.shape[1], w_gate.shape[1]
+    top_k = routing.weights.shape[1]
+    tables = row_tiles(routing, BLOCK_M)
+    x = x.contiguous()
+    h = _mm(x, routing.token, w_gate, tables, F_, D, w2=w_up, mode=SWIGLU)
+    # the combine in the epilogue: w_ts * y_ts stored at its (token, slot) row
+    slots = _mm(h, None, w_down, tables, D, F_, dst=routing.order, scale=row_weights(routing))
+    return _slot_sum(slots, top_k, x.dtype)
+
+
+def experts_backward(g, x, routing: Routing, w_gate, w_up, w_down) -> tuple[torch.Tensor, ...]:
+    """``(dx, dL/dw_ts (T, k) float32, dw_gate, dw_up, dw_down)`` for a routing; ``dx`` in
+    ``x.dtype``, each weight gradient in its weight's dtype."""
+    D = x.shape[1]
+    E, F_, _ = w_gate.shape
+    top_k = routing.weights.shape[1]
+    tables = row_tiles(routing, BLOCK_M)
+    x, g, idx = x.contiguous(), g.contiguous(), routing.token
+    slot_w = row_weights(routing)
+    # gate, up and u = g W_down[e] in one pass; the SwiGLU backward in its epilogue
+    h, d_gate_rows, d_up_rows, parts = _mm(
+        x, idx, w_gate, tables, F_, D, w2=w_up, w3=w_down, a2=g, mode=SWIGLU_BWD, scale=slot_w
+    )
+    dweights = torch.empty(routing.order.numel(), dtype=torch.float32, device=x.device)
+    dweights[routing.order] = parts.sum(0)
+    # dW_down[e] = (w g)_e^T h_e: the rows of g gathered and scaled as they load
+    d_down = _weight_grad(g, idx, h, None, tables, E, w_down.dtype, scale_a=slot_w)
+    d_gate = _weight_grad(d_gate_rows, None, x, idx, tables, E, w_gate.dtype)
+    d_up = _weight_grad(d_up_rows, None, x, idx, tables, E, w_up.dtype)
+    # dx rows = dhg W_gate[e] + dhu W_up[e] in one pass (K = F, N = D), each stored at its
+    # (token, slot) row: the dispatch backward is then the slot sum, with no weight factor
+    dx_slots = _mm(
+        d_gate_rows, None, w_gate, tables, D, F_, transpose=True, w2=w_up, a2=d_up_rows,
+        mode=SUM2, dst=routing.order,
+    )  # fmt: skip
+    dx = _slot_sum(dx_slots, top_k, x.dtype)
+    return dx, dweights.view_as(routing.weights), d_gate, d_up, d_down
+
+
+def _routing(top_k_index, top_k_weights, num_experts: int) -> Routing:
+    return given_routing(top_k_index, top_k_weights.float(), num_experts)
+
+
+@serialised
+def forward(x, top_k_index, top_k_weights, w_gate, w_up, w_down):
+    routing = _routing(top_k_index, top_k_weights, w_gate.shape[0])
+    return experts_forward(x, routing, w_gate, w_up, w_down)
+
+
+@serialised
+def backward(g, x, top_k_index, top_k_weights, w_gate, w_up, w_down):
+    routing = _routing(top_k_index, top_k_weights, w_gate.shape[0])
+    dx, dweights, *dws = experts_backward(g, x, routing, w_gate, w_up, w_down)
+    return dx, dweights.to(top_k_weights.dtype), *dws
