@@ -17,6 +17,7 @@ from cakeops.bench import rmsnorm_silu_gate as bench_rmsnorm
 from cakeops.testing import test_causal_dot_product as suite_causal
 from cakeops.testing import test_moe_experts as suite_moe
 from cakeops.testing import test_rmsnorm_silu_gate as suite_rmsnorm
+from cakeops.testing import test_routed_experts as suite_routed
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -48,6 +49,9 @@ def calls(dtypes=DTYPES) -> Iterator[Call]:
     causal += [(1, 2, 64, 256, 256)]  # the largest head size the kernel is sized for
     moe = [c[:5] for c in suite_moe.CASES.values()]
     moe += [*list(bench_moe.CASES.values()), tuple(bench_gpu.FULL["moe_experts"])]
+    # routed_experts: the same kernels as moe_experts, with Hugging Face's packed gate/up views
+    routed = [c[1:] for c in suite_routed.CASES]
+    routed_packed = [(16, 12, 20, 4, 2), tuple(bench_gpu.FULL["moe_experts"])]
     for dtype in dtypes:
         out = [Call("rmsnorm_silu_gate", dtype, c) for c in rms]
         # z as a slice of a packed projection (rows strided), as the suite checks
@@ -57,6 +61,8 @@ def calls(dtypes=DTYPES) -> Iterator[Call]:
         out += [Call("moe_experts", dtype, c) for c in moe]
         if dtype != torch.float32:
             out += [Call("moe_experts", dtype, (16, 12, 20, 4, 2), "float32-weights")]
+        out += [Call("routed_experts", dtype, c) for c in routed]
+        out += [Call("routed_experts", dtype, c, "packed") for c in routed_packed]
         yield from _unique(out)
 
 
@@ -85,7 +91,16 @@ def inputs(call: Call) -> tuple[tuple, tuple]:
         return (q, k, v), (empty(N, H, L, M), q, k, v)
     T, D, F, E, top_k = call.shape
     wdt = torch.float32 if call.variant == "float32-weights" else dt
-    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(T, E, generator=gen)
     x = empty(T, D)
-    ws = (empty(E, F, D, dtype=wdt), empty(E, F, D, dtype=wdt), empty(E, D, F, dtype=wdt))
+    if call.variant == "packed":  # Hugging Face's gate_up_proj (E, 2F, D), read as two views
+        gate_up = empty(E, 2 * F, D, dtype=wdt)
+        ws = (gate_up[:, :F], gate_up[:, F:], empty(E, D, F, dtype=wdt))
+    else:
+        ws = (empty(E, F, D, dtype=wdt), empty(E, F, D, dtype=wdt), empty(E, D, F, dtype=wdt))
+    if call.op == "routed_experts":
+        weights, index = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+        args = (x, index, weights.to(dt), *ws)
+        return args, (empty(T, D), *args)
     return (x, logits, *ws, top_k, True, 1.0), (empty(T, D), x, logits, *ws, top_k, True, 1.0)

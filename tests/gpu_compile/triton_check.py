@@ -199,11 +199,13 @@ def run_calls(arch: int, dtypes, ops=None) -> list[dict]:
     import cakeops_triton.causal_dot_product
     import cakeops_triton.moe_experts
     import cakeops_triton.rmsnorm_silu_gate
+    import cakeops_triton.routed_experts
 
     modules = {
         "rmsnorm_silu_gate": cakeops_triton.rmsnorm_silu_gate,
         "causal_dot_product": cakeops_triton.causal_dot_product,
         "moe_experts": cakeops_triton.moe_experts,
+        "routed_experts": cakeops_triton.routed_experts,
     }
     recorder = Recorder()
     recorder.install()

@@ -1,0 +1,191 @@
+"""The routed SwiGLU experts in numba-cuda, for a given routing: tiled grouped GEMMs over rows
+sorted by expert (``moe_experts`` is the spec's routing followed by these).
+
+The sort by expert uses the spec's helpers (PyTorch ops); the weights are read through their
+strides, so ``w_gate`` and ``w_up`` may be views of a packed ``(E, 2F, D)`` tensor. Two kernels
+do the rest, each one launch for all experts, with ``TILE x TILE`` thread blocks and
+shared-memory tiles:
+
+- ``_grouped_mm``: ``out[rows of e] = A[rows of e] @ W[e]^T`` (or ``@ W[e]``), its row tiles
+  mapped to experts by a host-built table and the rows of ``A`` optionally gathered through an
+  index (no gathered or padded copy of ``x``). With a second weight it multiplies the rows by
+  ``W_gate[e]`` and ``W_up[e]`` in the same pass and stores ``silu(gate) * up`` (forward) or both
+  products (backward);
+- ``_weight_grad``: ``dW[e] = A[rows of e]^T @ B[rows of e]``, each block walking one expert's
+  rows in order (deterministic; an expert with no rows stores exact zeros).
+
+The combine and the dispatch backward sum each token's ``top_k`` slots in slot order in PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from numba import cuda, float32
+
+from cakeops.helpers import (
+    Routing,
+    cast_grads,
+    combine,
+    dispatch_backward,
+    given_routing,
+    row_tiles,
+    row_weights,
+    swiglu_backward,
+)
+from cakeops_numba import SIMULATOR
+from cakeops_numba._elements import widen
+from cakeops_numba._launch import on_stream, view
+
+# The simulator runs each thread as a Python thread: small tiles there.
+TILE = 4 if SIMULATOR else 16
+PLAIN, SWIGLU, BOTH = 0, 1, 2  # what _grouped_mm stores
+
+
+@cuda.jit
+def _grouped_mm(a, idx, w, w2, out, out2, tile_expert, tile_row, ends, gather, trans, mode):
+    """``w``/``w2``: ``(E, N, K)``, or ``(E, K, N)`` with ``trans``; ``out``: ``(rows, N)``."""
+    a_tile = cuda.shared.array((TILE, TILE), float32)
+    w_tile = cuda.shared.array((TILE, TILE), float32)
+    w2_tile = cuda.shared.array((TILE, TILE), float32)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    e = tile_expert[cuda.blockIdx.x]
+    row = tile_row[cuda.blockIdx.x] + ty
+    row_ok = row < ends[e]
+    col = cuda.blockIdx.y * TILE + tx
+    N, K = out.shape[1], a.shape[1]
+    src = 0
+    if row_ok:
+        src = idx[row] if gather else row
+    acc = float32(0.0)
+    acc2 = float32(0.0)
+    for k0 in range(0, K, TILE):
+        k = k0 + tx
+        a_tile[ty, tx] = widen(a[src, k]) if row_ok and k < K else float32(0.0)
+        k = k0 + ty  # the weight tile is (k, n)
+        if col < N and k < K:
+            w_tile[ty, tx] = widen(w[e, k, col]) if trans else widen(w[e, col, k])
+            if mode != PLAIN:
+                w2_tile[ty, tx] = widen(w2[e, k, col]) if trans else widen(w2[e, col, k])
+        else:
+            w_tile[ty, tx] = float32(0.0)
+            w2_tile[ty, tx] = float32(0.0)
+        cuda.syncthreads()
+        for q in range(TILE):
+            acc += a_tile[ty, q] * w_tile[q, tx]
+            if mode != PLAIN:
+                acc2 += a_tile[ty, q] * w2_tile[q, tx]
+        cuda.syncthreads()
+    if row_ok and col < N:
+        if mode == SWIGLU:
+            out[row, col] = acc / (float32(1.0) + math.exp(-acc)) * acc2
+        else:
+            out[row, col] = acc
+            if mode == BOTH:
+                out2[row, col] = acc2
+
+
+@cuda.jit
+def _weight_grad(a, idx_a, b, idx_b, dw, starts, ends, gather_a, gather_b):
+    """``dw[e, p, q] = sum over the rows r of e, in order, of A[r, p] * B[r, q]``."""
+    a_tile = cuda.shared.array((TILE, TILE), float32)
+    b_tile = cuda.shared.array((TILE, TILE), float32)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    e = cuda.blockIdx.x
+    p = cuda.blockIdx.y * TILE + ty
+    q = cuda.blockIdx.z * TILE + tx
+    P, Q = dw.shape[1], dw.shape[2]
+    start, end = starts[e], ends[e]
+    acc = float32(0.0)
+    for r0 in range(start, end, TILE):
+        # a_tile[r, p] and b_tile[r, q] for TILE rows: thread (ty, tx) loads row r0 + ty
+        r = r0 + ty
+        pa = cuda.blockIdx.y * TILE + tx
+        a_tile[ty, tx] = float32(0.0)
+        b_tile[ty, tx] = float32(0.0)
+        if r < end:
+            ra = idx_a[r] if gather_a else r
+            rb = idx_b[r] if gather_b else r
+            if pa < P:
+                a_tile[ty, tx] = widen(a[ra, pa])
+            if q < Q:
+                b_tile[ty, tx] = widen(b[rb, q])
+        cuda.syncthreads()
+        for i in range(TILE):
+            acc += a_tile[i, ty] * b_tile[i, tx]
+        cuda.syncthreads()
+    if p < P and q < Q:
+        dw[e, p, q] = acc
+
+
+def _mm(a, idx, w, tables, n_out: int, trans: bool, w2=None, mode=PLAIN):
+    """Grouped ``a @ W[e]^T`` (``trans``: ``a @ W[e]``), float32; see ``_grouped_mm``."""
+    tile_expert, tile_row, _, ends = tables
+    rows = idx.numel() if idx is not None else a.shape[0]
+    out = torch.empty((rows, n_out), dtype=torch.float32, device=a.device)
+    out2 = torch.empty_like(out) if mode == BOTH else out
+    if tile_expert.numel() > 0 and n_out > 0:
+        grid = (tile_expert.numel(), (n_out + TILE - 1) // TILE)
+        with on_stream(a.device) as stream:
+            _grouped_mm[grid, (TILE, TILE), stream](
+                view(a), view(idx if idx is not None else tile_row), view(w),
+                view(w if w2 is None else w2), view(out), view(out2),
+                view(tile_expert), view(tile_row), view(ends), idx is not None, trans, mode,
+            )  # fmt: skip
+    return (out, out2) if mode == BOTH else out
+
+
+def _grad(a, idx_a, b, idx_b, tables, num_experts: int) -> torch.Tensor:
+    """``dW[e] = A_e^T B_e`` for every expert, float32 ``(E, P, Q)``."""
+    _, _, starts, ends = tables
+    P, Q = a.shape[1], b.shape[1]
+    dw = torch.empty((num_experts, P, Q), dtype=torch.float32, device=a.device)
+    if dw.numel() > 0:
+        grid = (num_experts, (P + TILE - 1) // TILE, (Q + TILE - 1) // TILE)
+        with on_stream(a.device) as stream:
+            _weight_grad[grid, (TILE, TILE), stream](
+                view(a), view(idx_a if idx_a is not None else starts), view(b),
+                view(idx_b if idx_b is not None else starts), view(dw), view(starts), view(ends),
+                idx_a is not None, idx_b is not None,
+            )  # fmt: skip
+    return dw
+
+
+def experts_forward(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
+    """The experts and the combine for a routing: ``(T, D)`` in ``x.dtype``."""
+    D = x.shape[1]
+    tables = row_tiles(routing, TILE)
+    h = _mm(x, routing.token, w_gate, tables, w_gate.shape[1], False, w_up, SWIGLU)
+    return combine(_mm(h, None, w_down, tables, D, False), routing).to(x.dtype)
+
+
+def experts_backward(g, x, routing: Routing, w_gate, w_up, w_down) -> tuple[torch.Tensor, ...]:
+    """``(dx, dL/dw_ts (T, k), dw_gate, dw_up, dw_down)`` for a routing, float32."""
+    D = x.shape[1]
+    E, F_, _ = w_gate.shape
+    tables = row_tiles(routing, TILE)
+    idx = routing.token
+    hg, hu = _mm(x, idx, w_gate, tables, F_, False, w_up, BOTH)
+    u = _mm(g, idx, w_down, tables, F_, True)  # g W_down[e]: w_down[e] is (D, F) = (K, N)
+    h, dweights, dhg, dhu = swiglu_backward(hg, hu, u, routing)
+    slot_w = row_weights(routing).unsqueeze(-1)
+    gw = g[idx].float().mul_(slot_w)  # dy = w g, per sorted row
+    d_down = _grad(gw, None, h, None, tables, E)
+    d_gate = _grad(dhg, None, x, idx, tables, E)
+    d_up = _grad(dhu, None, x, idx, tables, E)
+    # dx rows = dhg W_gate[e] + dhu W_up[e]: w_gate[e] is (F, D) = (K, N)
+    dx_rows = _mm(dhg, None, w_gate, tables, D, True)
+    dx_rows += _mm(dhu, None, w_up, tables, D, True)
+    return dispatch_backward(dx_rows, routing), dweights, d_gate, d_up, d_down
+
+
+def forward(x, top_k_index, top_k_weights, w_gate, w_up, w_down):
+    routing = given_routing(top_k_index, top_k_weights.float(), w_gate.shape[0])
+    return experts_forward(x, routing, w_gate, w_up, w_down)
+
+
+def backward(g, x, top_k_index, top_k_weights, w_gate, w_up, w_down):
+    routing = given_routing(top_k_index, top_k_weights.float(), w_gate.shape[0])
+    grads = experts_backward(g, x, routing, w_gate, w_up, w_down)
+    return cast_grads(grads, (x, top_k_weights, w_gate, w_up, w_down))
