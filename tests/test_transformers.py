@@ -191,3 +191,18 @@ def test_mamba2_gated_norm_swapped():
     (dx,) = torch.autograd.grad(patched(x, z).sum(), x)
     (want_dx,) = torch.autograd.grad(norm(x, z).sum(), x)
     assert cakeops.relative_error(dx, want_dx) <= TOLERANCE
+
+
+def test_hf_models_benchmark_runs_and_writes_its_table(tmp_path, monkeypatch):
+    """``python -m cakeops.bench.hf_models --quick`` (the row per family of the docs' table):
+    every family, every implementation, in a table naming the machine and the command."""
+    from cakeops.bench import hf_models
+
+    monkeypatch.setattr(hf_models, "COMMON", {**hf_models.COMMON, "num_hidden_layers": 1})
+    out = tmp_path / "hf_models.md"
+    assert hf_models.main(["--quick", "--markdown", str(out)]) == 0
+    table = out.read_text()
+    assert "`python -m cakeops.bench.hf_models`" in table and "float32" in table
+    for family in hf_models.FAMILIES:
+        for impl in hf_models.IMPLEMENTATIONS:
+            assert f"| {family} | 64 | {impl} |" in table

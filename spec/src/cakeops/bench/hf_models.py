@@ -1,9 +1,11 @@
 """A training step (forward+backward) of small Hugging Face MoE models, per family: the model's
 eager experts, transformers' ``grouped_mm`` and cakeops, timed in alternation in one run.
 
-    python -m cakeops.bench.hf_models [--quick] [--markdown PATH]
+    python -m cakeops.bench.hf_models [--quick] [--device cuda] [--markdown PATH]
 
-Needs ``cakeops[transformers]``. Sizes are small (CPU-friendly), the routing is each model's.
+Needs ``cakeops[transformers]`` (exits with status 2 and says so without it). Sizes are small
+(CPU-friendly), the routing is each model's. On a GPU the models run in bfloat16 (the dtype
+``grouped_mm`` takes there), on the CPU in float32.
 """
 
 from __future__ import annotations
@@ -33,19 +35,29 @@ FAMILIES = {
 IMPLEMENTATIONS = ("eager", "grouped_mm", "cakeops")
 
 
-def run(quick: bool = False) -> list[dict[str, Any]]:
+#: exit status when transformers is not installed (``nox -s gpu`` reports it and goes on)
+NO_TRANSFORMERS = 2
+
+
+def model_dtype(device: torch.device) -> torch.dtype:
+    """float32 on the CPU; bfloat16 on accelerators, where ``grouped_mm`` needs it."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def run(quick: bool = False, device: torch.device | str = "cpu") -> list[dict[str, Any]]:
     import transformers as tf
 
     import cakeops.integrations.transformers  # noqa: F401  (registers "cakeops")
 
-    device = torch.device("cpu")
+    device = torch.device(device)
+    dtype = model_dtype(device)
     batch, seq = (1, 64) if quick else (2, 256)
     rows = []
     for family, (config_name, sizes) in FAMILIES.items():
         torch.manual_seed(0)
         config = getattr(tf, config_name)(**COMMON, **sizes)
-        base = tf.AutoModelForCausalLM.from_config(config)
-        ids = torch.randint(0, COMMON["vocab_size"], (batch, seq))
+        base = tf.AutoModelForCausalLM.from_config(config).to(device, dtype)
+        ids = torch.randint(0, COMMON["vocab_size"], (batch, seq), device=device)
         contenders = {}
         for impl in IMPLEMENTATIONS:
             model = copy.deepcopy(base)
@@ -65,15 +77,23 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def _machine(device: torch.device) -> str:
     import platform
 
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, bfloat16"
+    return f"{platform.processor() or 'a CPU'} ({torch.get_num_threads()} threads), float32"
+
+
+def markdown(rows: list[dict[str, Any]], device: torch.device | str = "cpu") -> str:
     import transformers as tf
 
+    device = torch.device(device)
+    flag = "" if device.type == "cpu" else f" --device {device.type}"
     lines = [
-        f"Measured {datetime.now(timezone.utc):%Y-%m-%d} on {platform.processor() or 'a CPU'} "
-        f"({torch.get_num_threads()} threads), torch {torch.__version__}, transformers "
-        f"{tf.__version__}, with `python -m cakeops.bench.hf_models`: a training step "
+        f"Measured {datetime.now(timezone.utc):%Y-%m-%d} on {_machine(device)}, torch "
+        f"{torch.__version__}, transformers {tf.__version__}, with "
+        f"`python -m cakeops.bench.hf_models{flag}`: a training step "
         "(forward+backward) of the whole tiny model, median time, the implementations in "
         "alternation; *peak* is the memory allocated during the step.",
         "",
@@ -94,12 +114,19 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cakeops.bench.hf_models", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="short sequences")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--markdown", metavar="PATH", help="write the table there")
     args = parser.parse_args(argv)
-    rows = run(args.quick)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("cakeops.bench.hf_models: transformers is not installed (pip install "
+              "cakeops[transformers]); nothing measured")  # fmt: skip
+        return NO_TRANSFORMERS
+    rows = run(args.quick, args.device)
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(markdown(rows))
+        Path(args.markdown).write_text(markdown(rows, args.device))
         print(f"wrote {args.markdown}")
     return 0
 
