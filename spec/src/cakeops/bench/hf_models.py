@@ -95,10 +95,11 @@ def markdown(rows: list[dict[str, Any]], device: torch.device | str = "cpu") -> 
         f"{torch.__version__}, transformers {tf.__version__}, with "
         f"`python -m cakeops.bench.hf_models{flag}`: a training step "
         "(forward+backward) of the whole tiny model, median time, the implementations in "
-        "alternation; *peak* is the memory allocated during the step.",
+        "alternation; *peak* is the memory allocated during the step, *saved* what the autograd "
+        "graph holds between forward and backward.",
         "",
-        "| family | tokens | experts | time (ms) | vs eager | peak (MiB) |",
-        "| --- | ---: | --- | ---: | ---: | ---: |",
+        "| family | tokens | experts | time (ms) | vs eager | peak (MiB) | saved (MiB) |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         base = row["results"]["experts: eager"]["time_s"]
@@ -106,7 +107,7 @@ def markdown(rows: list[dict[str, Any]], device: torch.device | str = "cpu") -> 
             lines.append(
                 f"| {row['family']} | {row['tokens']} | {label.removeprefix('experts: ')} | "
                 f"{r['time_s'] * 1e3:.1f} | {base / r['time_s']:.2f}x | "
-                f"{r['peak_bytes'] / 2**20:.1f} |"
+                f"{r['peak_bytes'] / 2**20:.1f} | {r['saved_bytes'] / 2**20:.1f} |"
             )
     return "\n".join(lines) + "\n"
 
