@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from cakeops.bench import limits as machine
+from cakeops.bench.limits import Work
 from cakeops.measure import alternating_medians, peak_memory, saved_bytes, sync
 from cakeops.registry import explain_inputs
 
@@ -41,11 +43,18 @@ def cakeops_rows(fn: Callable[..., Any], backend: str) -> list[tuple[str, Callab
     return rows
 
 
-def result_row(case: str, dtype: torch.dtype | str, backend: str, baseline: str, results, **extra):
-    """One case of an op's record: what ``op_markdown`` and ``write_plots`` read."""
+def result_row(
+    case: str, dtype: torch.dtype | str, backend: str, baseline: str, results,
+    work: Work | None = None, **extra,
+):  # fmt: skip
+    """One case of an op's record: what ``op_markdown`` and ``write_plots`` read; ``work`` (bytes
+    moved or FLOPs of a forward+backward) gives each row its fraction of the machine's limit."""
     dtype = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    return {"case": case, "dtype": dtype, "backend": backend, "baseline": baseline,
-            "results": results, **extra}  # fmt: skip
+    row = {"case": case, "dtype": dtype, "backend": backend, "baseline": baseline,
+           "results": results, **extra}  # fmt: skip
+    if work is not None:
+        row["work"] = work._asdict()
+    return row
 
 
 def example_run(op: str, device: torch.device) -> list[dict[str, Any]]:
@@ -117,30 +126,50 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:8.1f}"
 
 
-def format_table(title: str, results: dict[str, dict[str, float]], baseline: str) -> str:
+def _of_limit(work: Work | dict | None, dtype: str, seconds: float, limits=None) -> str:
+    """``"23% of copy bandwidth"``, or ``""`` without work or limits."""
+    if isinstance(work, dict):
+        work = Work(**work)
+    share, key = machine.fraction(work, dtype, seconds, limits)
+    return "" if share is None else f"{share:.0%} of {machine.NAMES[key]}"
+
+
+def format_table(
+    title: str, results: dict[str, dict[str, float]], baseline: str,
+    work: Work | None = None, dtype: torch.dtype | str = "float32",
+) -> str:  # fmt: skip
+    """The printed table of one case; with ``work``, each row's fraction of the run's limit."""
+    dtype = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     base = results[baseline]
     lines = [
         title,
         f"  {'implementation':<28} {'time ms':>9} {'vs ' + baseline:>12} {'peak MiB':>9} "
-        f"{'saved MiB':>9}",
+        f"{'saved MiB':>9}  {'of the limit' if work else ''}",
     ]
     for label, r in results.items():
         ratio = base["time_s"] / r["time_s"]
         lines.append(
             f"  {label:<28} {r['time_s'] * 1e3:9.2f} {ratio:11.2f}x {_mb(r['peak_bytes']):>9} "
-            f"{_mb(r['saved_bytes']):>9}"
+            f"{_mb(r['saved_bytes']):>9}  {_of_limit(work, dtype, r['time_s'])}".rstrip()
         )
     return "\n".join(lines)
 
 
 def _machine_line(record: dict[str, Any]) -> str:
     m = record["machine"]
+    limits = record.get("limits")
+    measured = (
+        f" Limits measured in the same run: {machine.describe(limits)}; *of the limit* is the "
+        "time the op's work (see the benchmarks page) takes at that limit over the row's time."
+        if limits
+        else ""
+    )
     return (
         f"Measured {record['date']} on {m['device']} ({m['processor']}, {m['threads']} threads, "
         f"{m['platform']}), torch {m['torch']}, with `{record['command']}`. Time is the median "
         "of forward+backward, the contenders timed in alternation; *speed-up* is the baseline's "
         "time over the row's; *peak* is the memory allocated during forward+backward beyond the "
-        "inputs; *saved* is what the autograd graph holds between forward and backward."
+        "inputs; *saved* is what the autograd graph holds between forward and backward." + measured
     )
 
 
@@ -149,18 +178,23 @@ def op_markdown(record: dict[str, Any], op: str) -> str:
     lines = [_machine_line(record)]
     for row in record["results"][op]:
         results, baseline = row["results"], row["baseline"]
+        work, limits = row.get("work"), record.get("limits")
+        limit_column = work is not None and bool(limits)
         lines += [
             "",
             f"**{row['case']}, {row['dtype']}** (baseline: {baseline})",
             "",
-            "| implementation | time (ms) | speed-up | peak (MiB) | saved (MiB) |",
-            "| --- | ---: | ---: | ---: | ---: |",
+            "| implementation | time (ms) | speed-up | peak (MiB) | saved (MiB) |"
+            + (" of the limit |" if limit_column else ""),
+            "| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if limit_column else ""),
         ]
         base = results[baseline]["time_s"]
         for label, r in results.items():
+            share = _of_limit(work, row["dtype"], r["time_s"], limits) if limit_column else None
             lines.append(
                 f"| {label} | {r['time_s'] * 1e3:.1f} | {base / r['time_s']:.2f}x | "
                 f"{r['peak_bytes'] / 2**20:.1f} | {r['saved_bytes'] / 2**20:.1f} |"
+                + (f" {share} |" if limit_column else "")
             )
     return "\n".join(lines) + "\n"
 
@@ -279,6 +313,10 @@ def run(
         f"cakeops bench on {record['machine']['device']} ({record['machine']['processor']}, "
         f"{record['machine']['threads']} threads), torch {torch.__version__}"
     )
+    record["limits"] = machine.measure_limits(dev, quick)
+    machine.CURRENT.clear()
+    machine.CURRENT.update(record["limits"])
+    print(f"limits of this machine, measured now: {machine.describe(record['limits'])}")
     for i, op in enumerate(ops, 1):
         print(f"\n[{i}/{len(ops)}] {op} ({datetime.now():%H:%M:%S})", flush=True)
         try:

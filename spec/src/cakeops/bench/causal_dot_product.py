@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 import cakeops
-from cakeops.bench import cakeops_rows, format_table, measure, result_row
+from cakeops.bench import Work, cakeops_rows, format_table, measure, result_row
 
 # name -> (N, H, L, E, M)
 CASES = {
@@ -18,6 +18,13 @@ CASES = {
 QUICK_CASES = {
     "N1 H2 L1024 E32 M32": (1, 2, 1024, 32, 32),
 }
+
+
+def recurrent_work(N: int, H: int, L: int, E: int, M: int) -> Work:
+    """The FLOPs of the recurrent form, forward+backward: per position the forward adds
+    ``k v^T`` to the state and reads it with ``q`` (``4 E M``), the backward does that for ``dq``
+    and runs the reversed scan for ``dk`` and ``dv`` (``8 E M``)."""
+    return Work("flops", 12 * N * H * L * E * M)
 
 
 def masked(q, k, v):
@@ -58,16 +65,14 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
                 contenders[label] = (fwd, step)
             results = measure(contenders, device, repeats=2 if quick else 3)
             dt = str(dtype).removeprefix("torch.")
-            print(
-                format_table(
-                    f"\ncausal_dot_product fwd+bwd, {name}, {dt}", results, "masked composite"
-                )
-            )
+            work = recurrent_work(N, H, L, E, M)
+            title = f"\ncausal_dot_product fwd+bwd, {name}, {dt}"
+            print(format_table(title, results, "masked composite", work, dt))
             ours = results[f"cakeops [{backend}]"]
             fastest = min(results, key=lambda r: results[r]["time_s"])
             mem = ours["peak_bytes"] / results["masked composite"]["peak_bytes"]
             print(f"  fastest: {fastest}; cakeops peak memory / masked composite's: {mem:.3f}")
-            rows.append(result_row(name, dt, backend, "masked composite", results))
+            rows.append(result_row(name, dt, backend, "masked composite", results, work))
     return rows
 
 

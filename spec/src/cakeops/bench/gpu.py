@@ -21,6 +21,8 @@ import torch
 
 import cakeops
 from cakeops import registry
+from cakeops.bench.limits import NAMES as LIMIT_NAMES
+from cakeops.bench.limits import measure_limits
 from cakeops.measure import time_it
 from cakeops.ops import SPECS
 
@@ -36,9 +38,6 @@ QUICK = {
 }
 
 
-LIMIT_NAMES = {"copy_bytes_per_s": "copy bandwidth", "bf16_flop_per_s": "bf16 matrix rate"}
-
-
 class GpuCase(NamedTuple):
     """One GPU benchmark case of an op: its inputs, and optionally the useful work of a
     forward+backward (bytes moved or FLOPs) with the device limit it is a fraction of."""
@@ -47,18 +46,6 @@ class GpuCase(NamedTuple):
     inputs: Any
     work: float = 0.0
     limit: str = "copy_bytes_per_s"
-
-
-def device_limits(device: torch.device, quick: bool) -> dict[str, float]:
-    """Copy bandwidth (bytes/s, read + write) and bfloat16 matmul rate (FLOP/s), measured now."""
-    n = (1 << 20) if quick else (1 << 28)
-    src = torch.empty(n, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    copy_s = time_it(lambda: dst.copy_(src), device, repeats=10)
-    size = 256 if quick else 8192
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    mm_s = time_it(lambda: a @ a, device, repeats=10)
-    return {"copy_bytes_per_s": 2 * src.nbytes / copy_s, "bf16_flop_per_s": 2 * size**3 / mm_s}
 
 
 def _backends_for(op: str, inputs) -> list[str]:
@@ -118,7 +105,7 @@ def _time_case(op: str, case: GpuCase, device: torch.device, repeats: int, limit
 
 
 def run(device: torch.device, quick: bool) -> dict[str, Any]:
-    limits = device_limits(device, quick)
+    limits = measure_limits(device, quick)
     repeats = 3 if quick else 10
     rows: list[dict[str, Any]] = []
     for op in SPECS:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import cakeops
-from cakeops.bench import cakeops_rows, format_table, measure, result_row
+from cakeops.bench import Work, cakeops_rows, format_table, measure, result_row
 
 # name -> (T, D, F, E, top_k)
 CASES = {
@@ -18,6 +18,13 @@ CASES = {
 QUICK_CASES = {
     "T512 D128 F256 E8 top2": (512, 128, 256, 8, 2),
 }
+
+
+def gemm_work(T: int, D: int, F: int, top_k: int) -> Work:
+    """The FLOPs of the expert GEMMs cakeops executes per forward+backward over the ``T * top_k``
+    rows, each ``2 D F`` per row: 3 in the forward (gate, up, down), 8 in the backward (gate and
+    up recomputed, ``g W_down``, three weight gradients, two input-gradient products)."""
+    return Work("flops", 11 * 2 * T * top_k * D * F)
 
 
 def eager_loop(x, router_logits, w_gate, w_up, w_down, top_k):
@@ -75,18 +82,16 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
             # baselines (minutes per step on a CPU) are timed once.
             results = measure(contenders, device, repeats=2 if quick else 3, slow_s=30.0)
             dt = str(dtype).removeprefix("torch.")
-            print(
-                format_table(
-                    f"\nmoe_experts fwd+bwd, {name}, {dt}", results, "eager loop (index_add_)"
-                )
-            )
+            work = gemm_work(T, D, F_, k)
+            title = f"\nmoe_experts fwd+bwd, {name}, {dt}"
+            print(format_table(title, results, "eager loop (index_add_)", work, dt))
             ours = results[f"cakeops [{backend}]"]
             base = results["eager loop (index_add_)"]
             print(
                 f"  cakeops speed-up over the eager loop: {base['time_s'] / ours['time_s']:.2f}x; "
                 f"peak memory ratio: {ours['peak_bytes'] / base['peak_bytes']:.2f}"
             )
-            rows.append(result_row(name, dt, backend, "eager loop (index_add_)", results))
+            rows.append(result_row(name, dt, backend, "eager loop (index_add_)", results, work))
     return rows
 
 

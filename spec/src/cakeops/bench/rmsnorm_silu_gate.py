@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import cakeops
-from cakeops.bench import cakeops_rows, format_table, measure, result_row
+from cakeops.bench import Work, cakeops_rows, format_table, measure, result_row
 
 # name -> (rows x D, group_size)
 CASES = {
@@ -20,6 +20,13 @@ QUICK_CASES = {
     "rows 2048, D 128, group 128": ((2048, 128), 128),
 }
 EPS = 1e-6
+
+
+def copy_work(x: torch.Tensor) -> Work:
+    """The bytes an ideal forward+backward moves: the forward reads ``x``, ``z`` and writes
+    ``y``; the backward reads ``g``, ``x``, ``z`` and writes ``dx``, ``dz``: 8 tensors of ``x``'s
+    size (the weight and its gradient are one row)."""
+    return Work("bytes", 8 * x.numel() * x.element_size())
 
 
 def composite(x, z, weight, group_size):
@@ -68,7 +75,8 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
                 contenders[label] = (fwd, step)
             results = measure(contenders, device, repeats=2 if quick else 9)
             title = f"\nrmsnorm_silu_gate fwd+bwd, {name}, {str(dtype).removeprefix('torch.')}"
-            print(format_table(title, results, baseline="eager composite"))
+            work = copy_work(x)
+            print(format_table(title, results, "eager composite", work, dtype))
             ours_r = results[f"cakeops [{backend}]"]
             vs_compile = ours_r["time_s"] / results["torch.compile(composite)"]["time_s"]
             inputs_bytes = sum(t.numel() * t.element_size() for t in (x, z, w))
@@ -84,6 +92,7 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
                     backend,
                     "eager composite",
                     results,
+                    work,
                     input_bytes=inputs_bytes,
                 )
             )
@@ -100,7 +109,7 @@ def gpu_cases(device: torch.device, shape: tuple[int, ...]) -> list:
     for dtype in (torch.bfloat16, torch.float16):
         x = torch.randn(shape, device=device, dtype=dtype)
         w = torch.ones(shape[-1], device=device, dtype=dtype)
-        nbytes = 8 * x.numel() * x.element_size()
+        nbytes = copy_work(x).amount
         cases.append(
             GpuCase(str(dtype).removeprefix("torch."), Inputs(x, torch.randn_like(x), w), nbytes)
         )
