@@ -47,11 +47,14 @@ def test_bench_renders_tables_and_plots_from_a_saved_record(tmp_path):
             "device": "cpu",
         },
         "command": "cakeops bench",
+        # 1 GB/s: the row moving 1e8 bytes in 0.5 s reaches 20% of it
+        "limits": {"copy_bytes_per_s": 1e9, "float32_flop_per_s": 1e10, "bf16_flop_per_s": 3e10},
         "results": {
             op: [
                 {
                     "case": "rows 8, D 4", "dtype": "float32", "backend": "torch",
                     "baseline": "eager composite", "input_bytes": 64,
+                    "work": {"kind": "bytes", "amount": 1e8},
                     "results": {
                         label: {"time_s": t, "peak_bytes": 2**20 * t, "saved_bytes": 64}
                         for label, t in times.items()
@@ -70,10 +73,29 @@ def test_bench_renders_tables_and_plots_from_a_saved_record(tmp_path):
     assert sorted(p.name for p in (tmp_path / "png").iterdir()) == ["rmsnorm_silu_gate.png"]
     assert (tmp_path / "png" / "rmsnorm_silu_gate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (tmp_path / "md" / "rmsnorm_silu_gate.md").read_text()
-    assert "| cakeops [torch] | 500.0 | 2.00x | 0.5 | 0.0 |" in table
+    assert "| cakeops [torch] | 500.0 | 2.00x | 0.5 | 0.0 | 20% of copy bandwidth |" in table
+    assert "| eager composite | 1000.0 | 1.00x | 1.0 | 0.0 | 10% of copy bandwidth |" in table
+    assert "copy bandwidth 1.0 GB/s, float32 matmul 10 GFLOP/s" in table
     assert "wrote" in out and not (tmp_path / "md" / "moe_experts.md").exists()
 
 
 def test_info_reports_a_malformed_backend_variable_without_a_traceback():
     out = run("cakeops", "info", env={"CAKEOPS_BACKEND": ","})
     assert "forced for rmsnorm_silu_gate: error: CAKEOPS_BACKEND: expected a backend name" in out
+
+
+def test_bench_limit_fractions():
+    """Bytes against the copy bandwidth; FLOPs against the matmul rate of the inputs' dtype,
+    bfloat16 against the faster of its own and float32's."""
+    from cakeops.bench.limits import Work, fraction
+
+    limits = {"copy_bytes_per_s": 2e10, "float32_flop_per_s": 1e11, "bf16_flop_per_s": 4e11}
+    share, key = fraction(Work("bytes", 1e9), "float32", 0.1, limits)
+    assert key == "copy_bytes_per_s" and abs(share - 0.5) < 1e-12
+    share, key = fraction(Work("flops", 1e10), "float32", 0.2, limits)
+    assert key == "float32_flop_per_s" and abs(share - 0.5) < 1e-12
+    share, key = fraction(Work("flops", 1e10), "bfloat16", 0.1, limits)
+    assert key == "bf16_flop_per_s" and abs(share - 0.25) < 1e-12
+    slow_bf16 = {**limits, "bf16_flop_per_s": 1e10}  # no native bfloat16: float32's rate
+    assert abs(fraction(Work("flops", 1e10), "bfloat16", 0.2, slow_bf16)[0] - 0.5) < 1e-12
+    assert fraction(None, "float32", 0.1, limits) == (None, None)
