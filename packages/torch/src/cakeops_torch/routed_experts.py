@@ -7,18 +7,23 @@ own contiguous rows (no dense all-experts compute, no padding to a capacity). Th
 token's copies the same way: no ``index_add_``, no atomics. The backward recomputes the gate/up
 projections; experts that received no token keep exact zero gradients.
 
-Matmuls run in float32 for 16-bit inputs on the CPU (weights cast per expert, on the fly) and in
-the input dtype with float32 accumulation on accelerators.
+Matmuls run in the input dtype with float32 accumulation on accelerators and, for bfloat16, on
+CPUs that multiply it natively (:func:`native_bf16_cpu`); in float32 for other 16-bit inputs on a
+CPU (weights cast per expert, on the fly) and with float32 master weights. In the per-expert
+backward the recomputed gate and up projections and ``u = g W_down`` run in float32 always: they
+give the routing weights' gradient, which keeps float32 accuracy.
 
 Where ``torch._grouped_mm`` exists and takes the inputs (weights in the matmul dtype, views of a
 packed gate/up tensor included, so no weight copy; rows and strides 16-byte aligned; float32 on
-the CPU, 16-bit on CUDA), each projection of a run of experts is one grouped matmul over their
-sorted rows instead of one matmul per expert.
-The runs hold at most ``GROUP_ELEMENTS`` elements of the widest temporary, so memory stays
-bounded like the loop's. Anywhere else the per-expert loop runs.
+the CPU, bfloat16 on CUDA), each projection of a run of experts is one grouped matmul over their
+sorted rows instead of one matmul per expert. The runs hold at most ``GROUP_ELEMENTS`` elements
+of the widest temporary, so memory stays bounded like the loop's. Anywhere else the per-expert
+loop runs.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +40,30 @@ from cakeops.helpers import (
 )
 
 
-def _mm_dtype(x: torch.Tensor) -> torch.dtype:
-    if x.dtype == torch.float64:
-        return torch.float64
-    return x.dtype if x.device.type != "cpu" else torch.float32
+@functools.cache
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): oneDNN's bfloat16
+    GEMMs, float32 accumulation, then run about three times faster than float32 ones (measured:
+    ``nox -s bench``). Elsewhere bfloat16 products are emulated, slower than float32."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def _mm_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """The products' dtype: the inputs' own on accelerators and, for bfloat16, on CPUs that
+    multiply it natively; float32 for other 16-bit inputs on a CPU and with float32 master
+    weights (so every weight gradient keeps float32 accuracy)."""
+    if w.dtype != x.dtype or x.dtype == torch.float64:
+        return torch.promote_types(x.dtype, w.dtype)
+    if x.device.type != "cpu":
+        return x.dtype
+    return x.dtype if x.dtype == torch.bfloat16 and native_bf16_cpu() else torch.float32
 
 
 GROUP_ELEMENTS = 1 << 21
@@ -90,7 +115,7 @@ def experts_forward(x, routing: Routing, w_gate, w_up, w_down):
     """The experts and the combine for a routing: ``(T, D)`` in ``x.dtype``."""
     T, D = x.shape
     top_k = routing.experts.shape[1]
-    mm = _mm_dtype(x)
+    mm = _mm_dtype(x, w_gate)
     acc = compute_dtype(x.dtype)
     rows = x[routing.token]  # dispatch: (T * k, D) sorted by expert, cast per expert
     y = torch.empty((T * top_k, D), dtype=acc, device=x.device)  # sorted by expert
@@ -136,18 +161,21 @@ def experts_backward(g, x, routing: Routing, w_gate, w_up, w_down):
 def _loop_backward(routing, rows, g_rows, slot_w, weights, dx_rows, dw_flat, grads):
     """One pass per expert; fills ``dx_rows``, ``dw_flat`` (``<y, g>`` per slot) and ``grads``."""
     w_gate, w_up, w_down = weights
-    mm, acc = _mm_dtype(rows), dx_rows.dtype
+    mm, acc = _mm_dtype(rows, w_gate), dx_rows.dtype
     for e, s, t in _experts(routing):
-        xe, ge, we = rows[s:t].to(mm), g_rows[s:t].to(mm), slot_w[s:t, None]
-        wg, wu, wd = w_gate[e].to(mm), w_up[e].to(mm), w_down[e].to(mm)
-        hg, hu = (xe @ wg.T).to(acc), (xe @ wu.T).to(acc)
-        u = (ge @ wd).to(acc)  # g_t W_down: dL/dh before the routing weight
+        xa, ga, we = rows[s:t].to(acc), g_rows[s:t].to(acc), slot_w[s:t, None]
+        # The recomputed projections and u feed <h, u>, the routing weights' gradient, which
+        # keeps float32 accuracy: these three products run in float32 whatever the inputs.
+        hg, hu = xa @ w_gate[e].to(acc).T, xa @ w_up[e].to(acc).T
+        u = ga @ w_down[e].to(acc)  # g_t W_down: dL/dh before the routing weight
         h, dw_flat[routing.order[s:t]], dhg, dhu = swiglu_rows(hg, hu, u, we)
-        grads[2][e] = (ge.to(acc) * we).T @ h  # dW_down = dy^T h with dy = w g
-        xe_acc = xe.to(acc)
-        grads[0][e] = dhg.T @ xe_acc
-        grads[1][e] = dhu.T @ xe_acc
-        dx_rows[routing.order[s:t]] = (dhg.to(mm) @ wg + dhu.to(mm) @ wu).to(acc)
+        # The weight and input gradients are stored in 16 bits: their products in ``mm``.
+        xe, dhg, dhu = rows[s:t].to(mm), dhg.to(mm), dhu.to(mm)
+        grads[2][e] = (ga * we).to(mm).T @ h.to(mm)  # dW_down = dy^T h with dy = w g
+        grads[0][e] = dhg.T @ xe
+        grads[1][e] = dhu.T @ xe
+        dx = dhg @ w_gate[e].to(mm) + dhu @ w_up[e].to(mm)
+        dx_rows[routing.order[s:t]] = dx.to(acc)
 
 
 def _grouped_backward(routing, rows, g_rows, slot_w, weights, dx_rows, dw_flat, grads):
