@@ -25,7 +25,7 @@ def test_info_lists_versions_backends_and_picks(cmd):
     assert "causal_dot_product: cuda: priority 50, cpu: priority 20" in out
     assert "triton     cakeops-triton 0.1.0  unavailable: no CUDA or ROCm device" in out
     assert "rmsnorm_silu_gate    cpu   float16=torch  bfloat16=torch  float32=torch" in out
-    assert "causal_dot_product   cpu   float16=numba  bfloat16=torch  float32=numba" in out
+    assert "causal_dot_product   cpu   float16=numba  bfloat16=numba  float32=numba" in out
 
 
 def test_info_json_reflects_a_forced_backend():

@@ -13,6 +13,7 @@ import torch
 
 import cakeops
 from cakeops import registry
+from cakeops.ops.rmsnorm_silu_gate import Inputs as rmsnorm_inputs
 from cakeops.reference import rmsnorm_silu_gate as ref_kernels
 
 OP = "rmsnorm_silu_gate"
@@ -289,6 +290,20 @@ def test_unavailable_backend_is_skipped_implicitly_and_refused_explicitly():
             cakeops.rmsnorm_silu_gate(*inputs())
     finally:
         cakeops.unregister_backend("gone")
+
+
+def test_dtypes_narrowed_per_device_give_their_reason():
+    """``OpKernels.device_dtypes``: a backend serving fewer dtypes on one device says so."""
+    kernels = cakeops.OpKernels(
+        module="unused", devices={"cpu": 1, "cuda": 1}, dtypes=(torch.float32, torch.bfloat16),
+        device_dtypes={"cpu": (torch.float32,)},
+    )  # fmt: skip
+    backend = cakeops.Backend(name="narrow", distribution="cakeops-narrow", ops={OP: kernels})
+    x = torch.zeros(2, 4, dtype=torch.bfloat16)
+    reasons = backend.not_supported_reasons(OP, rmsnorm_inputs(x, x, x[0]))
+    assert reasons == [f"supports dtypes float32 for {OP} on cpu, got bfloat16"]
+    assert kernels.dtypes_on("cuda") == (torch.float32, torch.bfloat16)
+    assert not backend.not_supported_reasons(OP, rmsnorm_inputs(*(t.float() for t in (x, x, x[0]))))
 
 
 def test_explain_validates_like_the_call():

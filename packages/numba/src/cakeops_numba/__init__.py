@@ -3,7 +3,7 @@
 On CUDA, tensors reach the kernels without copies through ``__cuda_array_interface__``, outputs
 are allocated by PyTorch and kernels launch on PyTorch's current stream; it ranks below
 ``triton`` and above ``torch``. On the CPU, ``njit`` kernels serve the ops where they beat the
-``torch`` backend on the op's benchmark shapes (``causal_dot_product``; see
+``torch`` backend on the op's benchmark shapes (``causal_dot_product``, in every dtype; see
 ``packages/numba/benchmarks``), as the automatic choice there.
 
 With ``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported) the CUDA kernels run on CPU
@@ -13,7 +13,7 @@ conformance suite does).
 bfloat16 reaches the CUDA kernels as an ``int16`` view of its bits (PyTorch's
 ``__cuda_array_interface__`` and numpy have no bfloat16 type), widened to float32 as it loads
 and rounded to nearest even as it stores (:mod:`cakeops_numba._elements`). The CPU ``njit``
-kernels take float16 and float32 only.
+kernel computes in float32, every dtype converted in bounded blocks of heads.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ backend = NumbaBackend(
         overrides={
             "causal_dot_product": {
                 "devices": devices(cpu_kernel=True),
-                # the njit CPU kernel: float16 and float32; the simulator takes every dtype
-                "device_dtypes": {} if SIMULATOR else {"cpu": (torch.float16, torch.float32)},
+                # the njit CPU kernel computes in float32 (16-bit inputs converted a block of
+                # heads at a time), so it takes every dtype, as does the simulator
             }
         },
     ),

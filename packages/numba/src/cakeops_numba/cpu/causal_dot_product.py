@@ -9,7 +9,8 @@ call per chunk: 4EM flops per position forward, 10EM backward, against the chunk
 deterministic.
 
 The kernels take float32 ``(heads, L, E)`` blocks: float32 contiguous inputs as they are, others
-(float16, strided) converted a block of heads at a time, so the float32 copies stay bounded.
+(float16, bfloat16, strided) converted a block of heads at a time, so the float32 copies stay
+bounded.
 """
 
 from __future__ import annotations

@@ -1,0 +1,72 @@
+"""Where the time of ``rmsnorm_silu_gate`` goes on a CPU, pass by pass, against the copy bound.
+
+    python packages/torch/benchmarks/cpu_rmsnorm_passes.py [--rows 8192] [--dim 4096]
+
+Prints, for float32 and bfloat16: the forward and the backward of the ``torch`` backend, each
+beside the time its bytes take at the measured copy bandwidth, and the cost of what no kernel
+can avoid: a fresh output of ``x``'s size (allocated, first touched) against writing one that
+already exists. Run it again with glibc told to keep freed memory
+(``MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296``, or jemalloc/tcmalloc
+preloaded) to see the op without the operating system's page faults.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import cakeops
+from cakeops.bench.limits import measure_limits
+from cakeops.measure import time_it
+
+CPU = torch.device("cpu")
+
+
+def passes(dtype: torch.dtype, shape: tuple[int, int]) -> list[tuple[str, float, int]]:
+    """``(pass, seconds, bytes it moves at least)`` for inputs of ``shape`` and ``dtype``."""
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    z = torch.randn(shape, dtype=dtype, requires_grad=True)
+    w = torch.ones(shape[1], dtype=dtype, requires_grad=True)
+    g = torch.randn(shape, dtype=dtype)
+    size = x.numel() * x.element_size()
+    out = torch.empty_like(x)
+
+    def forward():
+        with torch.no_grad():
+            return cakeops.rmsnorm_silu_gate(x, z, w, 1e-6)
+
+    def step():
+        return torch.autograd.grad(cakeops.rmsnorm_silu_gate(x, z, w, 1e-6), (x, z, w), g)
+
+    fwd_s = time_it(forward, CPU, repeats=7)
+    step_s = time_it(step, CPU, repeats=7)
+    return [
+        ("forward (reads x, z; writes y)", fwd_s, 3 * size),
+        ("backward (reads g, x, z; writes dx, dz)", step_s - fwd_s, 5 * size),
+        ("forward+backward", step_s, 8 * size),
+        ("a fresh output: empty + fill", time_it(lambda: torch.empty_like(x).fill_(1), CPU, 7),
+         size),
+        ("an existing output: fill", time_it(lambda: out.fill_(1), CPU, 7), size),
+    ]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--dim", type=int, default=4096)
+    args = parser.parse_args()
+    bandwidth = measure_limits(CPU)["copy_bytes_per_s"]
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, {torch.get_num_threads()} threads")
+    print(f"{'dtype':<9} {'pass':<40} {'ms':>8} {'bound ms':>9} {'of bound':>9}")
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, seconds, nbytes in passes(dtype, (args.rows, args.dim)):
+            bound = nbytes / bandwidth
+            print(
+                f"{str(dtype).removeprefix('torch.'):<9} {name:<40} {seconds * 1e3:8.1f} "
+                f"{bound * 1e3:9.1f} {bound / seconds:9.0%}"
+            )
+
+
+if __name__ == "__main__":
+    main()
