@@ -99,3 +99,19 @@ def test_bench_limit_fractions():
     slow_bf16 = {**limits, "bf16_flop_per_s": 1e10}  # no native bfloat16: float32's rate
     assert abs(fraction(Work("flops", 1e10), "bfloat16", 0.2, slow_bf16)[0] - 0.5) < 1e-12
     assert fraction(None, "float32", 0.1, limits) == (None, None)
+
+
+def test_peak_memory_on_cpu_prints_no_profiler_noise():
+    """The profiler behind the CPU peak-memory figure writes a line to stderr at every start and
+    stop from C++; the benchmarks' output must not fill with them."""
+    code = (
+        "import torch\n"
+        "from cakeops.measure import peak_memory\n"
+        "peaks = [peak_memory(lambda: torch.ones(1 << 16) + 1, torch.device('cpu')) for _ in "
+        "range(3)]\n"
+        "assert all(p >= 4 << 16 for p in peaks), peaks\n"
+        "import sys; print('still here', file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == "still here"

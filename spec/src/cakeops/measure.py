@@ -4,9 +4,12 @@ graph keeps for the backward."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -77,6 +80,22 @@ def saved_bytes(forward: Callable[[], Any]) -> int:
     return saved.nbytes()
 
 
+@contextlib.contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """The process's stderr (file descriptor 2) sent to the null device: the profiler's C++
+    side prints a line there at every start and stop, which would bury a benchmark's output."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
 def peak_memory(fn: Callable[[], Any], device: torch.device) -> int:
     """Peak bytes allocated while ``fn`` runs, above what was allocated before it."""
     if device.type == "cuda":
@@ -89,8 +108,14 @@ def peak_memory(fn: Callable[[], Any], device: torch.device) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     # Every allocation and free on the CPU is a raw "[memory]" event with its size.
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _stderr_silenced():
+        prof.start()
+    try:
         fn()
+    finally:
+        with _stderr_silenced():
+            prof.stop()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     current = peak = 0
     for event in sorted(events, key=lambda e: e.start_ns()):
