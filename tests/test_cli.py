@@ -115,3 +115,40 @@ def test_peak_memory_on_cpu_prints_no_profiler_noise():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip() == "still here"
+
+
+def test_info_suggests_the_backend_a_misspelled_name_meant():
+    out = run("cakeops", "info", env={"CAKEOPS_BACKEND": "tritn"})
+    assert "'tritn': no backend of that name is installed; did you mean 'triton'?" in out
+
+
+def test_bench_plots_without_matplotlib_stop_before_measuring(monkeypatch, capsys):
+    import importlib.util
+
+    import cakeops.bench
+    from cakeops import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name)
+    )
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured before checking --plots")
+
+    monkeypatch.setattr(cakeops.bench, "run", measured)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", "--plots", "unused"])
+    assert stop.value.code == 2
+    assert "--plots needs matplotlib" in capsys.readouterr().err
+
+
+def test_help_texts_are_plain_and_complete():
+    assert "``" not in run("cakeops", "--help")
+    options = run("cakeops", "bench", "--help").split("options:", 1)[1].splitlines()
+    for option in ("--op", "--device", "--quick", "--json", "--markdown", "--plots", "--from-json"):
+        at = next(i for i, line in enumerate(options) if line.strip().startswith(option))
+        line = options[at].strip()
+        same_line = line.split("  ", 1)[1].strip() if "  " in line else ""
+        next_line = options[at + 1].strip() if at + 1 < len(options) else ""
+        assert same_line or (next_line and not next_line.startswith("-")), f"{option}: no help"

@@ -249,8 +249,13 @@ def test_use_backend_around_a_compiled_function_chooses_inside_it(spies):
 @pytest.mark.parametrize(
     "choice, expected",
     [
-        ("nope", "nope: not installed"),
-        ("ghost", "ghost: not installed; install it with `pip install cakeops-ghost`"),
+        ("nope", "nope: no backend of that name is installed"),
+        ("tritn", "tritn: no backend of that name is installed; did you mean 'triton'?"),
+        (
+            "ghost",
+            "ghost: not installed; install it with `pip install cakeops-ghost` (from a "
+            "checkout of cakeops: `pip install ./packages/ghost`)",
+        ),
         ("numba", "numba: serves devices cuda for rmsnorm_silu_gate, got cpu"),
         ("triton", "triton: unavailable: no CUDA or ROCm device"),
         ("example", "supports dtypes float32 for rmsnorm_silu_gate, got float64"),

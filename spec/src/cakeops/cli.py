@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import sys
@@ -13,6 +14,12 @@ import torch
 
 from cakeops import _spec, registry
 from cakeops.ops import SPECS
+
+DESCRIPTION = (
+    "cakeops: fused training ops with pluggable backends. 'cakeops info' shows what is installed "
+    "and which backend each op picks; 'cakeops bench' measures the ops beside what you would "
+    "write instead."
+)
 
 
 def _version(dist: str) -> str:
@@ -63,7 +70,9 @@ def gather_info() -> dict[str, Any]:
         }
     for name, dist in registry.KNOWN_DISTRIBUTIONS.items():
         if name not in installed:
-            reason = registry.load_errors().get(name, f"not installed: pip install {dist}")
+            reason = registry.load_errors().get(
+                name, f"not installed: {registry.install_hint(name)}"
+            )
             info["backends"][name] = {"distribution": dist, "available": False, "reason": reason}
     for name, reason in registry.load_errors().items():  # broken third-party entry points
         if name not in info["backends"]:
@@ -79,7 +88,12 @@ def gather_info() -> dict[str, Any]:
             info["forced"][op] = f"error: {exc}"
         else:
             if forced is not None:
-                info["forced"][op] = f"{','.join(forced[0])} (from {forced[1]})"
+                unknown = [n for n in forced[0] if n not in registry.backends()]
+                notes = "".join(
+                    f"; {n!r}: no backend of that name is installed{registry.did_you_mean(n)}"
+                    for n in unknown
+                )
+                info["forced"][op] = f"{','.join(forced[0])} (from {forced[1]}){notes}"
         info["picks"][op] = {}
         for device in info["devices"]:
             picks = {}
@@ -120,14 +134,18 @@ def _print_info(info: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cakeops", description=__doc__)
+    parser = argparse.ArgumentParser(prog="cakeops", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="versions, devices, backends and the pick for each op")
     p_info.add_argument("--json", action="store_true", help="print JSON instead of text")
     p_bench = sub.add_parser("bench", help="side-by-side benchmarks of the ops")
     p_bench.add_argument("--op", action="append", choices=sorted(SPECS), help="op (repeatable)")
-    p_bench.add_argument("--device", default="cpu")
-    p_bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
+    p_bench.add_argument(
+        "--device", default="cpu", help="where to run: cpu (default), cuda, cuda:1, ..."
+    )
+    p_bench.add_argument(
+        "--quick", action="store_true", help="small shapes, few repeats: indicative figures only"
+    )
     p_bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p_bench.add_argument("--markdown", metavar="DIR", help="also write DIR/<op>.md tables")
     p_bench.add_argument(
@@ -149,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from cakeops.bench import rerender, run
 
+    if args.plots and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plots needs matplotlib (pip install matplotlib); nothing was measured")
     if args.from_json:
         return rerender(args.from_json, args.op, args.markdown, args.plots)
     return run(

@@ -26,6 +26,14 @@ def alternating_medians(
     """Median seconds of each step after ``warmup`` untimed calls of each, the timed calls
     alternating between the steps (round-robin) so that a shared machine's drifting speed slows
     every step alike and the ratios stay fair."""
+    times = alternating_times(steps, device, repeats, warmup)
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
+def alternating_times(
+    steps: Mapping[str, Callable[[], Any]], device: torch.device, repeats: int, warmup: int = 0
+) -> dict[str, list[float]]:
+    """Every timed call's seconds of each step, timed as :func:`alternating_medians` does."""
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -37,7 +45,12 @@ def alternating_medians(
             step()
             sync(device)
             times[label].append(time.perf_counter() - start)
-    return {label: statistics.median(t) for label, t in times.items()}
+    return times
+
+
+def spread(times: list[float]) -> float:
+    """How far apart the repeats of one step are: ``(slowest - fastest) / median``."""
+    return (max(times) - min(times)) / statistics.median(times) if times else 0.0
 
 
 def time_it(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 2) -> float:

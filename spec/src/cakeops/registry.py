@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import importlib
 import importlib.util
 import os
@@ -56,6 +57,20 @@ KNOWN_DISTRIBUTIONS = {
     "triton": "cakeops-triton",
     "numba": "cakeops-numba",
 }
+
+
+def install_hint(name: str) -> str:
+    """How to install the first-party backend ``name``: from the package index, or from a
+    checkout of the repository (``packages/<name>``)."""
+    dist = KNOWN_DISTRIBUTIONS[name]
+    return f"`pip install {dist}` (from a checkout of cakeops: `pip install ./packages/{name}`)"
+
+
+def did_you_mean(name: str) -> str:
+    """``"; did you mean 'triton'?"`` for a near miss of a known backend name, else ``""``."""
+    known = sorted({*KNOWN_DISTRIBUTIONS, *backends()})
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 class BackendError(RuntimeError):
@@ -390,9 +405,9 @@ def _reasons(backend: Backend | None, name: str, op: str, inputs: Mapping[str, A
     if backend is None:
         if name in _load_errors:
             return [_load_errors[name]]
-        dist = KNOWN_DISTRIBUTIONS.get(name)
-        hint = f"; install it with `pip install {dist}`" if dist else ""
-        return [f"not installed{hint}"]
+        if name in KNOWN_DISTRIBUTIONS:
+            return [f"not installed; install it with {install_hint(name)}"]
+        return [f"no backend of that name is installed{did_you_mean(name)}"]
     unavailable = why_unavailable(backend)
     if unavailable is not None:
         return [f"unavailable: {unavailable}"]

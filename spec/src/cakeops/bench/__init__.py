@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import textwrap
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ import torch
 
 from cakeops.bench import limits as machine
 from cakeops.bench.limits import Work
-from cakeops.measure import alternating_medians, peak_memory, saved_bytes, sync
+from cakeops.measure import alternating_times, peak_memory, saved_bytes, spread, sync
 from cakeops.registry import explain_inputs
 
 
@@ -104,18 +105,20 @@ def measure(
         else:
             step()  # a second warm-up: the first may have compiled or populated caches
             fast.append(label)
-    times = alternating_medians({label: contenders[label][1] for label in fast}, device, repeats)
+    times = alternating_times({label: contenders[label][1] for label in fast}, device, repeats)
     results = {}
     for label, (forward, step) in contenders.items():
         if label in slow:
             start = time.perf_counter()
             peak = peak_memory(step, device)
-            seconds = time.perf_counter() - start
+            seconds, repeats_spread = time.perf_counter() - start, 0.0
         else:
-            seconds = times[label]
+            seconds, repeats_spread = statistics.median(times[label]), spread(times[label])
             peak = peak_memory(step, device)
         results[label] = {
             "time_s": seconds,
+            "spread": repeats_spread,
+            "repeats": len(times.get(label, [])) or 1,
             "peak_bytes": peak,
             "saved_bytes": saved_bytes(forward),
         }
@@ -143,14 +146,16 @@ def format_table(
     base = results[baseline]
     lines = [
         title,
-        f"  {'implementation':<28} {'time ms':>9} {'vs ' + baseline:>12} {'peak MiB':>9} "
-        f"{'saved MiB':>9}  {'of the limit' if work else ''}",
+        f"  {'implementation':<28} {'time ms':>9} {'spread':>7} {'vs ' + baseline:>12} "
+        f"{'peak MiB':>9} {'saved MiB':>9}  {'of the limit' if work else ''}",
     ]
     for label, r in results.items():
         ratio = base["time_s"] / r["time_s"]
+        repeats = f"{r.get('spread', 0.0):6.0%}" if r.get("repeats", 1) > 1 else "  once"
         lines.append(
-            f"  {label:<28} {r['time_s'] * 1e3:9.2f} {ratio:11.2f}x {_mb(r['peak_bytes']):>9} "
-            f"{_mb(r['saved_bytes']):>9}  {_of_limit(work, dtype, r['time_s'])}".rstrip()
+            f"  {label:<28} {r['time_s'] * 1e3:9.2f} {repeats:>7} {ratio:11.2f}x "
+            f"{_mb(r['peak_bytes']):>9} {_mb(r['saved_bytes']):>9}  "
+            f"{_of_limit(work, dtype, r['time_s'])}".rstrip()
         )
     return "\n".join(lines)
 
@@ -313,6 +318,11 @@ def run(
         f"cakeops bench on {record['machine']['device']} ({record['machine']['processor']}, "
         f"{record['machine']['threads']} threads), torch {torch.__version__}"
     )
+    if quick:
+        print(
+            "quick run: small shapes and two repeats each; the figures are indicative only "
+            "(a busy machine can move them severalfold)"
+        )
     record["limits"] = machine.measure_limits(dev, quick)
     machine.CURRENT.clear()
     machine.CURRENT.update(record["limits"])
