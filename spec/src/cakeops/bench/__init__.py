@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import platform
 import statistics
-import textwrap
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -216,9 +215,41 @@ def write_markdown(record: dict[str, Any], directory: str | Path) -> list[Path]:
     return written
 
 
+def _clip(values: list[float]) -> float:
+    """The axis limit of a bar chart: the largest value, unless it dwarfs the others (over 4x
+    the second largest), in which case 1.3x the second: that bar is cut and labelled."""
+    ordered = sorted(values, reverse=True)
+    if len(ordered) > 1 and ordered[1] > 0 and ordered[0] > 4 * ordered[1]:
+        return 1.3 * ordered[1]
+    return 1.15 * ordered[0] if ordered and ordered[0] > 0 else 1.0
+
+
+def _bars(ax, labels: list[str], values: list[float], text: list[str], colors, title: str,
+          smallest_visible: bool = False):  # fmt: skip
+    """Horizontal bars with their values written on them; a bar past the axis is cut there
+    (``smallest_visible``: the axis ends at most 10x the smallest bar, so it always shows)."""
+    limit = _clip(values)
+    positive = [v for v in values if v > 0]
+    if smallest_visible and positive:
+        limit = min(limit, 10 * min(positive))
+    ys = range(len(labels))
+    ax.barh(ys, [min(v, limit) for v in values], color=colors)
+    for y, v, t in zip(ys, values, text, strict=True):
+        cut = v > limit
+        ax.text(min(v, limit) * (0.98 if cut else 1.0) + (0 if cut else 0.01 * limit), y,
+                f"{t} (cut)" if cut else t, va="center", ha="right" if cut else "left",
+                fontsize=8, color="white" if cut else "black")  # fmt: skip
+    ax.set_yticks(list(ys), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, limit * 1.25)
+    ax.set_title(title, fontsize=9)
+    ax.tick_params(axis="x", labelsize=7)
+
+
 def write_plots(record: dict[str, Any], directory: str | Path) -> list[Path]:
-    """Write ``<directory>/<op>.png`` for every op in ``record``: forward+backward time (log
-    scale) and peak memory per case, one bar per implementation. Needs matplotlib."""
+    """Write ``<directory>/<op>.png`` for every op in ``record``: per case (a row of the figure),
+    each implementation's speed-up over the baseline and its peak memory, as labelled
+    horizontal bars on linear axes (an outlier bar is cut and says so). Needs matplotlib."""
     try:
         import matplotlib
 
@@ -231,29 +262,36 @@ def write_plots(record: dict[str, Any], directory: str | Path) -> list[Path]:
     m = record["machine"]
     written = []
     for op, rows in record["results"].items():
-        labels = [f"{textwrap.fill(row['case'], 16)}\n{row['dtype']}" for row in rows]
         impls = list(dict.fromkeys(name for row in rows for name in row["results"]))
-        fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 2.6 * len(rows)), 4.2), dpi=110)
-        width = 0.8 / len(impls)
-        for ax, key, scale, unit in (
-            (axes[0], "time_s", 1e3, "time (ms, log scale)"),
-            (axes[1], "peak_bytes", 2.0**-20, "peak memory (MiB)"),
-        ):
-            for i, impl in enumerate(impls):
-                xs = [c + (i - (len(impls) - 1) / 2) * width for c in range(len(rows))]
-                ys = [row["results"].get(impl, {}).get(key, float("nan")) * scale for row in rows]
-                ax.bar(xs, ys, width, label=impl)
-            ax.set_xticks(range(len(rows)), labels, fontsize=7)
-            ax.set_ylabel(unit)
-            if key == "time_s":
-                ax.set_yscale("log")
-        axes[0].legend(fontsize=7)
+        palette = plt.get_cmap("tab10")
+        color_of = {name: palette(i % 10) for i, name in enumerate(impls)}
+        heights = [0.45 * len(row["results"]) + 0.8 for row in rows]
+        fig, axes = plt.subplots(
+            len(rows), 2, figsize=(11, sum(heights)), dpi=110, squeeze=False,
+            gridspec_kw={"height_ratios": heights},
+        )  # fmt: skip
+        for (ax_time, ax_mem), row in zip(axes, rows, strict=True):
+            results, baseline = row["results"], row["baseline"]
+            names = list(results)
+            base = results[baseline]["time_s"]
+            speedups = [base / results[n]["time_s"] for n in names]
+            peaks = [results[n]["peak_bytes"] / 2**20 for n in names]
+            colors = [color_of[n] for n in names]
+            case = f"{row['case']}, {row['dtype']}"
+            _bars(ax_time, names, speedups,
+                  [f"{s:.2f}x ({results[n]['time_s'] * 1e3:.1f} ms)" for s, n in
+                   zip(speedups, names, strict=True)],
+                  colors, f"{case}: speed-up over {baseline}")  # fmt: skip
+            ax_time.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
+            _bars(ax_mem, names, peaks, [f"{p:.1f} MiB" for p in peaks], colors,
+                  f"{case}: peak memory (MiB)", smallest_visible=True)  # fmt: skip
+            ax_mem.set_yticks(range(len(names)), [""] * len(names))
         fig.suptitle(
-            f"{op} forward+backward: {m['device']} ({m['processor']}, {m['threads']} threads), "
+            f"{op} forward+backward on {m['device']} ({m['processor']}, {m['threads']} threads), "
             f"torch {m['torch']}, {record['date'][:10]}",
-            fontsize=9,
+            fontsize=10,
         )
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / sum(heights)))
         path = directory / f"{op}.png"
         fig.savefig(path)
         plt.close(fig)
