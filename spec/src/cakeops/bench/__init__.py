@@ -91,18 +91,21 @@ def measure(
     Timed steps alternate between the contenders (round-robin, median per contender), so that a
     shared machine's drifting speed shifts every contender alike and the ratios stay fair. Peak
     memory is measured after all timing, so the profiler it needs on CPU never overlaps a timed
-    step. A contender whose first (warm-up) step takes over ``slow_s`` seconds is timed once, on
-    the run that measures its peak memory: the profiler's overhead is small next to such a step.
+    step. A contender whose second warm-up step still takes over ``slow_s`` seconds (the first
+    may compile) is timed once, on the run that measures its peak memory: the profiler's
+    overhead is small next to such a step.
     """
     slow, fast = {}, []
     for label, (_forward, step) in contenders.items():
-        start = time.perf_counter()
-        step()
-        sync(device)
+        # Two warm-up steps (the first may compile or populate caches); a contender is slow
+        # when its second step still takes over slow_s.
+        for _ in range(2):
+            start = time.perf_counter()
+            step()
+            sync(device)
         if time.perf_counter() - start > slow_s:
             slow[label] = None
         else:
-            step()  # a second warm-up: the first may have compiled or populated caches
             fast.append(label)
     times = alternating_times({label: contenders[label][1] for label in fast}, device, repeats)
     results = {}
