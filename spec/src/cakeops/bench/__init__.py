@@ -250,9 +250,10 @@ def _bars(ax, labels: list[str], values: list[float], text: list[str], colors, t
 
 
 def write_plots(record: dict[str, Any], directory: str | Path) -> list[Path]:
-    """Write ``<directory>/<op>.png`` for every op in ``record``: per case (a row of the figure),
-    each implementation's speed-up over the baseline and its peak memory, as labelled
-    horizontal bars on linear axes (an outlier bar is cut and says so). Needs matplotlib."""
+    """Write ``<directory>/<op>.png`` for every op in ``record``: per case, each
+    implementation's speed-up over the baseline above its peak memory, as labelled horizontal
+    bars on linear axes (an outlier bar is cut and says so), as wide as the docs' text. Needs
+    matplotlib."""
     try:
         import matplotlib
 
@@ -268,12 +269,15 @@ def write_plots(record: dict[str, Any], directory: str | Path) -> list[Path]:
         impls = list(dict.fromkeys(name for row in rows for name in row["results"]))
         palette = plt.get_cmap("tab10")
         color_of = {name: palette(i % 10) for i, name in enumerate(impls)}
-        heights = [0.45 * len(row["results"]) + 0.8 for row in rows]
+        # Per case a speed-up panel above a memory panel, 7.5 inches wide: about the docs'
+        # text width at 110 dpi, so the labels read at their printed size.
+        heights = [h for row in rows for h in [0.32 * len(row["results"]) + 0.7] * 2]
         fig, axes = plt.subplots(
-            len(rows), 2, figsize=(11, sum(heights)), dpi=110, squeeze=False,
+            len(heights), 1, figsize=(7.5, sum(heights) + 0.4), dpi=110, squeeze=False,
             gridspec_kw={"height_ratios": heights},
         )  # fmt: skip
-        for (ax_time, ax_mem), row in zip(axes, rows, strict=True):
+        pairs = zip(axes[0::2, 0], axes[1::2, 0], rows, strict=True)
+        for ax_time, ax_mem, row in pairs:
             results, baseline = row["results"], row["baseline"]
             names = list(results)
             base = results[baseline]["time_s"]
@@ -288,13 +292,12 @@ def write_plots(record: dict[str, Any], directory: str | Path) -> list[Path]:
             ax_time.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
             _bars(ax_mem, names, peaks, [f"{p:.1f} MiB" for p in peaks], colors,
                   f"{case}: peak memory (MiB)", smallest_visible=True)  # fmt: skip
-            ax_mem.set_yticks(range(len(names)), [""] * len(names))
         fig.suptitle(
             f"{op} forward+backward on {m['device']} ({m['processor']}, {m['threads']} threads), "
             f"torch {m['torch']}, {record['date'][:10]}",
-            fontsize=10,
+            fontsize=9,
         )
-        fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / sum(heights)))
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / (sum(heights) + 0.4)))
         path = directory / f"{op}.png"
         fig.savefig(path)
         plt.close(fig)
