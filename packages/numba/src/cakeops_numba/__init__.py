@@ -13,7 +13,8 @@ conformance suite does).
 bfloat16 reaches the CUDA kernels as an ``int16`` view of its bits (PyTorch's
 ``__cuda_array_interface__`` and numpy have no bfloat16 type), widened to float32 as it loads
 and rounded to nearest even as it stores (:mod:`cakeops_numba._elements`). The CPU ``njit``
-kernel computes in float32, every dtype converted in bounded blocks of heads.
+kernel computes in float32: it reads float32 and bfloat16 (as ``int16`` bits) in place and
+converts float16 in bounded blocks of heads.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ backend = NumbaBackend(
         overrides={
             "causal_dot_product": {
                 "devices": devices(cpu_kernel=True),
-                # the njit CPU kernel computes in float32 (16-bit inputs converted a block of
-                # heads at a time), so it takes every dtype, as does the simulator
+                # the njit CPU kernel computes in float32 (bfloat16 read as int16 bits, float16
+                # converted a block of heads at a time), so it takes every dtype, as does the
+                # simulator
             }
         },
     ),

@@ -8,9 +8,11 @@ call per chunk: 4EM flops per position forward, 10EM backward, against the chunk
 ``dv_j = R_j^T k_j`` with ``R_j = sum_{i>=j} q_i g_i^T``. Every sum runs in a fixed order:
 deterministic.
 
-The kernels take float32 ``(heads, L, E)`` blocks: float32 contiguous inputs as they are, others
-(float16, bfloat16, strided) converted a block of heads at a time, so the float32 copies stay
-bounded.
+The kernels take ``(heads, L, E)`` arrays of float32, or of bfloat16 as the ``int16`` view of its
+bits (numpy has no bfloat16): each element is widened to float32 as it loads and each result
+rounded to nearest even as it stores (:func:`_widen`, :func:`_store`), so contiguous float32 and
+bfloat16 tensors are used in place, with no float32 copy. Others (float16, strided) are converted
+to float32 a block of heads at a time, so those copies stay bounded.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import threading
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core.extending import intrinsic, overload
 
 # Reassociation lets the inner loops vectorise; no "nnan"/"ninf", so NaN and inf propagate.
 FASTMATH = {"reassoc", "contract", "arcp"}
@@ -40,23 +44,80 @@ def _compiled(fn):
         return njit(parallel=True, fastmath=FASTMATH)(fn)
 
 
+@intrinsic
+def _int_as_float(typingctx, bits):
+    """The float32 with the bits of an int32."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _float_as_int(typingctx, value):
+    """The int32 with the bits of a float32."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
+
+
+def _widen(v):  # compiled through the overload below
+    raise NotImplementedError("_widen runs inside the njit kernels only")
+
+
+def _store(arr, h, i, j, v):  # compiled through the overload below
+    raise NotImplementedError("_store runs inside the njit kernels only")
+
+
+@overload(_widen)
+def _widen_impl(v):
+    if isinstance(v, types.Integer):  # the bits of a bfloat16
+        return lambda v: _int_as_float((np.int32(v) & 0xFFFF) << 16)
+    return lambda v: np.float32(v)
+
+
+@overload(_store)
+def _store_impl(arr, h, i, j, v):
+    if isinstance(arr.dtype, types.Integer):  # a bfloat16 array: round to nearest even
+
+        def impl(arr, h, i, j, v):
+            bits = _float_as_int(np.float32(v))
+            top = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            if v != v:
+                top = (bits >> 16) | 0x40
+            arr[h, i, j] = top
+
+        return impl
+
+    def impl(arr, h, i, j, v):
+        arr[h, i, j] = v
+
+    return impl
+
+
 @_compiled
 def _forward(q, k, v, out):  # pragma: no cover - compiled
     heads, L, E = q.shape
     M = v.shape[2]
     for h in prange(heads):
         S = np.zeros((E, M), np.float32)
+        row = np.empty(M, np.float32)
         for i in range(L):
             for e in range(E):
-                ke = k[h, i, e]
+                ke = _widen(k[h, i, e])
                 for m in range(M):
-                    S[e, m] += ke * v[h, i, m]
+                    S[e, m] += ke * _widen(v[h, i, m])
             for m in range(M):
-                out[h, i, m] = 0.0
+                row[m] = 0.0
             for e in range(E):
-                qe = q[h, i, e]
+                qe = _widen(q[h, i, e])
                 for m in range(M):
-                    out[h, i, m] += qe * S[e, m]
+                    row[m] += qe * S[e, m]
+            for m in range(M):
+                _store(out, h, i, m, row[m])
 
 
 @_compiled
@@ -67,18 +128,32 @@ def _reverse(g, q, k, v, dk, dv):  # pragma: no cover - compiled
     M = v.shape[2]
     for h in prange(heads):
         R = np.zeros((E, M), np.float32)
+        dvi = np.empty(M, np.float32)
         for i in range(L - 1, -1, -1):
             for m in range(M):
-                dv[h, i, m] = 0.0
+                dvi[m] = 0.0
             for e in range(E):
-                qe = q[h, i, e]
-                ke = k[h, i, e]
+                qe = _widen(q[h, i, e])
+                ke = _widen(k[h, i, e])
                 acc = np.float32(0.0)
                 for m in range(M):
-                    R[e, m] += qe * g[h, i, m]
-                    acc += R[e, m] * v[h, i, m]
-                    dv[h, i, m] += R[e, m] * ke
-                dk[h, i, e] = acc
+                    R[e, m] += qe * _widen(g[h, i, m])
+                    acc += R[e, m] * _widen(v[h, i, m])
+                    dvi[m] += R[e, m] * ke
+                _store(dk, h, i, e, acc)
+            for m in range(M):
+                _store(dv, h, i, m, dvi[m])
+
+
+#: Dtypes the kernels read and write in place (bfloat16 as the int16 view of its bits).
+_IN_PLACE = (torch.float32, torch.bfloat16)
+
+
+def _in_place(t: torch.Tensor) -> np.ndarray:
+    """``(heads, L, d)`` numpy view of a contiguous float32 or bfloat16 ``(n, h, L, d)`` tensor,
+    sharing its memory (bfloat16 as ``int16`` bits)."""
+    t = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return t.view(-1, *t.shape[-2:]).numpy()
 
 
 def _as_float32(t: torch.Tensor) -> np.ndarray:
@@ -102,18 +177,22 @@ def _blocks(N: int, H: int, heads: int):
 
 
 def _run(kernel, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]) -> None:
-    """``kernel(*inputs, *outputs)`` on float32 ``(heads, L, d)`` views of ``(N, H, L, d)``
-    tensors (outputs fresh and contiguous): all heads at once when nothing needs converting,
-    else blocks of heads whose float32 copies hold at most ``BLOCK_ELEMENTS`` each."""
+    """``kernel(*inputs, *outputs)`` on ``(heads, L, d)`` views of ``(N, H, L, d)`` tensors
+    (outputs fresh and contiguous): all heads at once, in place, when every tensor is contiguous
+    float32 or bfloat16; else blocks of heads whose float32 copies hold at most
+    ``BLOCK_ELEMENTS`` each."""
     N, H, L = inputs[0].shape[:3]
     if N * H * L == 0:
         return
     tensors = (*inputs, *outputs)
-    in_place = all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    in_place = all(t.dtype in _IN_PLACE and t.is_contiguous() for t in tensors)
     widest = max(t.shape[-1] for t in tensors)
-    heads = N * H if in_place else max(1, BLOCK_ELEMENTS // max(1, L * widest))
     with _LAUNCH:
         numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        if in_place:
+            kernel(*(_in_place(t) for t in tensors))
+            return
+        heads = max(1, BLOCK_ELEMENTS // max(1, L * widest))
         for block in _blocks(N, H, heads):
             results = [_as_float32(t[block]) for t in outputs]  # views of float32 outputs
             kernel(*(_as_float32(t[block]) for t in inputs), *results)
