@@ -89,10 +89,7 @@ def gather_info() -> dict[str, Any]:
         else:
             if forced is not None:
                 unknown = [n for n in forced[0] if n not in registry.backends()]
-                notes = "".join(
-                    f"; {n!r}: no backend of that name is installed{registry.did_you_mean(n)}"
-                    for n in unknown
-                )
+                notes = "".join(f"; {n!r}: {registry.missing_reason(n)}" for n in unknown)
                 info["forced"][op] = f"{','.join(forced[0])} (from {forced[1]}){notes}"
         info["picks"][op] = {}
         for device in info["devices"]:

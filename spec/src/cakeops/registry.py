@@ -73,6 +73,14 @@ def did_you_mean(name: str) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def missing_reason(name: str) -> str:
+    """Why ``name`` names no installed backend: the install line of a first-party one, else a
+    "did you mean" for a near miss."""
+    if name in KNOWN_DISTRIBUTIONS:
+        return f"not installed; install it with {install_hint(name)}"
+    return f"no backend of that name is installed{did_you_mean(name)}"
+
+
 class BackendError(RuntimeError):
     """An explicitly chosen backend cannot run these inputs (or no backend can)."""
 
@@ -405,9 +413,7 @@ def _reasons(backend: Backend | None, name: str, op: str, inputs: Mapping[str, A
     if backend is None:
         if name in _load_errors:
             return [_load_errors[name]]
-        if name in KNOWN_DISTRIBUTIONS:
-            return [f"not installed; install it with {install_hint(name)}"]
-        return [f"no backend of that name is installed{did_you_mean(name)}"]
+        return [missing_reason(name)]
     unavailable = why_unavailable(backend)
     if unavailable is not None:
         return [f"unavailable: {unavailable}"]
