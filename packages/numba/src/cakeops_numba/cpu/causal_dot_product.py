@@ -100,24 +100,55 @@ def _store_impl(arr, h, i, j, v):
 
 @_compiled
 def _forward(q, k, v, out):  # pragma: no cover - compiled
+    """``out_i = sum_{j<=i} (q_i . k_j) v_j``, four positions per pass over the state.
+
+    The state is kept transposed, ``St[m, e] = sum_j v_j[m] k_j[e]``, so a position's output
+    element is a reduction along a contiguous row: each row of the state is loaded and stored
+    once per four positions, and the four partial sums stay in registers.
+    """
     heads, L, E = q.shape
     M = v.shape[2]
     for h in prange(heads):
-        S = np.zeros((E, M), np.float32)
-        row = np.empty(M, np.float32)
-        for i in range(L):
-            for e in range(E):
-                ke = _widen(k[h, i, e])
+        St = np.zeros((M, E), np.float32)
+        kb = np.empty((4, E), np.float32)
+        qb = np.empty((4, E), np.float32)
+        vb = np.empty((4, M), np.float32)
+        for start in range(0, L, 4):
+            n = min(4, L - start)
+            for t in range(n):
+                for e in range(E):
+                    kb[t, e] = _widen(k[h, start + t, e])
+                    qb[t, e] = _widen(q[h, start + t, e])
                 for m in range(M):
-                    S[e, m] += ke * _widen(v[h, i, m])
-            for m in range(M):
-                row[m] = 0.0
-            for e in range(E):
-                qe = _widen(q[h, i, e])
+                    vb[t, m] = _widen(v[h, start + t, m])
+            if n == 4:
                 for m in range(M):
-                    row[m] += qe * S[e, m]
-            for m in range(M):
-                _store(out, h, i, m, row[m])
+                    v0, v1, v2, v3 = vb[0, m], vb[1, m], vb[2, m], vb[3, m]
+                    a0 = a1 = a2 = a3 = np.float32(0.0)
+                    for e in range(E):
+                        s = St[m, e] + v0 * kb[0, e]
+                        a0 += qb[0, e] * s
+                        s += v1 * kb[1, e]
+                        a1 += qb[1, e] * s
+                        s += v2 * kb[2, e]
+                        a2 += qb[2, e] * s
+                        s += v3 * kb[3, e]
+                        a3 += qb[3, e] * s
+                        St[m, e] = s
+                    _store(out, h, start, m, a0)
+                    _store(out, h, start + 1, m, a1)
+                    _store(out, h, start + 2, m, a2)
+                    _store(out, h, start + 3, m, a3)
+            else:
+                for t in range(n):
+                    for m in range(M):
+                        vm = vb[t, m]
+                        acc = np.float32(0.0)
+                        for e in range(E):
+                            s = St[m, e] + vm * kb[t, e]
+                            acc += qb[t, e] * s
+                            St[m, e] = s
+                        _store(out, h, start + t, m, acc)
 
 
 @_compiled
