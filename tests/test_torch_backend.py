@@ -60,6 +60,7 @@ def test_compiled_path_matches_reference(compiled_path, monkeypatch, dtype, case
     blocks = 1
     if case == "blocks":
         monkeypatch.setattr(kernels, "COMPILED_BLOCK_ELEMENTS", 16 * 64)
+        monkeypatch.setattr(kernels, "COMPILED_BACKWARD_BLOCK_ELEMENTS", 16 * 64)
         blocks = 3
     x, z, w, g = make_inputs(shape, dtype, "cpu")
     got = run(x, z, w, g, group_size, nbg)
