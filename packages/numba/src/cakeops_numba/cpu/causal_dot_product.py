@@ -26,8 +26,6 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core.extending import intrinsic, overload
 
-from cakeops.helpers import new_output
-
 # Reassociation lets the inner loops vectorise; no "nnan"/"ninf", so NaN and inf propagate.
 FASTMATH = {"reassoc", "contract", "arcp"}
 BLOCK_ELEMENTS = 1 << 21  # per converted float32 block of one tensor
@@ -236,7 +234,7 @@ def _run(kernel, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     N, H, L, _ = q.shape
-    out = new_output((N, H, L, v.shape[-1]), q.dtype)
+    out = torch.empty((N, H, L, v.shape[-1]), dtype=q.dtype)
     _run(_forward, (q, k, v), (out,))
     return out
 
@@ -244,7 +242,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def backward(
     g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = (new_output(t.shape, t.dtype) for t in (q, k, v))
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
     # dq_i = sum_{j<=i} (g_i . v_j) k_j: the forward scan with (g, v, k) in the roles of (q, k, v)
     _run(_forward, (g, v, k), (dq,))
     _run(_reverse, (g, q, k, v), (dk, dv))
