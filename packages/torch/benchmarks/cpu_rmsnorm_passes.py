@@ -4,9 +4,8 @@
 
 Prints, for float32 and bfloat16: the forward and the backward of the ``torch`` backend, each
 beside the time its bytes take at the measured copy bandwidth, and the cost of what no kernel
-can avoid: a fresh output of ``x``'s size (allocated, first touched; with 4 KiB pages and with
-the huge pages :func:`cakeops.helpers.new_output` asks for) against writing one that already
-exists; and the step on rows few enough to stay in cache, scaled up: the math and the calls
+can avoid: a fresh output of ``x``'s size (allocated, first touched) against writing one that
+already exists; and the step on rows few enough to stay in cache, scaled up: the math and the calls
 alone. Run it again with glibc told to keep freed memory
 (``MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296``, or jemalloc/tcmalloc
 preloaded) to see the op without the operating system's page faults.
@@ -20,7 +19,6 @@ import torch
 
 import cakeops
 from cakeops.bench.limits import measure_limits
-from cakeops.helpers import new_output
 from cakeops.measure import time_it
 
 CPU = torch.device("cpu")
@@ -62,8 +60,6 @@ def passes(dtype: torch.dtype, shape: tuple[int, int]) -> list[tuple[str, float,
          8 * size),
         ("a fresh output: empty + fill", time_it(lambda: torch.empty_like(x).fill_(1), CPU, 7),
          size),
-        ("a fresh output, huge pages: new_output + fill",
-         time_it(lambda: new_output(x.shape, dtype).fill_(1), CPU, 7), size),
         ("an existing output: fill", time_it(lambda: out.fill_(1), CPU, 7), size),
     ]  # fmt: skip
 

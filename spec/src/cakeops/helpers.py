@@ -6,17 +6,12 @@ written once here (the conformance guide names this module).
   the combine and the dispatch backward (:func:`combine`, :func:`slot_sum`,
   :func:`dispatch_backward`) and the SwiGLU backward (:func:`swiglu_backward`);
 - ``causal_dot_product``: the backward as three causal scans (:func:`backward_by_scans`);
-- every op: :func:`cast_grads` (each gradient in its input's dtype),
-  :func:`cakeops.compute_dtype` (the precision to compute in) and :func:`new_output` (a fresh
-  output whose first touch on a CPU costs few page faults).
+- every op: :func:`cast_grads` (each gradient in its input's dtype) and
+  :func:`cakeops.compute_dtype` (the precision to compute in).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
-import sys
 from typing import NamedTuple
 
 import torch
@@ -32,7 +27,6 @@ __all__ = [
     "compute_dtype",
     "dispatch_backward",
     "given_routing",
-    "new_output",
     "route",
     "routing_backward",
     "row_tiles",
@@ -46,55 +40,6 @@ __all__ = [
 def cast_grads(grads, inputs) -> tuple[torch.Tensor, ...]:
     """Each gradient in the dtype of the input it belongs to (a no-op where it already is)."""
     return tuple(g.to(t.dtype) for g, t in zip(grads, inputs, strict=True))
-
-
-#: ``CAKEOPS_HUGE_PAGES=0`` turns off the huge-page advice of :func:`new_output`.
-HUGE_PAGES_ENV = "CAKEOPS_HUGE_PAGES"
-#: Outputs from this size on get the advice; below it the 4 KiB page faults cost little.
-HUGE_PAGES_MIN_BYTES = 1 << 24
-_HUGE_PAGE = 1 << 21
-_MADV_HUGEPAGE = 14
-
-
-def new_output(shape, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
-    """``torch.empty(shape, dtype=dtype, device=device)``, on a Linux CPU of at least 16 MiB
-    with the kernel advised (``madvise(MADV_HUGEPAGE)``) to back its whole 2 MiB pages with huge
-    pages when they are first written.
-
-    A large fresh tensor is new memory from the operating system (glibc returns freed blocks
-    above 32 MiB at once), so a bandwidth-bound kernel writing it pays a page fault per 4 KiB:
-    on the 2-core benchmark machine, writing a fresh 128 MiB output took 34-42 ms, 7.6 ms with
-    2 MiB pages, 5 ms for memory already mapped. Only this tensor's memory is advised, and only
-    where transparent huge pages are in ``madvise`` mode (in ``always`` mode the kernel does it
-    unasked); ``CAKEOPS_HUGE_PAGES=0`` turns it off.
-    """
-    out = torch.empty(shape, dtype=dtype, device=device)
-    if out.device.type == "cpu" and out.nbytes >= HUGE_PAGES_MIN_BYTES:
-        madvise = _madvise()
-        if madvise is not None and os.environ.get(HUGE_PAGES_ENV, "1") != "0":
-            start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-            end = (out.data_ptr() + out.nbytes) // _HUGE_PAGE * _HUGE_PAGE
-            if end > start:  # advice only: a refusal (errno) changes nothing
-                madvise(start, end - start, _MADV_HUGEPAGE)
-    return out
-
-
-@functools.cache
-def _madvise():
-    """libc's ``madvise``, or ``None`` where asking for huge pages is pointless: not Linux,
-    transparent huge pages off, or on for all memory already."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            if "[madvise]" not in f.read():
-                return None
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    madvise.restype = ctypes.c_int
-    return madvise
 
 
 # --------------------------------------------------------------------------------------------
