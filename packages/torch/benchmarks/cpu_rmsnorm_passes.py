@@ -5,8 +5,7 @@
 Prints, for float32 and bfloat16: the forward and the backward of the ``torch`` backend, each
 beside the time its bytes take at the measured copy bandwidth, and the cost of what no kernel
 can avoid: a fresh output of ``x``'s size (allocated, first touched) against writing one that
-already exists; and the step on rows few enough to stay in cache, scaled up: the math and the calls
-alone. Run it again with glibc told to keep freed memory
+already exists. Run it again with glibc told to keep freed memory
 (``MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296``, or jemalloc/tcmalloc
 preloaded) to see the op without the operating system's page faults.
 """
@@ -22,7 +21,6 @@ from cakeops.bench.limits import measure_limits
 from cakeops.measure import time_it
 
 CPU = torch.device("cpu")
-CACHED_ROWS = 256  # 4 MiB per float32 tensor at D 4096: all of a step's fit the 32 MiB L3
 
 
 def passes(dtype: torch.dtype, shape: tuple[int, int]) -> list[tuple[str, float, int]]:
@@ -41,23 +39,12 @@ def passes(dtype: torch.dtype, shape: tuple[int, int]) -> list[tuple[str, float,
     def step():
         return torch.autograd.grad(cakeops.rmsnorm_silu_gate(x, z, w, 1e-6), (x, z, w), g)
 
-    # The same step on the first CACHED_ROWS rows only, repeated: its tensors stay in the last
-    # level cache, so its time scaled to all rows is the math and the calls without DRAM or page
-    # faults.
-    xc, zc, gc = (t[:CACHED_ROWS].detach().requires_grad_(t.requires_grad) for t in (x, z, g))
-
-    def cached_step():
-        return torch.autograd.grad(cakeops.rmsnorm_silu_gate(xc, zc, w, 1e-6), (xc, zc, w), gc)
-
     fwd_s = time_it(forward, CPU, repeats=7)
     step_s = time_it(step, CPU, repeats=7)
-    scale = shape[0] / CACHED_ROWS
     return [
         ("forward (reads x, z; writes y)", fwd_s, 3 * size),
         ("backward (reads g, x, z; writes dx, dz)", step_s - fwd_s, 5 * size),
         ("forward+backward", step_s, 8 * size),
-        ("forward+backward, cache-resident rows, scaled", time_it(cached_step, CPU, 7) * scale,
-         8 * size),
         ("a fresh output: empty + fill", time_it(lambda: torch.empty_like(x).fill_(1), CPU, 7),
          size),
         ("an existing output: fill", time_it(lambda: out.fill_(1), CPU, 7), size),
@@ -71,12 +58,12 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth = measure_limits(CPU)["copy_bytes_per_s"]
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, {torch.get_num_threads()} threads")
-    print(f"{'dtype':<9} {'pass':<48} {'ms':>8} {'bound ms':>9} {'of bound':>9}")
+    print(f"{'dtype':<9} {'pass':<40} {'ms':>8} {'bound ms':>9} {'of bound':>9}")
     for dtype in (torch.float32, torch.bfloat16):
         for name, seconds, nbytes in passes(dtype, (args.rows, args.dim)):
             bound = nbytes / bandwidth
             print(
-                f"{str(dtype).removeprefix('torch.'):<9} {name:<48} {seconds * 1e3:8.1f} "
+                f"{str(dtype).removeprefix('torch.'):<9} {name:<40} {seconds * 1e3:8.1f} "
                 f"{bound * 1e3:9.1f} {bound / seconds:9.0%}"
             )
 
