@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 import types
 import typing
@@ -85,13 +86,15 @@ class OpInputs(Mapping[str, Any]):
         return len(self._names())
 
     @classmethod
+    @functools.cache
     def _names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensor arguments by name."""
-        return {k: v for k, v in self.items() if isinstance(v, torch.Tensor)}
+        values = ((name, getattr(self, name)) for name in self._names())
+        return {k: v for k, v in values if isinstance(v, torch.Tensor)}
 
     @property
     def selecting(self) -> torch.Tensor:
