@@ -4,10 +4,10 @@
 enough to stay in cache (16 KiB at E = M = 64), so there is no chunk score matrix and no BLAS
 call per chunk: 4EM flops per position forward, 10EM backward, against the chunked form's
 ``2C(E + M) + 4EM``. The forward takes four positions per pass over the state (a chunk of four
-whose update and reads are rank-4 products in registers, see :func:`_forward`). The backward is two scans: the forward kernel on ``(g, v, k)`` gives
-``dq`` (``dq_i = sum_{j<=i} (g_i . v_j) k_j``), a reverse-time scan ``dk_j = R_j v_j`` and
-``dv_j = R_j^T k_j`` with ``R_j = sum_{i>=j} q_i g_i^T``. Every sum runs in a fixed order:
-deterministic.
+whose update and reads are rank-4 products in registers, see :func:`_forward`). The backward is
+two scans: the forward kernel on ``(g, v, k)`` gives ``dq`` (``dq_i = sum_{j<=i} (g_i . v_j)
+k_j``), a reverse-time scan ``dk_j = R_j v_j`` and ``dv_j = R_j^T k_j`` with
+``R_j = sum_{i>=j} q_i g_i^T``. Every sum runs in a fixed order: deterministic.
 
 The kernels take ``(heads, L, E)`` arrays of float32, or of bfloat16 as the ``int16`` view of its
 bits (numpy has no bfloat16): each element is widened to float32 as it loads and each result
