@@ -70,9 +70,7 @@ def gather_info() -> dict[str, Any]:
         }
     for name, dist in registry.KNOWN_DISTRIBUTIONS.items():
         if name not in installed:
-            reason = registry.load_errors().get(
-                name, f"not installed: {registry.install_hint(name)}"
-            )
+            reason = registry.load_errors().get(name, registry.missing_reason(name))
             info["backends"][name] = {"distribution": dist, "available": False, "reason": reason}
     for name, reason in registry.load_errors().items():  # broken third-party entry points
         if name not in info["backends"]:
