@@ -215,11 +215,11 @@ def backward(g, x, z, weight, eps, group_size, norm_before_gate):
     dweight = torch.zeros(D, dtype=ct, device=x.device)
     if _use_compiled(x):
         blocks = list(_blocks(xr.shape[0], D, COMPILED_BACKWARD_BLOCK_ELEMENTS))
-        terms = torch.empty((blocks[0].stop, D), dtype=torch.float32) if blocks else None
+        terms = torch.empty((blocks[0].stop, D), dtype=torch.float32)  # rows >= 1 when compiled
         for b in blocks:
             t = terms[: b.stop - b.start]
-            args = (dxr[b], dzr[b], t, gr[b], xr[b], zr[b], weight, eps, group_size)
-            if not _run_compiled(_fused_backward, *args, norm_before_gate):
+            inputs = (gr[b], xr[b], zr[b], weight, eps, group_size, norm_before_gate)
+            if not _run_compiled(_fused_backward, dxr[b], dzr[b], t, *inputs):
                 dweight.zero_()
                 break
             dweight.add_(t.sum(0))
