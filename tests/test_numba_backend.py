@@ -57,17 +57,22 @@ def test_converted_blocks_of_heads_match_reference(monkeypatch, case):
         q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         assert not q.is_contiguous()
-    calls = []
-    kernel = cpu_kernels._forward
+    calls = {"_forward": [], "_backward": []}
 
-    def counting(*args):
-        calls.append(args[0].shape[0])
-        return kernel(*args)
+    def counting(name):
+        kernel = getattr(cpu_kernels, name)
 
-    monkeypatch.setattr(cpu_kernels, "_forward", counting)
+        def call(*args):
+            calls[name].append(args[0].shape[0])
+            return kernel(*args)
+
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(cpu_kernels, name, counting(name))
     with cakeops.use_backend("numba"):
         got = run(q, k, v, g)
-    assert calls == expected * 2  # the forward, then the backward's dq scan
+    assert calls == {"_forward": expected, "_backward": expected}
     suite.check_against_reference(q, k, v, g, got)
 
 

@@ -4,10 +4,10 @@
 enough to stay in cache (16 KiB at E = M = 64), so there is no chunk score matrix and no BLAS
 call per chunk: 4EM flops per position forward, 10EM backward, against the chunked form's
 ``2C(E + M) + 4EM``. The forward takes four positions per pass over the state (a chunk of four
-whose update and reads are rank-4 products in registers, see :func:`_forward`). The backward is
-two scans: the forward kernel on ``(g, v, k)`` gives ``dq`` (``dq_i = sum_{j<=i} (g_i . v_j)
-k_j``), a reverse-time scan ``dk_j = R_j v_j`` and ``dv_j = R_j^T k_j`` with
-``R_j = sum_{i>=j} q_i g_i^T``. Every sum runs in a fixed order: deterministic.
+whose update and reads are rank-4 products in registers, see :func:`_forward_head`). The
+backward runs two scans per head: the forward's on ``(g, v, k)`` gives ``dq`` (``dq_i =
+sum_{j<=i} (g_i . v_j) k_j``), a reverse-time scan ``dk_j = R_j v_j`` and ``dv_j = R_j^T k_j``
+with ``R_j = sum_{i>=j} q_i g_i^T``. Every sum runs in a fixed order: deterministic.
 
 The kernels take ``(heads, L, E)`` arrays of float32, or of bfloat16 as the ``int16`` view of its
 bits (numpy has no bfloat16): each element is widened to float32 as it loads and each result
@@ -99,82 +99,106 @@ def _store_impl(arr, h, i, j, v):
     return impl
 
 
-@_compiled
-def _forward(q, k, v, out):  # pragma: no cover - compiled
-    """``out_i = sum_{j<=i} (q_i . k_j) v_j``, four positions per pass over the state.
+def _compiled_head(fn):
+    """``fn``, run by one thread for one head, compiled and cached like :func:`_compiled`."""
+    try:
+        return njit(fastmath=FASTMATH, cache=True)(fn)
+    except RuntimeError:  # no cache locator, as in _compiled
+        return njit(fastmath=FASTMATH)(fn)
+
+
+@_compiled_head
+def _forward_head(q, k, v, out, h):  # pragma: no cover - compiled
+    """Head ``h`` of ``out_i = sum_{j<=i} (q_i . k_j) v_j``, four positions per pass over the
+    state.
 
     The state is kept transposed, ``St[m, e] = sum_j v_j[m] k_j[e]``, so a position's output
     element is a reduction along a contiguous row: each row of the state is loaded and stored
     once per four positions, and the four partial sums stay in registers.
     """
-    heads, L, E = q.shape
+    L, E = q.shape[1], q.shape[2]
     M = v.shape[2]
-    for h in prange(heads):
-        St = np.zeros((M, E), np.float32)
-        kb = np.empty((4, E), np.float32)
-        qb = np.empty((4, E), np.float32)
-        vb = np.empty((4, M), np.float32)
-        for start in range(0, L, 4):
-            n = min(4, L - start)
-            for t in range(n):
+    St = np.zeros((M, E), np.float32)
+    kb = np.empty((4, E), np.float32)
+    qb = np.empty((4, E), np.float32)
+    vb = np.empty((4, M), np.float32)
+    for start in range(0, L, 4):
+        n = min(4, L - start)
+        for t in range(n):
+            for e in range(E):
+                kb[t, e] = _widen(k[h, start + t, e])
+                qb[t, e] = _widen(q[h, start + t, e])
+            for m in range(M):
+                vb[t, m] = _widen(v[h, start + t, m])
+        if n == 4:
+            for m in range(M):
+                v0, v1, v2, v3 = vb[0, m], vb[1, m], vb[2, m], vb[3, m]
+                a0 = a1 = a2 = a3 = np.float32(0.0)
                 for e in range(E):
-                    kb[t, e] = _widen(k[h, start + t, e])
-                    qb[t, e] = _widen(q[h, start + t, e])
+                    s = St[m, e] + v0 * kb[0, e]
+                    a0 += qb[0, e] * s
+                    s += v1 * kb[1, e]
+                    a1 += qb[1, e] * s
+                    s += v2 * kb[2, e]
+                    a2 += qb[2, e] * s
+                    s += v3 * kb[3, e]
+                    a3 += qb[3, e] * s
+                    St[m, e] = s
+                _store(out, h, start, m, a0)
+                _store(out, h, start + 1, m, a1)
+                _store(out, h, start + 2, m, a2)
+                _store(out, h, start + 3, m, a3)
+        else:
+            for t in range(n):
                 for m in range(M):
-                    vb[t, m] = _widen(v[h, start + t, m])
-            if n == 4:
-                for m in range(M):
-                    v0, v1, v2, v3 = vb[0, m], vb[1, m], vb[2, m], vb[3, m]
-                    a0 = a1 = a2 = a3 = np.float32(0.0)
+                    vm = vb[t, m]
+                    acc = np.float32(0.0)
                     for e in range(E):
-                        s = St[m, e] + v0 * kb[0, e]
-                        a0 += qb[0, e] * s
-                        s += v1 * kb[1, e]
-                        a1 += qb[1, e] * s
-                        s += v2 * kb[2, e]
-                        a2 += qb[2, e] * s
-                        s += v3 * kb[3, e]
-                        a3 += qb[3, e] * s
+                        s = St[m, e] + vm * kb[t, e]
+                        acc += qb[t, e] * s
                         St[m, e] = s
-                    _store(out, h, start, m, a0)
-                    _store(out, h, start + 1, m, a1)
-                    _store(out, h, start + 2, m, a2)
-                    _store(out, h, start + 3, m, a3)
-            else:
-                for t in range(n):
-                    for m in range(M):
-                        vm = vb[t, m]
-                        acc = np.float32(0.0)
-                        for e in range(E):
-                            s = St[m, e] + vm * kb[t, e]
-                            acc += qb[t, e] * s
-                            St[m, e] = s
-                        _store(out, h, start + t, m, acc)
+                    _store(out, h, start + t, m, acc)
+
+
+@_compiled_head
+def _reverse_head(g, q, k, v, dk, dv, h):  # pragma: no cover - compiled
+    """Head ``h`` of the reverse-time scan: ``dk_j = R_j v_j``, ``dv_j = R_j^T k_j`` with
+    ``R_j = sum_{i>=j} q_i g_i^T``."""
+    L, E = q.shape[1], q.shape[2]
+    M = v.shape[2]
+    R = np.zeros((E, M), np.float32)
+    dvi = np.empty(M, np.float32)
+    for i in range(L - 1, -1, -1):
+        for m in range(M):
+            dvi[m] = 0.0
+        for e in range(E):
+            qe = _widen(q[h, i, e])
+            ke = _widen(k[h, i, e])
+            acc = np.float32(0.0)
+            for m in range(M):
+                R[e, m] += qe * _widen(g[h, i, m])
+                acc += R[e, m] * _widen(v[h, i, m])
+                dvi[m] += R[e, m] * ke
+            _store(dk, h, i, e, acc)
+        for m in range(M):
+            _store(dv, h, i, m, dvi[m])
 
 
 @_compiled
-def _reverse(g, q, k, v, dk, dv):  # pragma: no cover - compiled
-    """The reverse-time scan: ``dk_j = R_j v_j``, ``dv_j = R_j^T k_j`` with
-    ``R_j = sum_{i>=j} q_i g_i^T``."""
-    heads, L, E = q.shape
-    M = v.shape[2]
-    for h in prange(heads):
-        R = np.zeros((E, M), np.float32)
-        dvi = np.empty(M, np.float32)
-        for i in range(L - 1, -1, -1):
-            for m in range(M):
-                dvi[m] = 0.0
-            for e in range(E):
-                qe = _widen(q[h, i, e])
-                ke = _widen(k[h, i, e])
-                acc = np.float32(0.0)
-                for m in range(M):
-                    R[e, m] += qe * _widen(g[h, i, m])
-                    acc += R[e, m] * _widen(v[h, i, m])
-                    dvi[m] += R[e, m] * ke
-                _store(dk, h, i, e, acc)
-            for m in range(M):
-                _store(dv, h, i, m, dvi[m])
+def _forward(q, k, v, out):  # pragma: no cover - compiled
+    for h in prange(q.shape[0]):
+        _forward_head(q, k, v, out, h)
+
+
+@_compiled
+def _backward(g, q, k, v, dq, dk, dv):  # pragma: no cover - compiled
+    """Both scans of a head on one thread, one after the other: the reverse scan reads ``g``,
+    ``k`` and ``v`` while the forward scan has left them in cache, and one launch serves the
+    backward."""
+    for h in prange(q.shape[0]):
+        # dq_i = sum_{j<=i} (g_i . v_j) k_j: the forward scan with (g, v, k) as (q, k, v)
+        _forward_head(g, v, k, dq, h)
+        _reverse_head(g, q, k, v, dk, dv, h)
 
 
 #: Dtypes the kernels read and write in place (bfloat16 as the int16 view of its bits).
@@ -244,7 +268,5 @@ def backward(
     g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
-    # dq_i = sum_{j<=i} (g_i . v_j) k_j: the forward scan with (g, v, k) in the roles of (q, k, v)
-    _run(_forward, (g, v, k), (dq,))
-    _run(_reverse, (g, q, k, v), (dk, dv))
+    _run(_backward, (g, q, k, v), (dq, dk, dv))
     return dq, dk, dv
