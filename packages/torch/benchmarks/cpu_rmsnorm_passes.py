@@ -5,7 +5,10 @@
 Prints, for float32 and bfloat16: the forward and the backward of the ``torch`` backend, each
 beside the time its bytes take at the measured copy bandwidth, and the cost of what no kernel
 can avoid: a fresh output of ``x``'s size (allocated, first touched) against writing one that
-already exists. Run it again with glibc told to keep freed memory
+already exists; and the arithmetic alone: the backend's compiled forward and backward block
+functions run again and again on one block of ``--hot-rows`` rows, outputs included, that stays
+in the last-level cache, scaled to the whole tensor (no memory traffic, no page faults, no op
+dispatch). Run it again with glibc told to keep freed memory
 (``MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296``, or jemalloc/tcmalloc
 preloaded) to see the op without the operating system's page faults.
 """
@@ -19,11 +22,28 @@ import torch
 import cakeops
 from cakeops.bench.limits import measure_limits
 from cakeops.measure import time_it
+from cakeops_torch import rmsnorm_silu_gate as kernels
 
 CPU = torch.device("cpu")
 
 
-def passes(dtype: torch.dtype, shape: tuple[int, int]) -> list[tuple[str, float, int]]:
+def in_cache(dtype: torch.dtype, shape: tuple[int, int], rows: int) -> tuple[float, float]:
+    """Seconds of the backend's compiled forward and backward on one block of ``rows`` rows,
+    repeated while it stays in cache (outputs written in place), times ``shape[0] / rows``."""
+    x, z, g, y, dx, dz = (torch.randn(rows, shape[1], dtype=dtype) for _ in range(6))
+    w = torch.ones(shape[1], dtype=dtype)
+    terms = torch.empty(rows, shape[1])
+    args = (w, 1e-6, shape[1], True)
+    fused_forward = kernels._compiled(kernels._fused_forward)
+    fused_backward = kernels._compiled(kernels._fused_backward)
+    fwd = time_it(lambda: fused_forward(y, x, z, *args), CPU, repeats=21)
+    bwd = time_it(lambda: fused_backward(dx, dz, terms, g, x, z, *args), CPU, repeats=21)
+    return fwd * shape[0] / rows, bwd * shape[0] / rows
+
+
+def passes(
+    dtype: torch.dtype, shape: tuple[int, int], hot_rows: int
+) -> list[tuple[str, float, int]]:
     """``(pass, seconds, bytes it moves at least)`` for inputs of ``shape`` and ``dtype``."""
     x = torch.randn(shape, dtype=dtype, requires_grad=True)
     z = torch.randn(shape, dtype=dtype, requires_grad=True)
@@ -41,6 +61,7 @@ def passes(dtype: torch.dtype, shape: tuple[int, int]) -> list[tuple[str, float,
 
     fwd_s = time_it(forward, CPU, repeats=7)
     step_s = time_it(step, CPU, repeats=7)
+    hot_fwd, hot_bwd = in_cache(dtype, shape, hot_rows)
     return [
         ("forward (reads x, z; writes y)", fwd_s, 3 * size),
         ("backward (reads g, x, z; writes dx, dz)", step_s - fwd_s, 5 * size),
@@ -48,6 +69,8 @@ def passes(dtype: torch.dtype, shape: tuple[int, int]) -> list[tuple[str, float,
         ("a fresh output: empty + fill", time_it(lambda: torch.empty_like(x).fill_(1), CPU, 7),
          size),
         ("an existing output: fill", time_it(lambda: out.fill_(1), CPU, 7), size),
+        ("forward arithmetic (in cache)", hot_fwd, 3 * size),
+        ("backward arithmetic (in cache)", hot_bwd, 5 * size),
     ]  # fmt: skip
 
 
@@ -55,12 +78,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--hot-rows", type=int, default=128, help="rows of the in-cache block")
     args = parser.parse_args()
     bandwidth = measure_limits(CPU)["copy_bytes_per_s"]
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, {torch.get_num_threads()} threads")
     print(f"{'dtype':<9} {'pass':<40} {'ms':>8} {'bound ms':>9} {'of bound':>9}")
     for dtype in (torch.float32, torch.bfloat16):
-        for name, seconds, nbytes in passes(dtype, (args.rows, args.dim)):
+        for name, seconds, nbytes in passes(dtype, (args.rows, args.dim), args.hot_rows):
             bound = nbytes / bandwidth
             print(
                 f"{str(dtype).removeprefix('torch.'):<9} {name:<40} {seconds * 1e3:8.1f} "
