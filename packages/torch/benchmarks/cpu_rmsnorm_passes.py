@@ -28,16 +28,16 @@ CPU = torch.device("cpu")
 
 
 def in_cache(dtype: torch.dtype, shape: tuple[int, int], rows: int) -> tuple[float, float]:
-    """Seconds of the backend's compiled forward and backward on one block of ``rows`` rows,
-    repeated while it stays in cache (outputs written in place), times ``shape[0] / rows``."""
+    """Seconds of the backend's compiled forward and backward (the graphs the op runs, rows
+    dynamic) on one block of ``rows`` rows, repeated while it stays in cache (outputs written
+    in place), times ``shape[0] / rows``."""
     x, z, g, y, dx, dz = (torch.randn(rows, shape[1], dtype=dtype) for _ in range(6))
     w = torch.ones(shape[1], dtype=dtype)
     terms = torch.empty(rows, shape[1])
     args = (w, 1e-6, shape[1], True)
-    fused_forward = kernels._compiled(kernels._fused_forward)
-    fused_backward = kernels._compiled(kernels._fused_backward)
-    fwd = time_it(lambda: fused_forward(y, x, z, *args), CPU, repeats=21)
-    bwd = time_it(lambda: fused_backward(dx, dz, terms, g, x, z, *args), CPU, repeats=21)
+    run = kernels._run_compiled
+    fwd = time_it(lambda: run(kernels._fused_forward, y, x, z, *args), CPU, repeats=21)
+    bwd = time_it(lambda: run(kernels._fused_backward, dx, dz, terms, g, x, z, *args), CPU, 21)
     return fwd * shape[0] / rows, bwd * shape[0] / rows
 
 
