@@ -3,9 +3,10 @@
 
 From the declaration this module builds, for every op alike: the custom op ``cakeops::<op>`` and
 its fake, the backward op ``cakeops::<op>_backward`` and its fake, ``setup_context`` and the
-backward, the ``torch.autograd.Function`` the public function calls (so ``torch.func`` transforms
-work), argument type checks from the annotations, ``bind`` (what :func:`cakeops.explain` and the
-CLI validate with), the backend choice per call and the checks on what a backend returns.
+backward, the ``torch.autograd.Function`` the public function calls under ``torch.func``
+transforms (elsewhere it calls the custom op, whose autograd is the same), argument type checks
+from the annotations, ``bind`` (what :func:`cakeops.explain` and the CLI validate with), the
+backend choice per call and the checks on what a backend returns.
 
 The contract every op shares:
 
@@ -200,7 +201,7 @@ def _checked(
 def _may_differentiate_backward() -> bool:
     """Whether a backward being run could itself be differentiated (``create_graph=True``, a
     ``torch.func`` transform): only then does it need the Function that refuses second
-    derivatives, a third of a small backward's time."""
+    derivatives, a quarter of a small backward's time."""
     return torch.is_grad_enabled() or torch._C._are_functorch_transforms_active()
 
 
@@ -324,7 +325,7 @@ class OpSpec:
         _spec.check_no_forward_ad(self.name, inputs.tensors)
         if torch._C._are_functorch_transforms_active():
             return self._function.apply(*inputs.values())
-        # Outside torch.func the custom op's own autograd does the same, a fifth cheaper.
+        # Outside torch.func the custom op's own autograd does the same job, a fifth cheaper.
         return self.forward_op(*inputs.values())
 
     def positional(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -438,11 +439,12 @@ class OpSpec:
         return tuple(next(grads) if name in differentiable else None for name in self.names)
 
     def _autograd_function(self) -> type:
-        """The ``torch.autograd.Function`` the public function calls: the custom op forward, the
-        same ``setup_context`` and backward (the custom op's own registration serves direct
-        callers of ``torch.ops.cakeops``). PyTorch's generated Function for a custom op defines
-        no ``setup_context``, so ``torch.func.grad``, ``vjp`` and ``jacrev`` refuse it
-        (pytorch/pytorch#170834); this one does, and its vmap rule is generated."""
+        """The ``torch.autograd.Function`` the public function calls under ``torch.func``
+        transforms: the custom op forward, the same ``setup_context`` and backward (elsewhere
+        the custom op's own registration of those does the same job, with less overhead).
+        PyTorch's generated Function for a custom op defines no ``setup_context``, so
+        ``torch.func.grad``, ``vjp`` and ``jacrev`` refuse it (pytorch/pytorch#170834); this one
+        does, and its vmap rule is generated."""
         return type(
             f"{self.name}_function",
             (torch.autograd.Function,),
