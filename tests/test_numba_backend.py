@@ -138,7 +138,7 @@ def test_compiles_without_a_writable_cache(monkeypatch):
             a[i] *= 2
 
     a = np.arange(4.0)
-    cpu_kernels._compiled(double)(a)
+    cpu_kernels._compiled(parallel=True)(double)(a)
     assert a.tolist() == [0.0, 2.0, 4.0, 6.0]
 
 

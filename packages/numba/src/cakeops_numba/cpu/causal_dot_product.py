@@ -35,14 +35,19 @@ BLOCK_ELEMENTS = 1 << 21  # per converted float32 block of one tensor
 _LAUNCH = threading.Lock()
 
 
-def _compiled(fn):
-    """``fn`` compiled on first use, cached on disk (in ``__pycache__`` or numba's user cache
-    directory) so later processes skip the seconds of compiling; without a writable cache
-    location, compiled once per process."""
-    try:
-        return njit(parallel=True, fastmath=FASTMATH, cache=True)(fn)
-    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-        return njit(parallel=True, fastmath=FASTMATH)(fn)
+def _compiled(parallel: bool):
+    """A decorator: ``fn`` compiled on first use (``parallel``: its ``prange`` loop runs on
+    numba's threads), cached on disk (in ``__pycache__`` or numba's user cache directory) so
+    later processes skip the seconds of compiling; without a writable cache location, compiled
+    once per process."""
+
+    def compile_(fn):
+        try:
+            return njit(parallel=parallel, fastmath=FASTMATH, cache=True)(fn)
+        except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+            return njit(parallel=parallel, fastmath=FASTMATH)(fn)
+
+    return compile_
 
 
 @intrinsic
@@ -99,15 +104,7 @@ def _store_impl(arr, h, i, j, v):
     return impl
 
 
-def _compiled_head(fn):
-    """``fn``, run by one thread for one head, compiled and cached like :func:`_compiled`."""
-    try:
-        return njit(fastmath=FASTMATH, cache=True)(fn)
-    except RuntimeError:  # no cache locator, as in _compiled
-        return njit(fastmath=FASTMATH)(fn)
-
-
-@_compiled_head
+@_compiled(parallel=False)
 def _forward_head(q, k, v, out, h):  # pragma: no cover - compiled
     """Head ``h`` of ``out_i = sum_{j<=i} (q_i . k_j) v_j``, four positions per pass over the
     state.
@@ -160,7 +157,7 @@ def _forward_head(q, k, v, out, h):  # pragma: no cover - compiled
                     _store(out, h, start + t, m, acc)
 
 
-@_compiled_head
+@_compiled(parallel=False)
 def _reverse_head(g, q, k, v, dk, dv, h):  # pragma: no cover - compiled
     """Head ``h`` of the reverse-time scan: ``dk_j = R_j v_j``, ``dv_j = R_j^T k_j`` with
     ``R_j = sum_{i>=j} q_i g_i^T``."""
@@ -184,13 +181,13 @@ def _reverse_head(g, q, k, v, dk, dv, h):  # pragma: no cover - compiled
             _store(dv, h, i, m, dvi[m])
 
 
-@_compiled
+@_compiled(parallel=True)
 def _forward(q, k, v, out):  # pragma: no cover - compiled
     for h in prange(q.shape[0]):
         _forward_head(q, k, v, out, h)
 
 
-@_compiled
+@_compiled(parallel=True)
 def _backward(g, q, k, v, dq, dk, dv):  # pragma: no cover - compiled
     """Both scans of a head on one thread, one after the other: the reverse scan reads ``g``,
     ``k`` and ``v`` while the forward scan has left them in cache, and one launch serves the
