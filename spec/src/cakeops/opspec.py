@@ -161,13 +161,22 @@ _forward_choice = threading.local()
 _AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps"})
 
 
+def _autocast_on(device: str) -> bool:
+    """Whether autocast is on for ``device`` (a PyTorch that cannot say per device: assume so,
+    and turn it off)."""
+    try:
+        return torch.is_autocast_enabled(device)
+    except (TypeError, RuntimeError):
+        return True
+
+
 def _run_kernel(backend: Backend, op: str, kind: str, *args: Any) -> Any:
     """``backend``'s ``forward`` or ``backward`` kernel with autocast off: the kernels compute in
     their inputs' dtypes whatever autocast region surrounds the op (the ops have no autocast
     rule, like a custom op: cast the inputs to run them in 16-bit), forward and backward alike."""
     kernel = getattr(backend.kernels(op), kind)
     devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
-    autocasting = [d for d in devices & _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+    autocasting = [d for d in devices & _AUTOCAST_DEVICES if _autocast_on(d)]
     if not autocasting:  # the common case: no context to enter (a few microseconds each)
         return kernel(*args)
     with contextlib.ExitStack() as stack:
