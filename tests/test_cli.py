@@ -152,3 +152,47 @@ def test_help_texts_are_plain_and_complete():
         same_line = line.split("  ", 1)[1].strip() if "  " in line else ""
         next_line = options[at + 1].strip() if at + 1 < len(options) else ""
         assert same_line or (next_line and not next_line.startswith("-")), f"{option}: no help"
+
+
+def test_bench_tables_show_page_faults_where_counted(tmp_path):
+    """A record whose CPU rows counted page faults gets a *page faults* column (``-`` for a
+    contender timed once); one without them keeps the table it always had."""
+    from cakeops.bench import op_markdown
+
+    results = {
+        "cakeops [torch]": {"time_s": 0.5, "peak_bytes": 0, "saved_bytes": 0, "faults": 1024},
+        "eager composite": {"time_s": 1.0, "peak_bytes": 0, "saved_bytes": 0},
+    }
+    record = {
+        "date": "2026-11-30T00:00:00+00:00",
+        "machine": {"platform": "Linux", "processor": "x86_64", "torch": "2.13.0", "threads": 2,
+                    "device": "cpu"},
+        "command": "cakeops bench",
+        "results": {"rmsnorm_silu_gate": [{"case": "rows 8, D 4", "dtype": "float32",
+                                           "backend": "torch", "baseline": "eager composite",
+                                           "results": results}]},
+    }  # fmt: skip
+    table = op_markdown(record, "rmsnorm_silu_gate")
+    assert "| implementation | time (ms) | speed-up | peak (MiB) | saved (MiB) | page faults |" in (
+        table
+    )
+    assert "| cakeops [torch] | 500.0 | 2.00x | 0.0 | 0.0 | 1024 |" in table
+    assert "| eager composite | 1000.0 | 1.00x | 0.0 | 0.0 | - |" in table
+    del results["cakeops [torch]"]["faults"]
+    assert "page faults" not in op_markdown(record, "rmsnorm_silu_gate")
+
+
+def test_timed_steps_count_the_page_faults_of_fresh_memory():
+    """The benchmark's fault count sees a step that touches fresh memory (64 MiB, beyond what
+    glibc keeps for reuse) and not one that touches none."""
+    import torch
+
+    from cakeops.measure import alternating_times, fault_counter
+
+    if sys.platform == "win32":  # no getrusage: the tables then have no faults column
+        assert fault_counter() is None
+        return
+    faults: dict[str, list[int]] = {}
+    steps = {"fresh": lambda: torch.ones(1 << 24), "none": lambda: None}
+    alternating_times(steps, torch.device("cpu"), repeats=3, faults=faults)
+    assert min(faults["fresh"]) > max(faults["none"])

@@ -31,21 +31,40 @@ def alternating_medians(
 
 
 def alternating_times(
-    steps: Mapping[str, Callable[[], Any]], device: torch.device, repeats: int, warmup: int = 0
+    steps: Mapping[str, Callable[[], Any]],
+    device: torch.device,
+    repeats: int,
+    warmup: int = 0,
+    faults: dict[str, list[int]] | None = None,
 ) -> dict[str, list[float]]:
-    """Every timed call's seconds of each step, timed as :func:`alternating_medians` does."""
+    """Every timed call's seconds of each step, timed as :func:`alternating_medians` does;
+    given ``faults`` (on a CPU whose OS counts them), each timed call's page faults go there."""
     for step in steps.values():
         for _ in range(warmup):
             step()
+    counter = fault_counter() if device.type == "cpu" else None
     times: dict[str, list[float]] = {label: [] for label in steps}
     for _ in range(repeats):
         for label, step in steps.items():
             sync(device)
+            before = counter() if counter else 0
             start = time.perf_counter()
             step()
             sync(device)
             times[label].append(time.perf_counter() - start)
+            if counter and faults is not None:
+                faults.setdefault(label, []).append(counter() - before)
     return times
+
+
+def fault_counter() -> Callable[[], int] | None:
+    """A function giving the process's minor page faults so far (memory the OS maps in on first
+    touch: fresh allocations), or ``None`` where the OS does not count them (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    return lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def spread(times: list[float]) -> float:

@@ -89,7 +89,9 @@ def measure(
     """``contenders``: label -> (forward only, forward+backward).
 
     Timed steps alternate between the contenders (round-robin, median per contender), so that a
-    shared machine's drifting speed shifts every contender alike and the ratios stay fair. Peak
+    shared machine's drifting speed shifts every contender alike and the ratios stay fair. On a
+    CPU the page faults of each timed step are counted too (median per contender): the cost of
+    fresh memory from the operating system, which no kernel controls. Peak
     memory is measured after all timing, so the profiler it needs on CPU never overlaps a timed
     step. A contender whose second warm-up step still takes over ``slow_s`` seconds (the first
     may compile) is timed once, on the run that measures its peak memory: the profiler's
@@ -107,7 +109,9 @@ def measure(
             slow[label] = None
         else:
             fast.append(label)
-    times = alternating_times({label: contenders[label][1] for label in fast}, device, repeats)
+    faults: dict[str, list[int]] = {}
+    steps = {label: contenders[label][1] for label in fast}
+    times = alternating_times(steps, device, repeats, faults=faults)
     results = {}
     for label, (forward, step) in contenders.items():
         if label in slow:
@@ -124,6 +128,8 @@ def measure(
             "peak_bytes": peak,
             "saved_bytes": saved_bytes(forward),
         }
+        if label in faults:  # timed steps on a CPU: their median page faults
+            results[label]["faults"] = statistics.median_low(faults[label])
     return results
 
 
@@ -146,20 +152,33 @@ def format_table(
     """The printed table of one case; with ``work``, each row's fraction of the run's limit."""
     dtype = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     base = results[baseline]
+    counted = _faults_counted(results)
     lines = [
         title,
         f"  {'implementation':<28} {'time ms':>9} {'spread':>7} {'vs ' + baseline:>12} "
-        f"{'peak MiB':>9} {'saved MiB':>9}  {'of the limit' if work else ''}",
+        f"{'peak MiB':>9} {'saved MiB':>9}"
+        + (f" {'faults':>7}" if counted else "")
+        + f"  {'of the limit' if work else ''}",
     ]
     for label, r in results.items():
         ratio = base["time_s"] / r["time_s"]
         repeats = f"{r.get('spread', 0.0):6.0%}" if r.get("repeats", 1) > 1 else "  once"
         lines.append(
             f"  {label:<28} {r['time_s'] * 1e3:9.2f} {repeats:>7} {ratio:11.2f}x "
-            f"{_mb(r['peak_bytes']):>9} {_mb(r['saved_bytes']):>9}  "
-            f"{_of_limit(work, dtype, r['time_s'])}".rstrip()
+            f"{_mb(r['peak_bytes']):>9} {_mb(r['saved_bytes']):>9}"
+            + (f" {_faults(r):>7}" if counted else "")
+            + f"  {_of_limit(work, dtype, r['time_s'])}".rstrip()
         )
     return "\n".join(lines)
+
+
+def _faults_counted(results: dict[str, dict[str, Any]]) -> bool:
+    return any("faults" in r for r in results.values())
+
+
+def _faults(r: dict[str, Any]) -> str:
+    """A row's page faults per step, or ``-`` for a contender timed once."""
+    return str(r["faults"]) if "faults" in r else "-"
 
 
 def _machine_line(record: dict[str, Any]) -> str:
@@ -176,7 +195,20 @@ def _machine_line(record: dict[str, Any]) -> str:
         f"{m['platform']}), torch {m['torch']}, with `{record['command']}`. Time is the median "
         "of forward+backward, the contenders timed in alternation; *speed-up* is the baseline's "
         "time over the row's; *peak* is the memory allocated during forward+backward beyond the "
-        "inputs; *saved* is what the autograd graph holds between forward and backward." + measured
+        "inputs; *saved* is what the autograd graph holds between forward and backward"
+        + (
+            "; *page faults* are those of a timed step (median), the fresh memory the operating "
+            "system mapped in for it (- for a contender timed once)."
+            if _record_counts_faults(record)
+            else "."
+        )
+        + measured
+    )
+
+
+def _record_counts_faults(record: dict[str, Any]) -> bool:
+    return any(
+        _faults_counted(row["results"]) for rows in record["results"].values() for row in rows
     )
 
 
@@ -187,13 +219,17 @@ def op_markdown(record: dict[str, Any], op: str) -> str:
         results, baseline = row["results"], row["baseline"]
         work, limits = row.get("work"), record.get("limits")
         limit_column = work is not None and bool(limits)
+        counted = _faults_counted(results)
         lines += [
             "",
             f"**{row['case']}, {row['dtype']}** (baseline: {baseline})",
             "",
             "| implementation | time (ms) | speed-up | peak (MiB) | saved (MiB) |"
+            + (" page faults |" if counted else "")
             + (" of the limit |" if limit_column else ""),
-            "| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if limit_column else ""),
+            "| --- | ---: | ---: | ---: | ---: |"
+            + (" ---: |" if counted else "")
+            + (" ---: |" if limit_column else ""),
         ]
         base = results[baseline]["time_s"]
         for label, r in results.items():
@@ -201,6 +237,7 @@ def op_markdown(record: dict[str, Any], op: str) -> str:
             lines.append(
                 f"| {label} | {r['time_s'] * 1e3:.1f} | {base / r['time_s']:.2f}x | "
                 f"{r['peak_bytes'] / 2**20:.1f} | {r['saved_bytes'] / 2**20:.1f} |"
+                + (f" {_faults(r)} |" if counted else "")
                 + (f" {share} |" if limit_column else "")
             )
     return "\n".join(lines) + "\n"
