@@ -91,11 +91,11 @@ def measure(
     Timed steps alternate between the contenders (round-robin, median per contender), so that a
     shared machine's drifting speed shifts every contender alike and the ratios stay fair. On a
     CPU the page faults of each timed step are counted too (median per contender): the cost of
-    fresh memory from the operating system, which no kernel controls. Peak
-    memory is measured after all timing, so the profiler it needs on CPU never overlaps a timed
-    step. A contender whose second warm-up step still takes over ``slow_s`` seconds (the first
-    may compile) is timed once, on the run that measures its peak memory: the profiler's
-    overhead is small next to such a step.
+    fresh memory from the operating system, which no kernel controls. Peak memory is measured
+    after all timing, so the profiler it needs on CPU never overlaps a timed step. A contender
+    whose second warm-up step still takes over ``slow_s`` seconds (the first may compile) is
+    timed once, on the run that measures its peak memory: the profiler's overhead is small next
+    to such a step.
     """
     slow, fast = {}, []
     for label, (_forward, step) in contenders.items():
