@@ -14,21 +14,17 @@ op is seen pass by pass.
 
 from __future__ import annotations
 
-import resource
+import statistics
 
 import torch
 
 import cakeops
 from cakeops.bench.limits import measure_limits
-from cakeops.measure import alternating_medians
+from cakeops.measure import alternating_times
 from cakeops_numba.cpu import causal_dot_product as kernels
 
 CPU = torch.device("cpu")
 SHAPES = ((2, 4, 2048, 64), (1, 8, 8192, 64), (8, 8, 512, 128))
-
-
-def _faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def main() -> None:
@@ -39,24 +35,23 @@ def main() -> None:
         f"{'op step ms':>10} {'op':>5} {'faults/step':>11}"
     )
     for N, H, L, E in SHAPES:
-        steps, faults = {}, {}
+        steps = {}
         for dtype in (torch.float32, torch.bfloat16):
             q, k, v, g = (torch.randn(N, H, L, E).to(dtype) for _ in range(4))
             leaves = tuple(t.requires_grad_() for t in (q.clone(), k.clone(), v.clone()))
-
-            def op(leaves=leaves, g=g, dtype=dtype, faults=faults):
-                before = _faults()
-                torch.autograd.grad(cakeops.causal_dot_product(*leaves), leaves, g)
-                faults.setdefault(dtype, []).append(_faults() - before)
-
             steps[dtype, "forward"] = lambda q=q, k=k, v=v: kernels.forward(q, k, v)
             steps[dtype, "backward"] = lambda q=q, k=k, v=v, g=g: kernels.backward(g, q, k, v)
-            steps[dtype, "op"] = op
-        times = alternating_medians(steps, CPU, repeats=9, warmup=1)
+            steps[dtype, "op"] = lambda leaves=leaves, g=g: torch.autograd.grad(
+                cakeops.causal_dot_product(*leaves), leaves, g
+            )
+        faults: dict = {}
+        times = alternating_times(steps, CPU, repeats=9, warmup=1, faults=faults)
         for dtype in (torch.float32, torch.bfloat16):
-            fwd, bwd, step = (times[dtype, s] for s in ("forward", "backward", "op"))
+            fwd, bwd, step = (
+                statistics.median(times[dtype, s]) for s in ("forward", "backward", "op")
+            )
             flops = 12 * N * H * L * E * E
-            per_step = sorted(faults[dtype])[len(faults[dtype]) // 2]
+            per_step = statistics.median_low(faults[dtype, "op"])
             print(
                 f"N{N} H{H} L{L} E=M={E:<5} {str(dtype).removeprefix('torch.'):<9} "
                 f"{fwd * 1e3:10.1f} {bwd * 1e3:11.1f} {flops / (fwd + bwd) / rate:8.0%} "
