@@ -7,7 +7,8 @@ call per chunk: 4EM flops per position forward, 10EM backward, against the chunk
 whose update and reads are rank-4 products in registers, see :func:`_forward_head`). The
 backward runs two scans per head: the forward's on ``(g, v, k)`` gives ``dq`` (``dq_i =
 sum_{j<=i} (g_i . v_j) k_j``), a reverse-time scan ``dk_j = R_j v_j`` and ``dv_j = R_j^T k_j``
-with ``R_j = sum_{i>=j} q_i g_i^T``. Every sum runs in a fixed order: deterministic.
+with ``R_j = sum_{i>=j} q_i g_i^T``, also four positions per pass (:func:`_reverse_head`). Every
+sum runs in a fixed order: deterministic.
 
 The kernels take ``(heads, L, E)`` arrays of float32, or of bfloat16 as the ``int16`` view of its
 bits (numpy has no bfloat16): each element is widened to float32 as it loads and each result
@@ -160,25 +161,68 @@ def _forward_head(q, k, v, out, h):  # pragma: no cover - compiled
 @_compiled(parallel=False)
 def _reverse_head(g, q, k, v, dk, dv, h):  # pragma: no cover - compiled
     """Head ``h`` of the reverse-time scan: ``dk_j = R_j v_j``, ``dv_j = R_j^T k_j`` with
-    ``R_j = sum_{i>=j} q_i g_i^T``."""
+    ``R_j = sum_{i>=j} q_i g_i^T``, four positions per pass over the state.
+
+    Each row ``R[e]`` is loaded and stored once per four positions and updated in registers in
+    between; the four ``dk`` elements are sums along the row, the four ``dv`` rows accumulate
+    in a small buffer that stays in L1 and is stored once per pass.
+    """
     L, E = q.shape[1], q.shape[2]
     M = v.shape[2]
     R = np.zeros((E, M), np.float32)
-    dvi = np.empty(M, np.float32)
-    for i in range(L - 1, -1, -1):
-        for m in range(M):
-            dvi[m] = 0.0
-        for e in range(E):
-            qe = _widen(q[h, i, e])
-            ke = _widen(k[h, i, e])
-            acc = np.float32(0.0)
+    qb = np.empty((4, E), np.float32)
+    kb = np.empty((4, E), np.float32)
+    gb = np.empty((4, M), np.float32)
+    vb = np.empty((4, M), np.float32)
+    dvb = np.empty((4, M), np.float32)
+    for start in range(0, L, 4):
+        n = min(4, L - start)
+        last = L - 1 - start  # the pass takes positions last, last - 1, ... (t = 0, 1, ...)
+        for t in range(n):
+            for e in range(E):
+                qb[t, e] = _widen(q[h, last - t, e])
+                kb[t, e] = _widen(k[h, last - t, e])
             for m in range(M):
-                R[e, m] += qe * _widen(g[h, i, m])
-                acc += R[e, m] * _widen(v[h, i, m])
-                dvi[m] += R[e, m] * ke
-            _store(dk, h, i, e, acc)
-        for m in range(M):
-            _store(dv, h, i, m, dvi[m])
+                gb[t, m] = _widen(g[h, last - t, m])
+                vb[t, m] = _widen(v[h, last - t, m])
+                dvb[t, m] = 0.0
+        if n == 4:
+            for e in range(E):
+                q0, q1, q2, q3 = qb[0, e], qb[1, e], qb[2, e], qb[3, e]
+                k0, k1, k2, k3 = kb[0, e], kb[1, e], kb[2, e], kb[3, e]
+                a0 = a1 = a2 = a3 = np.float32(0.0)
+                for m in range(M):
+                    r = R[e, m] + q0 * gb[0, m]
+                    a0 += r * vb[0, m]
+                    dvb[0, m] += r * k0
+                    r += q1 * gb[1, m]
+                    a1 += r * vb[1, m]
+                    dvb[1, m] += r * k1
+                    r += q2 * gb[2, m]
+                    a2 += r * vb[2, m]
+                    dvb[2, m] += r * k2
+                    r += q3 * gb[3, m]
+                    a3 += r * vb[3, m]
+                    dvb[3, m] += r * k3
+                    R[e, m] = r
+                _store(dk, h, last, e, a0)
+                _store(dk, h, last - 1, e, a1)
+                _store(dk, h, last - 2, e, a2)
+                _store(dk, h, last - 3, e, a3)
+        else:
+            for t in range(n):
+                for e in range(E):
+                    qe, ke = qb[t, e], kb[t, e]
+                    acc = np.float32(0.0)
+                    for m in range(M):
+                        r = R[e, m] + qe * gb[t, m]
+                        acc += r * vb[t, m]
+                        dvb[t, m] += r * ke
+                        R[e, m] = r
+                    _store(dk, h, last - t, e, acc)
+        for t in range(n):
+            for m in range(M):
+                _store(dv, h, last - t, m, dvb[t, m])
 
 
 @_compiled(parallel=True)
