@@ -101,6 +101,33 @@ def test_bench_limit_fractions():
     assert fraction(None, "float32", 0.1, limits) == (None, None)
 
 
+def test_bench_limits_are_the_best_of_the_probes(monkeypatch):
+    """Each limit comes from the fastest call of its probe (a slow, interrupted call does not
+    lower it), and the matmul rate from the better of the probe's sizes."""
+    import itertools
+
+    import torch
+
+    from cakeops.bench import limits as machine
+
+    seconds = itertools.cycle([3.0, 1.0, 2.0])  # the fastest of any three calls in a row: 1 s
+
+    def fake_times(steps, device, repeats, warmup, run=True):
+        if run:
+            steps["fn"]()  # the probe itself runs
+        return {"fn": [next(seconds) for _ in range(repeats)]}
+
+    monkeypatch.setattr(machine, "alternating_times", fake_times)
+    quick = machine.measure_limits(torch.device("cpu"), quick=True)
+    assert quick["copy_bytes_per_s"] == 2 * 4 * (1 << 22)  # 16 MiB read and written in 1 s
+    assert quick["float32_flop_per_s"] == quick["bf16_flop_per_s"] == 2 * 512**3
+    monkeypatch.setattr(
+        machine, "alternating_times", lambda *args, **kw: fake_times(*args, **kw, run=False)
+    )
+    full = machine.measure_limits(torch.device("cpu"))
+    assert full["float32_flop_per_s"] == full["bf16_flop_per_s"] == 2 * 4096**3
+
+
 def test_peak_memory_on_cpu_prints_no_profiler_noise():
     """The profiler behind the CPU peak-memory figure writes a line to stderr at every start and
     stop from C++; the benchmarks' output must not fill with them."""
