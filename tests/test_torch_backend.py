@@ -1,8 +1,9 @@
 """The torch backend's own paths that the conformance suite's small shapes do not all reach.
 
-The CPU rmsnorm kernels switch to one inductor-compiled loop from ``COMPILE_MIN_ELEMENTS``;
-these tests lower that threshold so the compiled path runs on small inputs, check it against the
-float64 reference, and check that it can be turned off and survives a failing compiler. The
+The CPU rmsnorm kernels and the moe_experts SwiGLU backward switch to one inductor-compiled loop
+from ``COMPILE_MIN_ELEMENTS``; these tests lower that threshold so the compiled paths run on small
+inputs, check them against the float64 reference, and check that they can be turned off and
+survive a failing compiler. The
 moe_experts kernels use grouped matmuls where ``torch._grouped_mm`` takes the operands; these
 tests pin down which inputs take which path, and the grouped one with empty experts and split runs.
 """
@@ -19,26 +20,29 @@ import cakeops
 from cakeops.testing import run_with_grads
 from cakeops.testing import test_moe_experts as moe_suite
 from cakeops.testing.test_rmsnorm_silu_gate import check_against_reference, make_inputs, run
+from cakeops_torch import _compile as compile_
 from cakeops_torch import rmsnorm_silu_gate as kernels
 from cakeops_torch import routed_experts as moe_kernels  # the experts of moe_experts
 
 
 @pytest.fixture
 def compiled_path(monkeypatch):
-    """Every input takes the compiled path; yields the list of compiled blocks that ran."""
+    """Every input takes the compiled paths; yields the list of compiled functions that ran."""
     monkeypatch.setattr(kernels, "COMPILE_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(kernels, "_compile_error", None)
-    monkeypatch.delenv(kernels.COMPILE_ENV, raising=False)
+    monkeypatch.setattr(moe_kernels, "COMPILE_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(compile_, "_compile_error", None)
+    monkeypatch.delenv(compile_.COMPILE_ENV, raising=False)
     ran = []
-    run_compiled = kernels._run_compiled
+    run_compiled = compile_.run_compiled
 
-    def counting(fn, *args):
-        result = run_compiled(fn, *args)
-        if result is not False:
+    def counting(op, fn, *args):
+        result = run_compiled(op, fn, *args)
+        if result is not compile_.FAILED:
             ran.append(fn.__name__)
         return result
 
-    monkeypatch.setattr(kernels, "_run_compiled", counting)
+    for module in (kernels, moe_kernels):
+        monkeypatch.setattr(module, "run_compiled", counting)
     with cakeops.use_backend("torch"):
         yield ran
 
@@ -93,7 +97,7 @@ def test_compiled_path_inside_torch_compile(compiled_path):
 
 
 def test_env_var_turns_compiling_off(compiled_path, monkeypatch):
-    monkeypatch.setenv(kernels.COMPILE_ENV, "0")
+    monkeypatch.setenv(compile_.COMPILE_ENV, "0")
     x, z, w, g = make_inputs((4, 32), torch.float32, "cpu")
     check_against_reference(x, z, w, g, None, True, run(x, z, w, g))
     assert compiled_path == []
@@ -106,12 +110,12 @@ def test_failing_compiler_falls_back_with_a_warning(compiled_path, monkeypatch):
 
         return call
 
-    monkeypatch.setattr(kernels, "_compiled", broken)
+    monkeypatch.setattr(compile_, "_compiled", broken)
     x, z, w, g = make_inputs((4, 32), torch.float32, "cpu")
     with pytest.warns(RuntimeWarning, match="CppCompileError"):
         got = run(x, z, w, g, 8, False)
     check_against_reference(x, z, w, g, 8, False, got)
-    assert kernels._compile_error is not None
+    assert compile_._compile_error is not None
     # Later calls go straight to the eager kernels, without a warning each time.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -128,11 +132,11 @@ def test_runtime_error_in_compiled_path_propagates(compiled_path, monkeypatch):
 
         return call
 
-    monkeypatch.setattr(kernels, "_compiled", out_of_memory)
+    monkeypatch.setattr(compile_, "_compiled", out_of_memory)
     x, z, w, g = make_inputs((4, 32), torch.float32, "cpu")
     with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
         run(x, z, w, g)
-    assert kernels._compile_error is None
+    assert compile_._compile_error is None
 
 
 @pytest.fixture
@@ -175,4 +179,23 @@ def test_moe_loop_where_grouped_matmul_does_not_apply(grouped_spy, D, F, dtype):
     tensors, g = moe_suite.make_inputs(12, D, F, 4, dtype, "cpu")
     got = run_with_grads(moe_suite.op_with(2), tensors, g)
     assert grouped_spy == ["_loop_backward"]
+    moe_suite.check_against_reference(tensors, g, (2, True, 1.0), got)
+
+
+@pytest.mark.parametrize(
+    "D, F, dtype", [(8, 12, torch.float32), (10, 12, torch.float32), (8, 12, torch.bfloat16)]
+)
+def test_moe_compiled_swiglu_matches_reference(compiled_path, D, F, dtype):
+    """The fused SwiGLU backward, in the grouped pass and in the loop, against float64."""
+    tensors, g = moe_suite.make_inputs(12, D, F, 4, dtype, "cpu", skew=True)
+    got = run_with_grads(moe_suite.op_with(2), tensors, g)
+    assert compiled_path and set(compiled_path) == {"_fused_swiglu"}
+    moe_suite.check_against_reference(tensors, g, (2, True, 1.0), got)
+
+
+def test_moe_swiglu_eager_when_compiling_is_off(compiled_path, monkeypatch):
+    monkeypatch.setenv(compile_.COMPILE_ENV, "0")
+    tensors, g = moe_suite.make_inputs(12, 8, 12, 4, torch.float32, "cpu")
+    got = run_with_grads(moe_suite.op_with(2), tensors, g)
+    assert compiled_path == []
     moe_suite.check_against_reference(tensors, g, (2, True, 1.0), got)

@@ -8,20 +8,16 @@ order (deterministic).
 
 On CPU, inputs of at least ``COMPILE_MIN_ELEMENTS`` run each block through one inductor-compiled
 function instead (``torch.compile`` of ``_fused_forward``/``_fused_backward``): a single fused
-loop rather than a dozen elementwise passes. Rows are marked dynamic, so a new row count does not
-recompile. ``CAKEOPS_TORCH_COMPILE=0`` turns this off; if compiling fails (no C++ compiler, an
-unsupported Python), a warning says so once and the eager kernels run.
+loop rather than a dozen elementwise passes (:mod:`cakeops_torch._compile`: rows marked dynamic,
+``CAKEOPS_TORCH_COMPILE=0`` to turn it off, the eager kernels where compiling fails).
 """
 
 from __future__ import annotations
 
-import functools
-import os
-import warnings
-
 import torch
 
 from cakeops import compute_dtype
+from cakeops_torch._compile import FAILED, run_compiled, use_compiled
 
 BLOCK_ELEMENTS = 1 << 18
 # The fused forward keeps no temporaries: bigger blocks, fewer calls. The fused backward writes
@@ -31,12 +27,7 @@ BLOCK_ELEMENTS = 1 << 18
 COMPILED_BLOCK_ELEMENTS = 1 << 21
 COMPILED_BACKWARD_BLOCK_ELEMENTS = 1 << 20
 COMPILE_MIN_ELEMENTS = 1 << 16
-COMPILE_ENV = "CAKEOPS_TORCH_COMPILE"
-_COMPILED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_compile_error: str | None = None
-_RECOMPILE_LIMIT = (
-    "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-)
+OP = "rmsnorm_silu_gate"
 
 
 def _blocks(rows: int, D: int, elements: int = BLOCK_ELEMENTS):
@@ -112,67 +103,14 @@ def _fused_backward(
     terms_out.copy_(gy * n)
 
 
-@functools.cache
-def _compiled(fn):
-    return torch.compile(fn, dynamic=False)
-
-
-def _use_compiled(x: torch.Tensor) -> bool:
-    return (
-        _compile_error is None
-        and x.device.type == "cpu"
-        and x.dtype in _COMPILED_DTYPES
-        and x.numel() >= COMPILE_MIN_ELEMENTS
-        and os.environ.get(COMPILE_ENV, "1") != "0"
-    )
-
-
-def _compiler_errors() -> tuple[type[BaseException], ...]:
-    """What a failing ``torch.compile`` raises: dynamo's exceptions (inductor's wrapped in them)
-    and a C++/CUDA compile error raised as is. Anything else (out of memory, bad input) is the
-    caller's and propagates."""
-    import torch._dynamo.exc
-    import torch._inductor.exc
-
-    names = ("CppCompileError", "CUDACompileError")
-    return (
-        torch._dynamo.exc.TorchDynamoException,
-        *(getattr(torch._inductor.exc, n) for n in names if hasattr(torch._inductor.exc, n)),
-    )
-
-
-def _run_compiled(fn, *args) -> bool:
-    """Run ``fn`` compiled, its row blocks marked dynamic: ``True``, or ``False`` if compiling
-    failed."""
-    global _compile_error
-    for t in args:
-        if isinstance(t, torch.Tensor) and t.dim() == 2:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-    try:
-        # Each dtype, D, group size and variant is a graph of its own: allow more of them than
-        # dynamo's default before it gives up compiling these two functions.
-        with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT: 64}):
-            _compiled(fn)(*args)
-            return True
-    except _compiler_errors() as e:  # the compiler failed: use the eager kernels from now on
-        _compile_error = f"{type(e).__name__}: {e}"
-        warnings.warn(
-            f"cakeops-torch: torch.compile of rmsnorm_silu_gate failed, using the eager kernels "
-            f"({_compile_error.splitlines()[0]})",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return False
-
-
 def forward(x, z, weight, eps, group_size, norm_before_gate):
     xr, zr = _rows(x), _rows(z)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     yr = y.view(-1, x.shape[-1])
-    if _use_compiled(x):
+    if use_compiled(x, COMPILE_MIN_ELEMENTS):
         for b in _blocks(xr.shape[0], xr.shape[1], COMPILED_BLOCK_ELEMENTS):
             args = (yr[b], xr[b], zr[b], weight, eps, group_size, norm_before_gate)
-            if not _run_compiled(_fused_forward, *args):
+            if run_compiled(OP, _fused_forward, *args) is FAILED:
                 break
         else:
             return y
@@ -213,13 +151,13 @@ def backward(g, x, z, weight, eps, group_size, norm_before_gate):
     dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
     dxr, dzr = dx.view(-1, D), dz.view(-1, D)
     dweight = torch.zeros(D, dtype=ct, device=x.device)
-    if _use_compiled(x):
+    if use_compiled(x, COMPILE_MIN_ELEMENTS):
         blocks = list(_blocks(xr.shape[0], D, COMPILED_BACKWARD_BLOCK_ELEMENTS))
         terms = torch.empty((blocks[0].stop, D), dtype=torch.float32)  # rows >= 1 when compiled
         for b in blocks:
             t = terms[: b.stop - b.start]
             inputs = (gr[b], xr[b], zr[b], weight, eps, group_size, norm_before_gate)
-            if not _run_compiled(_fused_backward, dxr[b], dzr[b], t, *inputs):
+            if run_compiled(OP, _fused_backward, dxr[b], dzr[b], t, *inputs) is FAILED:
                 dweight.zero_()
                 break
             dweight.add_(t.sum(0))

@@ -18,7 +18,8 @@ packed gate/up tensor included, so no weight copy; rows and strides 16-byte alig
 the CPU, bfloat16 on CUDA), each projection of a run of experts is one grouped matmul over their
 sorted rows instead of one matmul per expert. The runs hold at most ``GROUP_ELEMENTS`` elements
 of the widest temporary, so memory stays bounded like the loop's. Anywhere else the per-expert
-loop runs.
+loop runs. On a CPU the SwiGLU part of the backward of a big block is one inductor-compiled loop
+(:mod:`cakeops_torch._compile`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from cakeops.helpers import (
     slot_sum,
     swiglu_rows,
 )
+from cakeops_torch._compile import FAILED, run_compiled, use_compiled
 
 
 @functools.cache
@@ -67,6 +69,29 @@ def _mm_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
 
 
 GROUP_ELEMENTS = 1 << 21
+#: From this many elements of a block's ``(rows, F)`` projections the SwiGLU backward on a CPU
+#: is one inductor-compiled loop (:func:`_fused_swiglu`) instead of a dozen eager passes.
+COMPILE_MIN_ELEMENTS = 1 << 16
+
+
+def _fused_swiglu(hg, hu, u, w):
+    """:func:`cakeops.helpers.swiglu_rows` as one expression, for inductor to fuse into one
+    loop (the eager version makes a dozen passes over blocks bigger than the caches)."""
+    sig = torch.sigmoid(hg)
+    gate = hg * sig
+    h = gate * hu
+    dh = u * w
+    return h, (h * u).sum(-1), dh * hu * (sig * (1 + hg * (1 - sig))), dh * gate
+
+
+def _swiglu(hg, hu, u, w):
+    """``(h, <h, u> per row, d_gate, d_up)`` of :func:`cakeops.helpers.swiglu_rows`, compiled
+    on a CPU for big blocks."""
+    if use_compiled(hg, COMPILE_MIN_ELEMENTS):
+        fused = run_compiled("moe_experts", _fused_swiglu, hg, hu, u, w)
+        if fused is not FAILED:
+            return fused
+    return swiglu_rows(hg, hu, u, w)
 
 
 def _experts(routing: Routing):
@@ -168,7 +193,7 @@ def _loop_backward(routing, rows, g_rows, slot_w, weights, dx_rows, dw_flat, gra
         # keeps float32 accuracy: these three products run in float32 whatever the inputs.
         hg, hu = xa @ w_gate[e].to(acc).T, xa @ w_up[e].to(acc).T
         u = ga @ w_down[e].to(acc)  # g_t W_down: dL/dh before the routing weight
-        h, dw_flat[routing.order[s:t]], dhg, dhu = swiglu_rows(hg, hu, u, we)
+        h, dw_flat[routing.order[s:t]], dhg, dhu = _swiglu(hg, hu, u, we)
         # The weight and input gradients are stored in 16 bits: their products in ``mm``.
         xe, dhg, dhu = rows[s:t].to(mm), dhg.to(mm), dhu.to(mm)
         grads[2][e] = (ga * we).to(mm).T @ h.to(mm)  # dW_down = dy^T h with dy = w g
@@ -189,7 +214,7 @@ def _grouped_backward(routing, rows, g_rows, slot_w, weights, dx_rows, dw_flat, 
         hg = torch._grouped_mm(xe, w_gate[e0:e1].transpose(1, 2), offs=offs).to(acc)
         hu = torch._grouped_mm(xe, w_up[e0:e1].transpose(1, 2), offs=offs).to(acc)
         u = torch._grouped_mm(ge, w_down[e0:e1], offs=offs).to(acc)  # g_t W_down
-        h, dw_flat[routing.order[s:t]], dhg, dhu = swiglu_rows(hg, hu, u, we)
+        h, dw_flat[routing.order[s:t]], dhg, dhu = _swiglu(hg, hu, u, we)
         dy = (ge.to(acc) * we).to(dt)
         grads[2][e0:e1] = torch._grouped_mm(dy.T, h.to(dt), offs=offs)
         dhu, dhg = dhu.to(dt), dhg.to(dt)
