@@ -48,23 +48,20 @@ def _fastest(fn: Any, device: torch.device, repeats: int) -> float:
 
 def measure_limits(device: torch.device, quick: bool = False) -> dict[str, float]:
     """Copy bandwidth (bytes/s, read + write) and float32 and bfloat16 matmul rates (FLOP/s) of
-    ``device``, measured now (``quick``: small sizes, indicative only). Each is the best call
-    seen; the matmul rates the best of two sizes (a CPU's BLAS reaches more on the larger)."""
+    ``device``, measured now (``quick``: small sizes, indicative only), each from its probe's
+    fastest call."""
     cpu = device.type == "cpu"
     if quick:
-        n, sizes = 1 << 22, (512,)
+        n, size = 1 << 22, 512
     else:
-        n, sizes = (1 << 26, (2048, 4096)) if cpu else (1 << 28, (8192, 16384))
+        n, size = (1 << 26, 2048) if cpu else (1 << 28, 8192)
     src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     copy_s = _fastest(lambda: dst.copy_(src), device, repeats=7)
     limits = {"copy_bytes_per_s": 2 * src.nbytes / copy_s}
     for dtype, key in ((torch.float32, "float32_flop_per_s"), (torch.bfloat16, "bf16_flop_per_s")):
-        rates = []
-        for size in sizes:
-            a = torch.randn(size, size, device=device).to(dtype)
-            rates.append(2 * size**3 / _fastest(lambda a=a: a @ a, device, repeats=5))
-        limits[key] = max(rates)
+        a = torch.randn(size, size, device=device).to(dtype)
+        limits[key] = 2 * size**3 / _fastest(lambda a=a: a @ a, device, repeats=5)
     return limits
 
 
