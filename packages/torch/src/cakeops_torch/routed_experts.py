@@ -2,8 +2,9 @@
 deterministic (``moe_experts`` is the spec's routing followed by these).
 
 The (token, slot) pairs are sorted by expert once; each expert then runs one grouped pass over its
-own contiguous rows (no dense all-experts compute, no padding to a capacity). The combine sums the
-``(T, top_k, D)`` view of the expert outputs in slot order, and the dispatch backward sums each
+own rows, gathered block by block (no dense all-experts compute, no padding to a capacity, no
+``(T * top_k, D)`` copy of the input). Each block's outputs go straight to their (token, slot)
+places; the combine sums a token's slots in slot order, and the dispatch backward sums each
 token's copies the same way: no ``index_add_``, no atomics. The backward recomputes the gate/up
 projections; experts that received no token keep exact zero gradients.
 
@@ -33,7 +34,6 @@ from cakeops import compute_dtype
 from cakeops.helpers import (
     Routing,
     cast_grads,
-    combine,
     given_routing,
     row_weights,
     slot_sum,
@@ -136,29 +136,50 @@ def _runs(routing: Routing, width: int):
         e0 = e1
 
 
+def _rows(t: torch.Tensor, routing: Routing, s: int, e: int) -> torch.Tensor:
+    """The dispatch of sorted rows ``s:e``: their tokens' rows of ``t``, gathered per block so
+    that no ``(T * k, D)`` copy is made (one that size is a fresh mapping on every step, its
+    page faults costing more than the gather)."""
+    return t.index_select(0, routing.token[s:e])
+
+
+def _weighted_slot_sum(slots: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``out_t = sum_s w_ts slots_(t,s)``, summed in slot order (deterministic), with no
+    ``(T, k, D)`` product."""
+    T, k = routing.weights.shape
+    if k == 0:
+        return slots.new_zeros((T, slots.shape[1]))
+    by_slot = slots.view(T, k, -1)
+    w = routing.weights.to(slots.dtype).unsqueeze(-1)
+    out = by_slot[:, 0] * w[:, 0]
+    for j in range(1, k):
+        out.addcmul_(by_slot[:, j], w[:, j])
+    return out
+
+
 def experts_forward(x, routing: Routing, w_gate, w_up, w_down):
     """The experts and the combine for a routing: ``(T, D)`` in ``x.dtype``."""
     T, D = x.shape
     top_k = routing.experts.shape[1]
     mm = _mm_dtype(x, w_gate)
     acc = compute_dtype(x.dtype)
-    rows = x[routing.token]  # dispatch: (T * k, D) sorted by expert, cast per expert
-    y = torch.empty((T * top_k, D), dtype=acc, device=x.device)  # sorted by expert
+    # Each block's outputs go straight to their (token, slot) places.
+    slots = torch.empty((T * top_k, D), dtype=acc, device=x.device)
     if _grouped(x, w_gate, w_up, w_down):
         F_ = w_gate.shape[1]
         for e0, e1, s, t, offs in _runs(routing, max(F_, D)):
-            xe = rows[s:t]
+            xe = _rows(x, routing, s, t)
             hg = torch._grouped_mm(xe, w_gate[e0:e1].transpose(1, 2), offs=offs).to(acc)
             hu = torch._grouped_mm(xe, w_up[e0:e1].transpose(1, 2), offs=offs).to(acc)
             h = F.silu(hg).mul_(hu).to(x.dtype)
             out = torch._grouped_mm(h, w_down[e0:e1].transpose(1, 2), offs=offs)
-            y[s:t] = out.to(acc)
-        return combine(y, routing).to(x.dtype)
-    for e, s, t in _experts(routing):
-        xe = rows[s:t].to(mm)
-        h = F.silu((xe @ w_gate[e].to(mm).T).to(acc)).mul_((xe @ w_up[e].to(mm).T).to(acc))
-        y[s:t] = (h.to(mm) @ w_down[e].to(mm).T).to(acc)
-    return combine(y, routing).to(x.dtype)
+            slots[routing.order[s:t]] = out.to(acc)
+    else:
+        for e, s, t in _experts(routing):
+            xe = _rows(x, routing, s, t).to(mm)
+            h = F.silu((xe @ w_gate[e].to(mm).T).to(acc)).mul_((xe @ w_up[e].to(mm).T).to(acc))
+            slots[routing.order[s:t]] = (h.to(mm) @ w_down[e].to(mm).T).to(acc)
+    return _weighted_slot_sum(slots, routing).to(x.dtype)
 
 
 def experts_backward(g, x, routing: Routing, w_gate, w_up, w_down):
@@ -167,10 +188,8 @@ def experts_backward(g, x, routing: Routing, w_gate, w_up, w_down):
     T, D = x.shape
     top_k = routing.experts.shape[1]
     acc = compute_dtype(x.dtype)
-    rows = x[routing.token]
-    g_rows = g[routing.token]  # each slot's copy of its token's gradient
     slot_w = row_weights(routing).to(acc)
-    dx_rows = torch.empty((T * top_k, D), dtype=acc, device=x.device)
+    dx_slots = torch.empty((T * top_k, D), dtype=acc, device=x.device)  # (token, slot) order
     dw_flat = torch.empty(T * top_k, dtype=acc, device=x.device)
     # Each expert's weight gradient is one float32-accumulated matmul over its rows, stored in the
     # weight's dtype as it is produced: no float32 buffer for all experts at once.
@@ -178,39 +197,40 @@ def experts_backward(g, x, routing: Routing, w_gate, w_up, w_down):
         torch.zeros_like(w, memory_format=torch.contiguous_format) for w in (w_gate, w_up, w_down)
     ]
     backward_pass = _grouped_backward if _grouped(x, w_gate, w_up, w_down) else _loop_backward
-    backward_pass(routing, rows, g_rows, slot_w, (w_gate, w_up, w_down), dx_rows, dw_flat, grads)
+    backward_pass(routing, x, g, slot_w, (w_gate, w_up, w_down), dx_slots, dw_flat, grads)
     # dispatch backward: each token's copies summed in slot order (no routing weight again)
-    return slot_sum(dx_rows, routing), dw_flat.view(T, top_k), *grads
+    return slot_sum(dx_slots, routing), dw_flat.view(T, top_k), *grads
 
 
-def _loop_backward(routing, rows, g_rows, slot_w, weights, dx_rows, dw_flat, grads):
-    """One pass per expert; fills ``dx_rows``, ``dw_flat`` (``<y, g>`` per slot) and ``grads``."""
+def _loop_backward(routing, x, g, slot_w, weights, dx_slots, dw_flat, grads):
+    """One pass per expert; fills ``dx_slots``, ``dw_flat`` (``<y, g>`` per slot) and ``grads``."""
     w_gate, w_up, w_down = weights
-    mm, acc = _mm_dtype(rows, w_gate), dx_rows.dtype
+    mm, acc = _mm_dtype(x, w_gate), dx_slots.dtype
     for e, s, t in _experts(routing):
-        xa, ga, we = rows[s:t].to(acc), g_rows[s:t].to(acc), slot_w[s:t, None]
+        xr, gr, we = _rows(x, routing, s, t), _rows(g, routing, s, t), slot_w[s:t, None]
+        xa, ga = xr.to(acc), gr.to(acc)
         # The recomputed projections and u feed <h, u>, the routing weights' gradient, which
         # keeps float32 accuracy: these three products run in float32 whatever the inputs.
         hg, hu = xa @ w_gate[e].to(acc).T, xa @ w_up[e].to(acc).T
         u = ga @ w_down[e].to(acc)  # g_t W_down: dL/dh before the routing weight
         h, dw_flat[routing.order[s:t]], dhg, dhu = _swiglu(hg, hu, u, we)
         # The weight and input gradients are stored in 16 bits: their products in ``mm``.
-        xe, dhg, dhu = rows[s:t].to(mm), dhg.to(mm), dhu.to(mm)
+        xe, dhg, dhu = xr.to(mm), dhg.to(mm), dhu.to(mm)
         grads[2][e] = (ga * we).to(mm).T @ h.to(mm)  # dW_down = dy^T h with dy = w g
         grads[0][e] = dhg.T @ xe
         grads[1][e] = dhu.T @ xe
         dx = dhg @ w_gate[e].to(mm) + dhu @ w_up[e].to(mm)
-        dx_rows[routing.order[s:t]] = dx.to(acc)
+        dx_slots[routing.order[s:t]] = dx.to(acc)
 
 
-def _grouped_backward(routing, rows, g_rows, slot_w, weights, dx_rows, dw_flat, grads):
+def _grouped_backward(routing, x, g, slot_w, weights, dx_slots, dw_flat, grads):
     """``_loop_backward`` with every projection a grouped matmul over a run of experts."""
     w_gate, w_up, w_down = weights
-    acc = dx_rows.dtype
-    dt = rows.dtype
+    acc = dx_slots.dtype
+    dt = x.dtype
     F_, D = w_gate.shape[1], w_gate.shape[2]
     for e0, e1, s, t, offs in _runs(routing, max(F_, D)):
-        xe, ge, we = rows[s:t], g_rows[s:t], slot_w[s:t, None]
+        xe, ge, we = _rows(x, routing, s, t), _rows(g, routing, s, t), slot_w[s:t, None]
         hg = torch._grouped_mm(xe, w_gate[e0:e1].transpose(1, 2), offs=offs).to(acc)
         hu = torch._grouped_mm(xe, w_up[e0:e1].transpose(1, 2), offs=offs).to(acc)
         u = torch._grouped_mm(ge, w_down[e0:e1], offs=offs).to(acc)  # g_t W_down
@@ -221,7 +241,7 @@ def _grouped_backward(routing, rows, g_rows, slot_w, weights, dx_rows, dw_flat, 
         grads[0][e0:e1] = torch._grouped_mm(dhg.T, xe, offs=offs)
         grads[1][e0:e1] = torch._grouped_mm(dhu.T, xe, offs=offs)
         dx = torch._grouped_mm(dhg, w_gate[e0:e1], offs=offs).to(acc)
-        dx_rows[routing.order[s:t]] = dx.add_(torch._grouped_mm(dhu, w_up[e0:e1], offs=offs))
+        dx_slots[routing.order[s:t]] = dx.add_(torch._grouped_mm(dhu, w_up[e0:e1], offs=offs))
     # An expert without rows: the grouped matmul's output for it is not guaranteed to be zero.
     bounds = routing.bounds
     empty = [e for e in range(len(bounds) - 1) if bounds[e + 1] == bounds[e]]
