@@ -146,9 +146,7 @@ def _rows(t: torch.Tensor, routing: Routing, s: int, e: int) -> torch.Tensor:
 def _weighted_slot_sum(slots: torch.Tensor, routing: Routing) -> torch.Tensor:
     """``out_t = sum_s w_ts slots_(t,s)``, summed in slot order (deterministic), with no
     ``(T, k, D)`` product."""
-    T, k = routing.weights.shape
-    if k == 0:
-        return slots.new_zeros((T, slots.shape[1]))
+    T, k = routing.weights.shape  # k >= 1: the spec's no_work takes k = 0
     by_slot = slots.view(T, k, -1)
     w = routing.weights.to(slots.dtype).unsqueeze(-1)
     out = by_slot[:, 0] * w[:, 0]
