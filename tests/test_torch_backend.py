@@ -3,9 +3,9 @@
 The CPU rmsnorm kernels and the moe_experts SwiGLU backward switch to one inductor-compiled loop
 from ``COMPILE_MIN_ELEMENTS``; these tests lower that threshold so the compiled paths run on small
 inputs, check them against the float64 reference, and check that they can be turned off and
-survive a failing compiler. The
-moe_experts kernels use grouped matmuls where ``torch._grouped_mm`` takes the operands; these
-tests pin down which inputs take which path, and the grouped one with empty experts and split runs.
+survive a failing compiler. The moe_experts kernels use grouped matmuls where
+``torch._grouped_mm`` takes the operands; these tests pin down which inputs take which path, and
+the grouped one with empty experts and split runs.
 """
 
 from __future__ import annotations
@@ -198,4 +198,19 @@ def test_moe_swiglu_eager_when_compiling_is_off(compiled_path, monkeypatch):
     tensors, g = moe_suite.make_inputs(12, 8, 12, 4, torch.float32, "cpu")
     got = run_with_grads(moe_suite.op_with(2), tensors, g)
     assert compiled_path == []
+    moe_suite.check_against_reference(tensors, g, (2, True, 1.0), got)
+
+
+def test_moe_swiglu_failing_compiler_falls_back_with_a_warning(compiled_path, monkeypatch):
+    def broken(fn):
+        def call(*args):
+            raise torch._inductor.exc.CppCompileError(["c++", "kernel.cpp"], "no C++ compiler")
+
+        return call
+
+    monkeypatch.setattr(compile_, "_compiled", broken)
+    tensors, g = moe_suite.make_inputs(12, 8, 12, 4, torch.float32, "cpu")
+    with pytest.warns(RuntimeWarning, match="torch.compile of moe_experts failed"):
+        got = run_with_grads(moe_suite.op_with(2), tensors, g)
+    assert compiled_path == [] and compile_._compile_error is not None
     moe_suite.check_against_reference(tensors, g, (2, True, 1.0), got)
