@@ -3,8 +3,8 @@ written once here (the conformance guide names this module).
 
 - ``moe_experts``: the routing rules (:func:`route`, :class:`Routing`), their backward
   (:func:`routing_backward`), sorted-row bookkeeping (:func:`row_weights`, :func:`row_tiles`),
-  the combine and the dispatch backward (:func:`combine`, :func:`slot_sum`,
-  :func:`dispatch_backward`) and the SwiGLU backward (:func:`swiglu_backward`);
+  the combine and the dispatch backward (:func:`combine`, :func:`weighted_slot_sum`,
+  :func:`slot_sum`, :func:`dispatch_backward`) and the SwiGLU backward (:func:`swiglu_backward`);
 - ``causal_dot_product``: the backward as three causal scans (:func:`backward_by_scans`);
 - every op: :func:`cast_grads` (each gradient in its input's dtype) and
   :func:`cakeops.compute_dtype` (the precision to compute in).
@@ -34,6 +34,7 @@ __all__ = [
     "slot_sum",
     "swiglu_backward",
     "swiglu_rows",
+    "weighted_slot_sum",
 ]
 
 
@@ -130,13 +131,24 @@ def slot_sum(slots: torch.Tensor, routing: Routing) -> torch.Tensor:
     return slots.view(T, k, -1).sum(1)
 
 
+def weighted_slot_sum(slots: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``out_t = sum_s w_ts slots_(t,s)`` from ``(T * k, D)`` rows in ``(token, slot)`` order,
+    summed over each token's slots in slot order (deterministic: no ``index_add_``), with no
+    ``(T, k, D)`` product."""
+    T, k = routing.weights.shape  # k >= 1: the ops' no_work takes k = 0
+    by_slot = slots.view(T, k, -1)
+    w = routing.weights.to(slots.dtype).unsqueeze(-1)
+    out = by_slot[:, 0] * w[:, 0]
+    for j in range(1, k):
+        out.addcmul_(by_slot[:, j], w[:, j])
+    return out
+
+
 def combine(y_sorted: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """``out_t = sum_s w_ts y_(t,s)`` from expert outputs in sorted-row order, summed over each
-    token's slots in slot order (deterministic: no ``index_add_``)."""
+    """:func:`weighted_slot_sum` of expert outputs given in sorted-row order."""
     slots = torch.empty_like(y_sorted)
     slots[routing.order] = y_sorted
-    T, k = routing.weights.shape
-    return (slots.view(T, k, -1) * routing.weights.to(slots.dtype).unsqueeze(-1)).sum(1)
+    return weighted_slot_sum(slots, routing)
 
 
 def dispatch_backward(dx_sorted: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -38,6 +38,7 @@ from cakeops.helpers import (
     row_weights,
     slot_sum,
     swiglu_rows,
+    weighted_slot_sum,
 )
 from cakeops_torch._compile import FAILED, run_compiled, use_compiled
 
@@ -143,18 +144,6 @@ def _rows(t: torch.Tensor, routing: Routing, s: int, e: int) -> torch.Tensor:
     return t.index_select(0, routing.token[s:e])
 
 
-def _weighted_slot_sum(slots: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """``out_t = sum_s w_ts slots_(t,s)``, summed in slot order (deterministic), with no
-    ``(T, k, D)`` product."""
-    T, k = routing.weights.shape  # k >= 1: the spec's no_work takes k = 0
-    by_slot = slots.view(T, k, -1)
-    w = routing.weights.to(slots.dtype).unsqueeze(-1)
-    out = by_slot[:, 0] * w[:, 0]
-    for j in range(1, k):
-        out.addcmul_(by_slot[:, j], w[:, j])
-    return out
-
-
 def experts_forward(x, routing: Routing, w_gate, w_up, w_down):
     """The experts and the combine for a routing: ``(T, D)`` in ``x.dtype``."""
     T, D = x.shape
@@ -177,7 +166,7 @@ def experts_forward(x, routing: Routing, w_gate, w_up, w_down):
             xe = _rows(x, routing, s, t).to(mm)
             h = F.silu((xe @ w_gate[e].to(mm).T).to(acc)).mul_((xe @ w_up[e].to(mm).T).to(acc))
             slots[routing.order[s:t]] = (h.to(mm) @ w_down[e].to(mm).T).to(acc)
-    return _weighted_slot_sum(slots, routing).to(x.dtype)
+    return weighted_slot_sum(slots, routing).to(x.dtype)
 
 
 def experts_backward(g, x, routing: Routing, w_gate, w_up, w_down):
