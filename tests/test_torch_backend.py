@@ -47,6 +47,19 @@ def compiled_path(monkeypatch):
         yield ran
 
 
+@pytest.fixture
+def broken_compiler(monkeypatch):
+    """Compiling fails as it does without a C++ compiler."""
+
+    def broken(fn):
+        def call(*args):
+            raise torch._inductor.exc.CppCompileError(["c++", "kernel.cpp"], "no C++ compiler")
+
+        return call
+
+    monkeypatch.setattr(compile_, "_compiled", broken)
+
+
 # (shape, group_size, norm_before_gate): grouped both ways, one feature per group (the exact
 # form of its gradient), whole rows with several row blocks (the last one shorter).
 CASES = {
@@ -103,14 +116,7 @@ def test_env_var_turns_compiling_off(compiled_path, monkeypatch):
     assert compiled_path == []
 
 
-def test_failing_compiler_falls_back_with_a_warning(compiled_path, monkeypatch):
-    def broken(fn):
-        def call(*args):
-            raise torch._inductor.exc.CppCompileError(["c++", "kernel.cpp"], "no C++ compiler")
-
-        return call
-
-    monkeypatch.setattr(compile_, "_compiled", broken)
+def test_failing_compiler_falls_back_with_a_warning(compiled_path, broken_compiler):
     x, z, w, g = make_inputs((4, 32), torch.float32, "cpu")
     with pytest.warns(RuntimeWarning, match="CppCompileError"):
         got = run(x, z, w, g, 8, False)
@@ -201,14 +207,7 @@ def test_moe_swiglu_eager_when_compiling_is_off(compiled_path, monkeypatch):
     moe_suite.check_against_reference(tensors, g, (2, True, 1.0), got)
 
 
-def test_moe_swiglu_failing_compiler_falls_back_with_a_warning(compiled_path, monkeypatch):
-    def broken(fn):
-        def call(*args):
-            raise torch._inductor.exc.CppCompileError(["c++", "kernel.cpp"], "no C++ compiler")
-
-        return call
-
-    monkeypatch.setattr(compile_, "_compiled", broken)
+def test_moe_swiglu_failing_compiler_falls_back_with_a_warning(compiled_path, broken_compiler):
     tensors, g = moe_suite.make_inputs(12, 8, 12, 4, torch.float32, "cpu")
     with pytest.warns(RuntimeWarning, match="torch.compile of moe_experts failed"):
         got = run_with_grads(moe_suite.op_with(2), tensors, g)
