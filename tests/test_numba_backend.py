@@ -172,3 +172,18 @@ def test_simulator_shared_arrays_are_one_per_block_under_contention():
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_cuda_priorities_follow_expected_speed():
+    """On CUDA the numba kernels (no tensor cores) rank below torch's cuBLAS and grouped GEMMs
+    for the matrix-product ops, above torch for the memory-bound norm, and below triton."""
+    from cakeops_torch import backend as torch_backend
+    from cakeops_triton import backend as triton_backend
+
+    def prio(backend, op):
+        return backend.ops[op].priority("cuda")
+
+    for op in ("causal_dot_product", "moe_experts", "routed_experts"):
+        assert prio(numba_backend, op) < prio(torch_backend, op) < prio(triton_backend, op)
+    op = "rmsnorm_silu_gate"
+    assert prio(torch_backend, op) < prio(numba_backend, op) < prio(triton_backend, op)

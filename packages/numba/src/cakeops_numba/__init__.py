@@ -1,8 +1,11 @@
 """The ``numba`` backend: CUDA kernels written with numba-cuda, CPU kernels where they win.
 
 On CUDA, tensors reach the kernels without copies through ``__cuda_array_interface__``, outputs
-are allocated by PyTorch and kernels launch on PyTorch's current stream; it ranks below
-``triton`` and above ``torch``. On the CPU, ``njit`` kernels serve the ops where they beat the
+are allocated by PyTorch and kernels launch on PyTorch's current stream. Its CUDA kernels use no
+tensor cores, so the automatic choice follows expected speed: ``rmsnorm_silu_gate`` (memory-bound)
+ranks below ``triton`` and above ``torch``; the matrix-product ops (``causal_dot_product``,
+``moe_experts``, ``routed_experts``) rank below ``torch``, whose cuBLAS and grouped GEMMs are
+many times faster, and run on numba only when it is asked for by name. On the CPU, ``njit`` kernels serve the ops where they beat the
 ``torch`` backend on the op's benchmark shapes (``causal_dot_product``, in every dtype; see
 ``packages/numba/benchmarks``), as the automatic choice there.
 
@@ -31,16 +34,17 @@ from cakeops.registry import package_kernels
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
-CUDA_PRIORITY = 50  # below triton (100), above torch (10)
+CUDA_PRIORITY = 50  # below triton (100), above torch (10): memory-bound kernels
+CUDA_MATMUL_PRIORITY = 5  # below torch (10): products on FMA against torch's tensor cores
 CPU_PRIORITY = 20  # above torch (10), for the ops with a CPU kernel
 
 
-def devices(cpu_kernel: bool) -> dict[str, int | None]:
-    """Where an op is served: CUDA always; the CPU through its ``njit`` kernel if it has one, or
-    in the simulator through the CUDA kernels, then only when forced."""
+def devices(cpu_kernel: bool, cuda: int = CUDA_PRIORITY) -> dict[str, int | None]:
+    """Where an op is served: CUDA always (at priority ``cuda``); the CPU through its ``njit``
+    kernel if it has one, or in the simulator through the CUDA kernels, then only when forced."""
     if SIMULATOR:
-        return {"cuda": CUDA_PRIORITY, "cpu": None}
-    return {"cuda": CUDA_PRIORITY, **({"cpu": CPU_PRIORITY} if cpu_kernel else {})}
+        return {"cuda": cuda, "cpu": None}
+    return {"cuda": cuda, **({"cpu": CPU_PRIORITY} if cpu_kernel else {})}
 
 
 class NumbaBackend(Backend):
@@ -80,8 +84,10 @@ backend = NumbaBackend(
         devices=devices(cpu_kernel=False),
         dtypes=DTYPES,
         overrides={
+            "moe_experts": {"devices": devices(cpu_kernel=False, cuda=CUDA_MATMUL_PRIORITY)},
+            "routed_experts": {"devices": devices(cpu_kernel=False, cuda=CUDA_MATMUL_PRIORITY)},
             "causal_dot_product": {
-                "devices": devices(cpu_kernel=True),
+                "devices": devices(cpu_kernel=True, cuda=CUDA_MATMUL_PRIORITY),
                 # the njit CPU kernel computes in float32 (bfloat16 read as int16 bits, float16
                 # converted a block of heads at a time), so it takes every dtype, as does the
                 # simulator

@@ -64,15 +64,15 @@ def example_run(op: str, device: torch.device) -> list[dict[str, Any]]:
 
     spec = SPECS[op]
     inputs = spec.example(device)
-    tensors = {k: v.requires_grad_(v.is_floating_point()) for k, v in inputs.tensors.items()}
-    params = {k: v for k, v in inputs.items() if k not in tensors}
+    # the spec knows which inputs take a gradient (not integer ids, for one)
+    diff = {k: inputs[k].requires_grad_() for k in spec.differentiable}
     g = torch.randn_like(spec.output_like(inputs))
     backend = explain_inputs(op, spec.validate(tuple(inputs.values()))).backend or "torch"
     contenders = {}
-    for label, fn in cakeops_rows(lambda: spec(**tensors, **params), backend):
+    for label, fn in cakeops_rows(lambda: spec(**inputs), backend):
         contenders[label] = (
             fn,
-            lambda fn=fn: torch.autograd.grad(fn(), tuple(tensors.values()), g),
+            lambda fn=fn: torch.autograd.grad(fn(), tuple(diff.values()), g),
         )
     results = measure(contenders, device, repeats=3)
     baseline = f"cakeops [{backend}]"

@@ -88,16 +88,24 @@ def gpu_cases(device: torch.device, shape: tuple[int, ...]) -> list:
     return [GpuCase("bfloat16", Inputs(q, k, v))]
 
 
-def gpu_peers(inputs: dict[str, Any]) -> dict[str, Any]:
-    """flash-linear-attention's chunked kernel, when it imports (its layout is (B, T, H, D))."""
+def gpu_peers(inputs) -> dict[str, Any]:
+    """The masked composite, its ``torch.compile``, and flash-linear-attention's chunked kernel
+    when it imports (its layout is (B, T, H, D)); a string says why a peer is not compared."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    compiled = torch.compile(masked, dynamic=False)
+    peers: dict[str, Any] = {
+        "masked composite": lambda: masked(q, k, v),
+        "torch.compile(masked)": lambda: compiled(q, k, v),
+    }
     try:
         from fla.ops.linear_attn import chunk_linear_attn
     except Exception as exc:  # not installed, or a different API
-        print(f"flash-linear-attention not compared: {exc}")
-        return {}
+        peers["flash-linear-attention"] = f"does not import ({type(exc).__name__}: {exc})"[:200]
+        return peers
 
     def fla():
-        q, k, v = (inputs[n].transpose(1, 2) for n in ("q", "k", "v"))
-        return chunk_linear_attn(q, k, v, scale=1.0, normalize=False)[0].transpose(1, 2)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        return chunk_linear_attn(qt, kt, vt, scale=1.0, normalize=False)[0].transpose(1, 2)
 
-    return {"flash-linear-attention": fla}
+    peers["flash-linear-attention"] = fla
+    return peers

@@ -1,10 +1,22 @@
-"""GPU benchmarks: each op on every installed backend, against the device's own measured limits.
+"""GPU benchmarks: each op on every installed backend and beside its peers, against the device's
+own limits measured in the same run.
 
-``python -m cakeops.bench.gpu [--quick] [--json PATH]`` measures the device's copy bandwidth and
-bfloat16 matrix rate first, then times each op per backend (and flash-linear-attention's chunked
-linear attention when it imports) and reports achieved bandwidth or FLOP rate as a fraction of
-those, plus the time ratio against the ``torch`` backend. ``--quick`` uses small shapes (and runs
-on the CPU too, to check the script itself).
+``python -m cakeops.bench.gpu [--quick] [--device cuda] [--out DIR] [--budget SECONDS]``
+measures the device's copy bandwidth and matrix rates, then times forward+backward of each op
+per backend and per peer (eager code, ``torch.compile`` of it, ``torch._grouped_mm``,
+flash-linear-attention when it imports). On CUDA each row has three times:
+
+- *kernels*: one step captured in a CUDA graph and replayed (no host work at all), when the op
+  can be captured; otherwise the back-to-back time;
+- *back to back*: steps queued one after another between two CUDA events, no synchronisation
+  between them (what a training loop sees; above *kernels* when the host cannot keep up);
+- *host*: the CPU time to queue one step (Python, dispatch, launches).
+
+Every row is written to ``DIR/gpu-rows.jsonl`` as soon as it is measured and ``DIR/gpu.json`` /
+``DIR/gpu.md`` are rewritten after each, so a run cut short keeps what it measured. Past
+``--budget`` the remaining contenders are listed as not timed. ``--quick`` takes small shapes
+and runs on any device (the CPU too: Triton's interpreter, numba's simulator), to check the
+script itself.
 """
 
 from __future__ import annotations
@@ -14,6 +26,8 @@ import contextlib
 import importlib
 import json
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -23,18 +37,20 @@ import cakeops
 from cakeops import registry
 from cakeops.bench.limits import NAMES as LIMIT_NAMES
 from cakeops.bench.limits import measure_limits
-from cakeops.measure import time_it
+from cakeops.measure import sync
 from cakeops.ops import SPECS
 
 FULL = {
     "rmsnorm_silu_gate": (32768, 4096),
     "causal_dot_product": (8, 16, 4096, 128, 128),
     "moe_experts": (16384, 2048, 1408, 64, 6),
+    "routed_experts": (16384, 2048, 1408, 64, 6),
 }
 QUICK = {
-    "rmsnorm_silu_gate": (256, 512),
-    "causal_dot_product": (1, 2, 256, 32, 32),
-    "moe_experts": (256, 64, 96, 8, 2),
+    "rmsnorm_silu_gate": (64, 256),
+    "causal_dot_product": (1, 2, 64, 16, 16),
+    "moe_experts": (64, 32, 48, 4, 2),
+    "routed_experts": (64, 32, 48, 4, 2),
 }
 
 
@@ -71,80 +87,235 @@ def _cases(op: str, device: torch.device, quick: bool) -> list[GpuCase]:
     return [GpuCase("bfloat16", SPECS[op].example(device, torch.bfloat16))]
 
 
-def _time_case(op: str, case: GpuCase, device: torch.device, repeats: int, limits) -> list[dict]:
-    spec = SPECS[op]
-    inputs = {
-        k: v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v
-        for k, v in case.inputs.items()
-    }
-    tensors = tuple(v for v in inputs.values() if isinstance(v, torch.Tensor))
-    g = torch.randn_like(spec.output_like(case.inputs))
-    contenders: dict[str, tuple[Any, str | None]] = {
-        name: (lambda: spec(**inputs), name) for name in _backends_for(op, case.inputs)
-    }
+def _peers(op: str, inputs) -> dict[str, Callable[[], Any] | str]:
+    """``label -> forward`` of the op's peers, or ``label -> why not compared``."""
     module = sys.modules.get(f"cakeops.bench.{op}")
-    for label, fn in getattr(module, "gpu_peers", lambda _: {})(inputs).items():
+    return getattr(module, "gpu_peers", lambda _: {})(inputs)
+
+
+def step_of(op: str, inputs, forward: Callable[[], Any]) -> Callable[[], Any]:
+    """Forward+backward of ``forward``, gradients for the inputs the spec differentiates."""
+    spec = SPECS[op]
+    wrt = tuple(inputs[name] for name in spec.differentiable)
+    g = torch.randn_like(spec.output_like(inputs))
+
+    def step():
+        out = forward()
+        return torch.autograd.grad(out, wrt, g.view_as(out))
+
+    return step
+
+
+def time_step(step: Callable[[], Any], device: torch.device, repeats: int) -> dict[str, Any]:
+    """Seconds per step: ``back_to_back`` (queued without synchronising), ``host`` (the CPU time
+    to queue one) and ``kernels`` (a CUDA graph of one step replayed, or ``None`` with the
+    reason in ``graph``). On a CPU the first two are the same wall time and there is no graph."""
+    step()  # warm-up: compiles, autotunes, fills caches
+    step()
+    sync(device)
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        seconds = (time.perf_counter() - start) / repeats
+        return {"back_to_back": seconds, "host": seconds, "kernels": None, "graph": "no GPU"}
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start_ev.record()
+    host0 = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    host = (time.perf_counter() - host0) / repeats
+    end_ev.record()
+    torch.cuda.synchronize(device)
+    result = {"back_to_back": start_ev.elapsed_time(end_ev) / 1e3 / repeats, "host": host}
+    result.update(_graph_time(step, device, repeats))
+    return result
+
+
+def _graph_time(step: Callable[[], Any], device: torch.device, repeats: int) -> dict[str, Any]:
+    """A CUDA graph of one step, replayed ``repeats`` times: the kernels' time alone."""
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            step()  # the graph's allocations come from its own pool after a warm-up here
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        del graph
+        return {"kernels": start.elapsed_time(end) / 1e3 / repeats, "graph": "yes"}
+    except Exception as exc:  # an op that synchronises, or a peer that cannot be captured
+        torch.cuda.synchronize(device)
+        return {"kernels": None, "graph": f"not capturable: {type(exc).__name__}"}
+
+
+def _peak(step: Callable[[], Any], device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    step()
+    sync(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+class Recorder:
+    """The run's record, rewritten under ``out`` after every row (``None``: printed only)."""
+
+    def __init__(self, out: Path | None, record: dict[str, Any]):
+        self.out, self.record = out, record
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "gpu-rows.jsonl").write_text("")
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.record["rows"].append(row)
+        print(_row_line(row), flush=True)
+        if self.out is not None:
+            with (self.out / "gpu-rows.jsonl").open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            self.save()
+
+    def save(self) -> None:
+        if self.out is not None:
+            _add_ratios(self.record["rows"])
+            (self.out / "gpu.json").write_text(json.dumps(self.record, indent=2))
+            (self.out / "gpu.md").write_text(summary(self.record) + "\n")
+
+
+def _time_case(op, case, device, repeats, limits, recorder, deadline) -> None:
+    spec = SPECS[op]
+    inputs = spec.inputs(
+        **{
+            k: v.detach().requires_grad_(k in spec.differentiable)
+            if isinstance(v, torch.Tensor)
+            else v
+            for k, v in case.inputs.items()
+        }
+    )
+    contenders: dict[str, tuple[Callable[[], Any] | str, str | None]] = {
+        f"cakeops [{name}]": (lambda: spec(**inputs), name)
+        for name in _backends_for(op, case.inputs)
+    }
+    for label, fn in _peers(op, inputs).items():
         contenders[label] = (fn, None)
-    rows = []
     for label, (fn, backend) in contenders.items():
-
-        def step(fn=fn):
-            out = fn()
-            return torch.autograd.grad(out, tensors, g.view_as(out))
-
-        with cakeops.use_backend(backend) if backend else contextlib.nullcontext():
-            forward_s = time_it(fn, device, repeats)
-            seconds = time_it(step, device, repeats)
-        row = {"op": op, "part": f"fwd+bwd {case.name}", "impl": label, "time_s": seconds,
-               "forward_s": forward_s}  # fmt: skip
+        row: dict[str, Any] = {"op": op, "case": case.name, "impl": label}
+        if isinstance(fn, str):
+            recorder.add({**row, "skipped": fn})
+            continue
+        if time.monotonic() > deadline:
+            recorder.add({**row, "skipped": "out of time (--budget)"})
+            continue
+        try:
+            with cakeops.use_backend(backend) if backend else contextlib.nullcontext():
+                step = step_of(op, inputs, fn)
+                row.update({f"{k}_s" if k != "graph" else k: v
+                            for k, v in time_step(step, device, repeats).items()})  # fmt: skip
+                row["peak_bytes"] = _peak(step, device)
+        except Exception as exc:  # a peer's failure is a row, not the end of the run
+            recorder.add({**row, "skipped": f"failed: {type(exc).__name__}: {exc}"[:300]})
+            continue
+        seconds = row["kernels_s"] or row["back_to_back_s"]
+        row["time_s"] = seconds
         if case.work:
             row["fraction"] = case.work / seconds / limits[case.limit]
             row["of"] = LIMIT_NAMES[case.limit]
-        rows.append(row)
-    return rows
+        recorder.add(row)
 
 
-def run(device: torch.device, quick: bool) -> dict[str, Any]:
-    limits = measure_limits(device, quick)
-    repeats = 3 if quick else 10
-    rows: list[dict[str, Any]] = []
-    for op in SPECS:
-        for case in _cases(op, device, quick):
-            rows += _time_case(op, case, device, repeats, limits)
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         base = next(
             (
                 r
                 for r in rows
-                if (r["op"], r["part"], r["impl"]) == (row["op"], row["part"], "torch")
+                if (r["op"], r["case"], r["impl"]) == (row["op"], row["case"], "cakeops [torch]")
+                and "time_s" in r
             ),
             None,
         )
-        row["speedup_vs_torch"] = base["time_s"] / row["time_s"] if base else None
-    return {
+        ok = base is not None and "time_s" in row
+        row["speedup_vs_torch"] = base["time_s"] / row["time_s"] if ok else None
+
+
+def run(
+    device: torch.device,
+    quick: bool,
+    out: Path | None = None,
+    budget_s: float = float("inf"),
+    ops: list[str] | None = None,
+) -> dict[str, Any]:
+    deadline = time.monotonic() + budget_s
+    record: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "limits": limits,
         "shapes": QUICK if quick else FULL,
-        "rows": rows,
+        "rows": [],
     }
+    recorder = Recorder(out, record)
+    record["limits"] = measure_limits(device, quick)
+    recorder.save()
+    print(_limits_line(record), flush=True)
+    repeats = 3 if quick else 20
+    for op in ops or list(SPECS):
+        for case in _cases(op, device, quick):
+            _time_case(op, case, device, repeats, record["limits"], recorder, deadline)
+    recorder.save()
+    return record
+
+
+def _limits_line(record: dict[str, Any]) -> str:
+    lim = record["limits"]
+    return (
+        f"device {record['device']}, torch {record['torch']}: copy "
+        f"{lim['copy_bytes_per_s'] / 1e9:.0f} GB/s, bf16 matmul "
+        f"{lim['bf16_flop_per_s'] / 1e12:.1f} TFLOP/s (measured in this run)"
+    )
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
+def _row_line(r: dict[str, Any]) -> str:
+    if "skipped" in r:
+        return f"  {r['op']} {r['case']} {r['impl']}: not compared ({r['skipped']})"
+    return (
+        f"  {r['op']} {r['case']} {r['impl']}: {_ms(r['time_s'])} ms (back to back "
+        f"{_ms(r['back_to_back_s'])}, host {_ms(r['host_s'])}, graph {r['graph']})"
+    )
 
 
 def summary(record: dict[str, Any]) -> str:
-    lim = record["limits"]
     lines = [
-        f"device {record['device']}, torch {record['torch']}: copy "
-        f"{lim['copy_bytes_per_s'] / 1e9:.0f} GB/s, "
-        f"bf16 matmul {lim['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s",
+        _limits_line(record) if "limits" in record else f"device {record['device']}",
         "",
-        "| op | part | implementation | time (ms) | of the device limit | vs torch |",
-        "| --- | --- | --- | ---: | ---: | ---: |",
+        "| op | case | implementation | kernels (ms) | back to back (ms) | host (ms) "
+        "| of the device limit | vs cakeops [torch] | peak (MiB) |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in record["rows"]:
+        if "skipped" in r:
+            lines.append(f"| {r['op']} | {r['case']} | {r['impl']} | not compared: "
+                         f"{r['skipped']} | | | | | |")  # fmt: skip
+            continue
         frac = f"{100 * r['fraction']:.0f}% {r['of']}" if "fraction" in r else "-"
-        vs = f"{r['speedup_vs_torch']:.2f}x" if r["speedup_vs_torch"] else "-"
+        vs = f"{r['speedup_vs_torch']:.2f}x" if r.get("speedup_vs_torch") else "-"
+        peak = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.0f}"
         lines.append(
-            f"| {r['op']} | {r['part']} | {r['impl']} | {r['time_s'] * 1e3:.2f} | {frac} | {vs} |"
+            f"| {r['op']} | {r['case']} | {r['impl']} | {_ms(r['kernels_s'])} | "
+            f"{_ms(r['back_to_back_s'])} | {_ms(r['host_s'])} | {frac} | {vs} | {peak} |"
         )
     return "\n".join(lines)
 
@@ -153,13 +324,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cakeops.bench.gpu", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small shapes (any device)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--op", action="append", choices=sorted(SPECS), help="op (repeatable)")
+    parser.add_argument("--out", metavar="DIR", type=Path, help="write rows here as they come")
+    parser.add_argument("--json", metavar="PATH", help="also write the whole record here")
+    parser.add_argument("--budget", type=float, default=float("inf"), metavar="SECONDS",
+                        help="time no contender after this many seconds")  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark", file=sys.stderr)
         return 2
-    record = run(device, args.quick)
+    record = run(device, args.quick, args.out, args.budget, args.op)
     print(summary(record))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -95,20 +95,63 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def gpu_cases(device: torch.device, shape: tuple[int, ...]) -> list:
-    """``python -m cakeops.bench.gpu``: bfloat16 at ``(T, D, F, E, top_k)``; the useful work is
-    the 9 expert GEMMs of forward (3) and backward (6) over ``T * top_k`` rows."""
-    from cakeops.bench.gpu import GpuCase
-    from cakeops.ops.moe_experts import Inputs
+def grouped_mm_experts(x, top_k_index, top_k_weights, w_gate, w_up, w_down):
+    """The experts as ``torch._grouped_mm`` runs them (transformers' default on GPUs): rows
+    sorted by expert, three grouped GEMMs, a weighted ``index_add_`` combine."""
+    k, E = top_k_index.shape[1], w_gate.shape[0]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    rows = x[token]
+    gate = torch._grouped_mm(rows, w_gate.transpose(1, 2), offs=offs)
+    up = torch._grouped_mm(rows, w_up.transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offs)
+    y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, token, y)
 
-    T, D, F, E, k = shape
+
+def softmax_top_k(router_logits, top_k):
+    """``moe_experts``' routing (softmax, top-k, renormalised), as model code writes it."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float)
+    weights, index = torch.topk(probs, top_k, dim=-1)
+    return index, weights / weights.sum(-1, keepdim=True)
+
+
+def gpu_inputs(device: torch.device, shape: tuple[int, ...]):
+    """bfloat16 ``x`` and weights at ``(T, D, F, E, top_k)``, float32 router logits."""
+    T, D, F, E, _ = shape
 
     def w(*s, fan_in):
         return (torch.randn(s, device=device) * fan_in**-0.5).bfloat16()
 
     x = torch.randn(T, D, device=device, dtype=torch.bfloat16)
     logits = torch.randn(T, E, device=device)
-    inputs = Inputs(
-        x, logits, w(E, F, D, fan_in=D), w(E, F, D, fan_in=D), w(E, D, F, fan_in=F), top_k=k
-    )
-    return [GpuCase("bfloat16", inputs, 18 * T * k * D * F, "bf16_flop_per_s")]
+    return x, logits, (w(E, F, D, fan_in=D), w(E, F, D, fan_in=D), w(E, D, F, fan_in=F))
+
+
+def gpu_cases(device: torch.device, shape: tuple[int, ...]) -> list:
+    """``python -m cakeops.bench.gpu``: bfloat16 at ``(T, D, F, E, top_k)``; the useful work is
+    the 9 expert GEMMs of forward (3) and backward (6) over ``T * top_k`` rows."""
+    from cakeops.bench.gpu import GpuCase
+    from cakeops.ops.moe_experts import Inputs
+
+    T, D, F, _, k = shape
+    x, logits, ws = gpu_inputs(device, shape)
+    return [GpuCase("bfloat16", Inputs(x, logits, *ws, top_k=k), 18 * T * k * D * F,
+                    "bf16_flop_per_s")]  # fmt: skip
+
+
+def gpu_peers(inputs) -> dict[str, Any]:
+    """The eager loop and the same routing followed by ``torch._grouped_mm`` experts."""
+    x, logits, k = inputs["x"], inputs["router_logits"], inputs["top_k"]
+    ws = (inputs["w_gate"], inputs["w_up"], inputs["w_down"])
+
+    def grouped():
+        index, weights = softmax_top_k(logits, k)
+        return grouped_mm_experts(x, index, weights, *ws)
+
+    return {
+        "eager loop (index_add_)": lambda: eager_loop(x, logits, *ws, k),
+        "routing + torch._grouped_mm": grouped,
+    }

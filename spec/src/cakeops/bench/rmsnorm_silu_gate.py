@@ -114,3 +114,14 @@ def gpu_cases(device: torch.device, shape: tuple[int, ...]) -> list:
             GpuCase(str(dtype).removeprefix("torch."), Inputs(x, torch.randn_like(x), w), nbytes)
         )
     return cases
+
+
+def gpu_peers(inputs) -> dict[str, Any]:
+    """The eager composite and its ``torch.compile``."""
+    x, z, w = inputs["x"], inputs["z"], inputs["weight"]
+    gs = inputs["group_size"] or x.shape[-1]
+    compiled = torch.compile(composite, dynamic=False)
+    return {
+        "eager composite": lambda: composite(x, z, w, gs),
+        "torch.compile(composite)": lambda: compiled(x, z, w, gs),
+    }
