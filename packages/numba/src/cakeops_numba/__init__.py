@@ -5,9 +5,11 @@ are allocated by PyTorch and kernels launch on PyTorch's current stream. Its CUD
 tensor cores, so the automatic choice follows expected speed: ``rmsnorm_silu_gate`` (memory-bound)
 ranks below ``triton`` and above ``torch``; the matrix-product ops (``causal_dot_product``,
 ``moe_experts``, ``routed_experts``) rank below ``torch``, whose cuBLAS and grouped GEMMs are
-many times faster, and run on numba only when it is asked for by name. On the CPU, ``njit`` kernels serve the ops where they beat the
-``torch`` backend on the op's benchmark shapes (``causal_dot_product``, in every dtype; see
-``packages/numba/benchmarks``), as the automatic choice there.
+many times faster, and run on numba only when it is asked for by name.
+
+On the CPU, ``njit`` kernels serve the ops where they beat the ``torch`` backend on the op's
+benchmark shapes (``causal_dot_product``, in every dtype; see ``packages/numba/benchmarks``),
+as the automatic choice there.
 
 With ``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported) the CUDA kernels run on CPU
 tensors in numba's CUDA simulator instead, only when the backend is chosen explicitly (the
@@ -91,7 +93,7 @@ backend = NumbaBackend(
                 # the njit CPU kernel computes in float32 (bfloat16 read as int16 bits, float16
                 # converted a block of heads at a time), so it takes every dtype, as does the
                 # simulator
-            }
+            },
         },
     ),
 )

@@ -46,11 +46,13 @@ FULL = {
     "moe_experts": (16384, 2048, 1408, 64, 6),
     "routed_experts": (16384, 2048, 1408, 64, 6),
 }
+# tiny: on a CPU these run in Triton's interpreter and numba's simulator (a Python call per
+# simulated thread), only to check the script itself
 QUICK = {
-    "rmsnorm_silu_gate": (64, 256),
-    "causal_dot_product": (1, 2, 64, 16, 16),
-    "moe_experts": (64, 32, 48, 4, 2),
-    "routed_experts": (64, 32, 48, 4, 2),
+    "rmsnorm_silu_gate": (8, 64),
+    "causal_dot_product": (1, 1, 32, 16, 16),
+    "moe_experts": (8, 16, 16, 4, 2),
+    "routed_experts": (8, 16, 16, 4, 2),
 }
 
 
@@ -110,8 +112,8 @@ def time_step(step: Callable[[], Any], device: torch.device, repeats: int) -> di
     """Seconds per step: ``back_to_back`` (queued without synchronising), ``host`` (the CPU time
     to queue one) and ``kernels`` (a CUDA graph of one step replayed, or ``None`` with the
     reason in ``graph``). On a CPU the first two are the same wall time and there is no graph."""
-    step()  # warm-up: compiles, autotunes, fills caches
-    step()
+    for _ in range(2 if repeats > 1 else 1):  # warm-up: compiles, autotunes, fills caches
+        step()
     sync(device)
     if device.type != "cuda":
         start = time.perf_counter()
@@ -267,7 +269,8 @@ def run(
     record["limits"] = measure_limits(device, quick)
     recorder.save()
     print(_limits_line(record), flush=True)
-    repeats = 3 if quick else 20
+    # a quick run on a CPU may be Triton's interpreter or numba's simulator: one timed step
+    repeats = (1 if device.type == "cpu" else 3) if quick else 20
     for op in ops or list(SPECS):
         for case in _cases(op, device, quick):
             _time_case(op, case, device, repeats, record["limits"], recorder, deadline)

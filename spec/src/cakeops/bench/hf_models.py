@@ -44,7 +44,10 @@ def model_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-def run(quick: bool = False, device: torch.device | str = "cpu") -> list[dict[str, Any]]:
+def run(
+    quick: bool = False, device: torch.device | str = "cpu", on_row: Any = None
+) -> list[dict[str, Any]]:
+    """Every family's row; ``on_row(rows)`` is called after each (a run cut short keeps them)."""
     import transformers as tf
 
     import cakeops.integrations.transformers  # noqa: F401  (registers "cakeops")
@@ -74,6 +77,8 @@ def run(quick: bool = False, device: torch.device | str = "cpu") -> list[dict[st
         results = measure(contenders, device, repeats=2 if quick else 5)
         print(format_table(f"\n{family}, batch {batch} x {seq} tokens", results, "experts: eager"))
         rows.append({"family": family, "tokens": batch * seq, "results": results})
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -124,10 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         print("cakeops.bench.hf_models: transformers is not installed (pip install "
               "cakeops[transformers]); nothing measured")  # fmt: skip
         return NO_TRANSFORMERS
-    rows = run(args.quick, args.device)
+
+    def write(rows: list[dict[str, Any]]) -> None:
+        if args.markdown:
+            Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.markdown).write_text(markdown(rows, args.device))
+
+    run(args.quick, args.device, on_row=write)
     if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(markdown(rows, args.device))
         print(f"wrote {args.markdown}")
     return 0
 

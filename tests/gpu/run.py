@@ -1,0 +1,240 @@
+"""The GPU check: one script for a machine with a CUDA GPU, no network and nothing but the image's
+packages (torch, Triton, numba-cuda, pytest with pytest-xdist and pytest-timeout; no nox).
+
+    python3 tests/gpu/run.py [--out DIR] [--dry-run]
+
+Four steps, each a process under its own time limit, each writing its results under ``DIR``
+(default ``$OUT``, else ``bench-results/gpu``) as they come, so that a step cut short loses only
+itself; the whole run stops within 8 minutes:
+
+a. preflight (60 s): ``cakeops info``, one small forward+backward per op, backend and dtype
+   against the reference (first-call times: Triton's compiles, numba-cuda's first compile); with
+   no CUDA device, one line and exit status 3, and nothing else runs;
+b. benchmarks (3 min): ``python -m cakeops.bench.gpu`` at the H200 shapes;
+c. conformance (4 min): ``triton`` and ``torch`` on CUDA in full, ``numba`` on a subset, and the
+   device-only checks of ``tests/gpu``; ``pytest -n 8 --timeout=120``, each test's outcome
+   appended to a JSON-lines file as it ends and the JUnit file written even when the step is
+   cut short (pytest is interrupted first, killed only if it does not stop);
+d. the Hugging Face models' training step (1 min).
+
+``--dry-run`` runs the same steps on the CPU (Triton's interpreter, numba's CUDA simulator, tiny
+shapes, a subset of the suite) within 3 minutes: CI runs it, so the script itself has run before
+a GPU sees it. The in-tree distributions run from their ``src`` folders when they are not
+installed (a ``.dist-info`` shim per distribution makes their entry points visible).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+NO_DEVICE = 3  # preflight's status when the device is not there
+GRACE_S = 20  # after an interrupt, how long a step may take to write its files
+
+
+@dataclass
+class Step:
+    """One step: its commands (run in turn), its time limit, and how a status reads."""
+
+    name: str
+    limit_s: float
+    commands: list[list[str]]
+    env: dict[str, str] = field(default_factory=dict)
+    ok_codes: tuple[int, ...] = (0,)
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: str
+    seconds: float
+    codes: list[int | None]
+
+
+def source_tree_env() -> dict[str, str]:
+    """``PYTHONPATH`` for the in-tree distributions when ``cakeops`` is not installed: their
+    ``src`` folders, plus a ``.dist-info`` shim per distribution so that entry points (the
+    backends, the pytest plugin) are discovered as if installed; ``{}`` when it is installed."""
+    if importlib.util.find_spec("cakeops") is not None:
+        return {}
+    shims = Path(tempfile.mkdtemp(prefix="cakeops-shims-"))
+    paths = [str(shims)]
+    projects = [ROOT / "spec" / "pyproject.toml", *sorted(ROOT.glob("packages/*/pyproject.toml"))]
+    for project in projects:
+        text = project.read_text()
+        name = re.search(r'^name = "([^"]+)"', text, re.M).group(1)
+        version = re.search(r'^version = "([^"]+)"', text, re.M).group(1)
+        groups = re.findall(
+            r'^\[project\.entry-points\."?([\w.]+)"?\]\n((?:\w+ = "[^"]+"\n)+)', text, re.M
+        )
+        info = shims / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        entries = "".join(f"[{group}]\n{body}\n" for group, body in groups)
+        (info / "entry_points.txt").write_text(entries.replace('"', ""))
+        paths.append(str(project.parent / "src"))
+    return {"PYTHONPATH": os.pathsep.join(paths)}
+
+
+def _have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def plan(out: Path, dry_run: bool) -> list[Step]:
+    """The four steps, on CUDA, or on the CPU with tiny shapes for ``--dry-run``."""
+    py = sys.executable
+    device = "cpu" if dry_run else "cuda"
+    kernel_env = {"TRITON_INTERPRET": "1", "NUMBA_ENABLE_CUDASIM": "1"} if dry_run else {}
+    bench = [py, "-m", "cakeops.bench.gpu", "--device", device, "--out", str(out / "bench")]
+    hf = [py, "-m", "cakeops.bench.hf_models", "--device", device,
+          "--markdown", str(out / "hf_models.md")]  # fmt: skip
+
+    def pytest(name: str, *args: str) -> list[str]:
+        cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "progress",
+               "-o", "addopts=", "-W", "ignore::DeprecationWarning",
+               f"--junitxml={out / f'{name}.xml'}", *args]  # fmt: skip
+        if _have("xdist"):
+            cmd += ["-n", "2" if dry_run else "8"]
+        if _have("pytest_timeout"):
+            cmd += ["--timeout=120"]
+        return cmd
+
+    suite = ["--pyargs", "cakeops.testing", f"--cakeops-device={device}"]
+    if dry_run:
+        # the plumbing on a sample: every op on the interpreter, the simulator and torch
+        sample = "test_saves_exactly_the_inputs or test_deterministic"
+        conformance = [
+            pytest("suite-triton-torch", *suite, "--cakeops-backend=triton,torch", "-k", sample),
+            pytest("suite-numba", *suite, "--cakeops-backend=numba", "-k",
+                   "test_saves_exactly_the_inputs"),
+        ]  # fmt: skip
+        limits = {"preflight": 45, "bench": 60, "conformance": 50, "hf": 25}
+        bench += ["--quick", "--budget", "40"]
+        hf += ["--quick"]
+    else:
+        conformance = [
+            pytest("suite-triton-torch", *suite, "--cakeops-backend=triton,torch"),
+            pytest("suite-numba", *suite, "--cakeops-backend=numba", "-k",
+                   "test_matches_reference or test_deterministic or test_non_finite"),
+            pytest("plumbing", str(HERE / "test_numba_cuda.py"), str(HERE / "test_triton_cuda.py")),
+        ]  # fmt: skip
+        limits = {"preflight": 60, "bench": 180, "conformance": 240, "hf": 60}
+        bench += ["--budget", str(limits["bench"] - 40)]
+    progress = {"CAKEOPS_PROGRESS": str(out / "conformance-progress.jsonl")}
+    preflight = [py, str(HERE / "preflight.py"), "--device", device, "--out", str(out)]
+    preflight += ["--quick"] if dry_run else []
+    return [
+        Step("preflight", limits["preflight"],
+             [[py, "-m", "cakeops", "info"], preflight], kernel_env),
+        Step("bench", limits["bench"], [bench], kernel_env),
+        Step("conformance", limits["conformance"], conformance, {**kernel_env, **progress},
+             ok_codes=(0,)),
+        # without transformers hf_models exits 2 and says so: not a failure of the GPU
+        Step("hf", limits["hf"], [hf], kernel_env, ok_codes=(0, 2)),
+    ]  # fmt: skip
+
+
+def run_step(step: Step, base_env: dict[str, str], log: Path, deadline: float) -> Outcome:
+    """The step's commands in turn, each in its own process group; at the step's limit the
+    running one gets SIGINT (pytest then writes its JUnit file), SIGKILL ``GRACE_S`` later."""
+    start = time.monotonic()
+    stop_at = min(start + step.limit_s, deadline)
+    env = {**base_env, **step.env}
+    codes: list[int | None] = []
+    status = "ok"
+    with log.open("w") as out:
+        for cmd in step.commands:
+            out.write(f"$ {' '.join(cmd)}\n")
+            out.flush()
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    cwd=ROOT, start_new_session=True)  # fmt: skip
+            try:
+                codes.append(proc.wait(timeout=max(1.0, stop_at - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                status = f"cut short at {step.limit_s:.0f} s"
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=GRACE_S)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                codes.append(None)
+                break
+            if codes[-1] not in step.ok_codes:
+                status = f"failed (exit {codes[-1]})"
+                if step.name == "preflight":
+                    break
+    return Outcome(step.name, status, time.monotonic() - start, codes)
+
+
+def conformance_counts(out: Path) -> str:
+    """``N passed, N failed, N skipped`` from the progress file (complete even if cut short)."""
+    path = out / "conformance-progress.jsonl"
+    if not path.exists():
+        return "no tests ran"
+    counts: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        outcome = json.loads(line)["outcome"]
+        counts[outcome] = counts.get(outcome, 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no tests ran"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="results here (default $OUT or bench-results/gpu)")
+    parser.add_argument("--dry-run", action="store_true", help="the same steps on the CPU, tiny")
+    args = parser.parse_args(argv)
+    default = Path(os.environ.get("OUT") or ROOT / "bench-results" / "gpu")
+    out = (args.out or (default / "dry-run" if args.dry_run else default)).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "conformance-progress.jsonl").unlink(missing_ok=True)
+    total_s = 180 if args.dry_run else 480
+    deadline = time.monotonic() + total_s
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",
+                                                            "NUMBA_ENABLE_CUDASIM")}  # fmt: skip
+    tree = source_tree_env()
+    if tree:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [tree["PYTHONPATH"], str(HERE), *filter(None, [env.get("PYTHONPATH")])]
+        )
+    else:
+        env["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONUNBUFFERED"] = "1"
+    print(f"cakeops GPU check{' (dry run, on the CPU)' if args.dry_run else ''}: results in {out}")
+    outcomes = []
+    for step in plan(out, args.dry_run):
+        if time.monotonic() > deadline:
+            outcomes.append(Outcome(step.name, "not run: out of time", 0.0, []))
+            continue
+        print(f"[{step.name}] at most {step.limit_s:.0f} s ...", flush=True)
+        outcome = run_step(step, env, out / f"{step.name}.log", deadline)
+        outcomes.append(outcome)
+        print(f"[{step.name}] {outcome.status} in {outcome.seconds:.0f} s", flush=True)
+        if step.name == "preflight" and outcome.codes and outcome.codes[-1] == NO_DEVICE:
+            print((out / "preflight.log").read_text().strip().splitlines()[-1])
+            return NO_DEVICE
+    lines = ["| step | status | seconds |", "| --- | --- | ---: |"]
+    lines += [f"| {o.name} | {o.status} | {o.seconds:.0f} |" for o in outcomes]
+    lines += ["", f"conformance: {conformance_counts(out)}"]
+    for name in ("bench/gpu.md", "hf_models.md"):
+        if (out / name).exists():
+            lines += ["", (out / name).read_text().strip()]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if all(o.status == "ok" for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
