@@ -66,6 +66,28 @@ def calls(dtypes=DTYPES) -> Iterator[Call]:
         yield from _unique(out)
 
 
+#: the head sizes the resource sweep compiles causal_dot_product at (E = M, and a few E != M)
+HEAD_SIZES = (16, 24, 32, 40, 48, 64, 80, 96, 128, 192, 256)
+#: (D, F) of the experts in the sweep, and rmsnorm's D: sizes that are not powers of two
+EXPERT_SIZES = ((96, 160), (640, 1408), (1000, 1400), (2880, 2880), (7168, 2048))
+NORM_SIZES = (96, 640, 1000, 2880, 5120, 8200)
+
+
+def sweep_calls(dtypes=(torch.bfloat16,)) -> Iterator[Call]:
+    """The resource sweep: shapes no test uses, which a config must fit all the same (every
+    config the pruning keeps is compiled), 16-bit and 16-bit ``x`` with float32 weights."""
+    heads = [(E, E) for E in HEAD_SIZES] + [(16, 256), (256, 16), (24, 192), (192, 24)]
+    for dtype in dtypes:
+        out = [Call("causal_dot_product", dtype, (1, 2, 8192, E, M)) for E, M in heads]
+        out += [Call("rmsnorm_silu_gate", dtype, ((64, D), None, True)) for D in NORM_SIZES]
+        out += [Call("rmsnorm_silu_gate", dtype, ((64, D), 64, False)) for D in NORM_SIZES[:3]]
+        for D, F in EXPERT_SIZES:
+            out += [Call("moe_experts", dtype, (256, D, F, 8, 2))]
+            out += [Call("moe_experts", dtype, (256, D, F, 8, 2), "float32-weights")]
+            out += [Call("routed_experts", dtype, (256, D, F, 8, 2), "packed")]
+        yield from _unique(out)
+
+
 def inputs(call: Call) -> tuple[tuple, tuple]:
     """``(forward args, backward args)`` for the backend kernels. Values are left uninitialised
     where no host code reads them (the kernels only compile), so bench shapes cost no time."""

@@ -50,6 +50,17 @@ def multiprocessors(device: torch.device) -> int:
     return INTERPRETER_SMS
 
 
+def mma_operands_in_registers() -> bool:
+    """Whether the target's 16-bit MMA reads its operands from registers (NVIDIA before sm_90:
+    ``mma.sync``) rather than from shared memory (``wgmma``); the interpreter has no target."""
+    if INTERPRET:
+        return False
+    from triton.runtime.driver import driver
+
+    target = driver.active.get_current_target()
+    return target.backend == "cuda" and target.arch < 90
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` precision for float32 operands: TF32 only where the user enabled it."""
     tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not INTERPRET

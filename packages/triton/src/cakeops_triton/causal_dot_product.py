@@ -15,13 +15,19 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.driver import driver
 
 from cakeops.helpers import backward_by_scans
-from cakeops_triton._common import INTERPRET, dot, dot_precision, round_to, serialised
+from cakeops_triton._common import (
+    INTERPRET,
+    dot,
+    dot_precision,
+    mma_operands_in_registers,
+    round_to,
+    serialised,
+)
 
-# Chunk length and warps tuned per (E, M, direction, precision) -- never per sequence length.
-# The interpreter gets one config.
+# Chunk length and warps, tuned per (head-size bucket, direction, precision) -- never per exact
+# head size or sequence length. The interpreter gets one config.
 if INTERPRET:
     _CONFIGS = [triton.Config({"BLOCK_L": 16})]
 else:
@@ -32,53 +38,73 @@ else:
             (16, 4, 2),
             (32, 4, 2),
             (64, 4, 2),
-            (64, 8, 2),
-            (128, 8, 2),
             (16, 8, 2),
+            (32, 8, 2),
+            (64, 8, 2),
             # float32 inputs (FMA dots with every operand in registers: 8 warps, no pipelining)
             (16, 8, 1),
             (32, 8, 1),
         )
     ]
+#: Problems of fewer positions (N * H * L) than this run one fixed config, untuned: tuning them
+#: would cost more compilations than their run time.
+TUNE_FROM_POSITIONS = 16384
+#: Registers a thread may give to the float32 tiles (state, scores, output) and, where the MMA
+#: operands live in registers (sm_80's mma.sync), to the 16-bit tiles: a config over either
+#: budget spills at some head size (nox -s gpu_compile sweeps them).
+F32_REGISTERS = 64
+OPERAND_REGISTERS = 18
+#: Widest head block whose every chunk fits: at BLOCK_E 256 only 16-position chunks on 8 warps
+#: compile without spilling on sm_90 and sm_80 (the sweep shows 8-560 bytes for every other).
+WIDE_BLOCK_E = 256
 
 
 def _block_m(args) -> int:
     """Columns of ``v`` per program: the float32 ``E x BLOCK_M`` state stays within 4096
-    elements for 16-bit inputs (32 registers a thread at 4 warps) and 2048 for float32 ones, so
-    nothing spills up to E = 256 (``nox -s gpu_compile`` checks it)."""
+    elements for 16-bit inputs (32 registers a thread at 4 warps) and 2048 for float32 ones."""
     cap = max(16, (4096 if args["A"].element_size() < 4 else 2048) // args["BLOCK_E"])
     return max(16, min(cap, 64, triton.next_power_of_2(args["M"])))
 
 
+def fits(block_l: int, block_e: int, block_m: int, warps: int, operands_in_registers: bool):
+    """The resource rule of a 16-bit config: its tiles fit the register budgets per thread."""
+    if block_e >= WIDE_BLOCK_E:
+        return block_l == 16 and warps == 8
+    threads = 32 * warps
+    f32 = (block_e * block_m + block_l * block_l + block_l * block_m) / threads
+    operands = (2 * block_l * block_e + block_l * block_m) / (2 * threads)
+    return f32 <= F32_REGISTERS and (not operands_in_registers or operands <= OPERAND_REGISTERS)
+
+
 def _prune(configs, args, **kwargs):
-    """Configs that compile without spilling (``nox -s gpu_compile`` checks it). float32: the
-    unpipelined 8-warp configs, 16-position chunks from E = 128 (E = 256 spills a little in
-    every float32 config). 16-bit: ``BLOCK_L * BLOCK_E`` within 16384 on sm_90 (8 warps from
-    E = 256) and within 2048 before it (mma.sync keeps its operands in registers; E = 256 then
-    runs 16-position chunks on 8 warps)."""
+    """The configs that fit by the resource rules, whatever the head sizes. float32: the
+    unpipelined 8-warp configs, 16-position chunks from E = 128. 16-bit: :func:`fits`, the
+    operands counted in registers before sm_90 (no wgmma)."""
     block_e = kwargs["BLOCK_E"]
     if args["A"].element_size() == 4:
         fp32 = [c for c in configs if c.num_stages == 1]
         return [c for c in fp32 if block_e < 128 or c.kwargs["BLOCK_L"] == 16]
-    configs = [c for c in configs if c.num_stages > 1]
-    target = driver.active.get_current_target()
-    if target.backend != "cuda" or target.arch >= 90:  # wgmma (or not NVIDIA: untuned)
-        kept = [c for c in configs if c.kwargs["BLOCK_L"] * block_e <= 16384]
-        return [c for c in kept if c.num_warps == 8] if block_e >= 256 else kept
-    kept = [c for c in configs if c.kwargs["BLOCK_L"] * block_e <= 2048]
-    return kept or [c for c in configs if c.kwargs["BLOCK_L"] == 16 and c.num_warps == 8]
+    block_m = _block_m({**args, "BLOCK_E": block_e})
+    in_registers = mma_operands_in_registers()
+    kept = [
+        c
+        for c in configs
+        if c.num_stages > 1
+        and fits(c.kwargs["BLOCK_L"], block_e, block_m, c.num_warps, in_registers)
+    ]
+    return kept or [c for c in configs if c.kwargs["BLOCK_L"] == 16 and c.num_warps == 8][:1]
 
 
 @triton.autotune(
     configs=_CONFIGS,
-    key=["E", "M", "REVERSE", "PRECISION"],
+    key=["BLOCK_E", "M_BUCKET", "REVERSE", "PRECISION"],
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.heuristics({"BLOCK_M": _block_m})
-@triton.jit(do_not_specialize=["L"])
+@triton.jit(do_not_specialize=["L", "E", "M", "M_BUCKET"])
 def _causal_kernel(
     A, B, C, OUT,
-    L, H, E, M,
+    L, H, E, M, M_BUCKET,
     sa_n, sa_h, sa_l, sb_n, sb_h, sb_l, sc_n, sc_h, sc_l,
     REVERSE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -144,15 +170,21 @@ def _run(a, b, c, reverse: bool) -> torch.Tensor:
     def grid(meta):
         return (N * H, triton.cdiv(M, meta["BLOCK_M"]))
 
-    _causal_kernel[grid](
+    args = (
         a, b, c, out,
-        L, H, E, M,
+        L, H, E, M, triton.next_power_of_2(M),
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1), c.stride(2),
-        REVERSE=reverse, PRECISION=dot_precision(a.dtype),
-        BLOCK_E=max(16, triton.next_power_of_2(E)),
     )  # fmt: skip
+    meta = {"REVERSE": reverse, "PRECISION": dot_precision(a.dtype),
+            "BLOCK_E": max(16, triton.next_power_of_2(E))}  # fmt: skip
+    if N * H * L >= TUNE_FROM_POSITIONS:
+        _causal_kernel[grid](*args, **meta)
+    else:  # too small to tune: the first config the rules keep (the smallest chunk)
+        named = dict(zip(_causal_kernel.arg_names, args, strict=False))
+        config = (_prune(_causal_kernel.configs, named, **meta) or _causal_kernel.configs)[0]
+        _causal_kernel.fn[grid](*args, **meta, **config.all_kwargs())
     return out
 
 
