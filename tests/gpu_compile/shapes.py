@@ -82,9 +82,10 @@ def sweep_calls(dtypes=(torch.bfloat16,)) -> Iterator[Call]:
         out += [Call("rmsnorm_silu_gate", dtype, ((64, D), None, True)) for D in NORM_SIZES]
         out += [Call("rmsnorm_silu_gate", dtype, ((64, D), 64, False)) for D in NORM_SIZES[:3]]
         for D, F in EXPERT_SIZES:
-            out += [Call("moe_experts", dtype, (256, D, F, 8, 2))]
-            out += [Call("moe_experts", dtype, (256, D, F, 8, 2), "float32-weights")]
-            out += [Call("routed_experts", dtype, (256, D, F, 8, 2), "packed")]
+            # 4096 tokens x 2: enough rows to be tuned (every kept config compiled)
+            out += [Call("moe_experts", dtype, (4096, D, F, 8, 2))]
+            out += [Call("moe_experts", dtype, (4096, D, F, 8, 2), "float32-weights")]
+            out += [Call("routed_experts", dtype, (4096, D, F, 8, 2), "packed")]
         yield from _unique(out)
 
 

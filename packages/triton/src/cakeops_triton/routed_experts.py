@@ -35,33 +35,50 @@ import triton
 import triton.language as tl
 
 from cakeops.helpers import Routing, given_routing, row_tiles, row_weights
-from cakeops_triton._common import INTERPRET, dot, dot_precision, round_to, serialised
+from cakeops_triton._common import (
+    INTERPRET,
+    dot,
+    dot_precision,
+    mma_operands_in_registers,
+    round_to,
+    serialised,
+)
 
 # Row tiles are laid out by the tile table, so BLOCK_M is fixed; the autotuner picks the rest
-# per (N, K, mode) -- never per token count. The interpreter gets one small config.
+# per (N, K buckets, layout, mode) -- never per token count or exact size. The interpreter gets
+# one small config.
 BLOCK_M = 32 if INTERPRET else 64
 if INTERPRET:
     _CONFIGS = [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32})]
-    _GRAD_CONFIGS = [triton.Config({"BLOCK_P": 32, "BLOCK_Q": 32})]
+    _GRAD_CONFIGS = [triton.Config({"BLOCK_P": 32, "BLOCK_Q": 32, "BLOCK_R": 32})]
 else:
     _CONFIGS = [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
         for bn, bk, w, st in (
-            # wide tiles, for rows and weights whose strides are multiples of 16 bytes
+            # wide tiles, for rows and weights whose strides are multiples of 16 elements
             (64, 32, 4, 3), (64, 64, 4, 4), (128, 32, 8, 3), (128, 64, 8, 3), (256, 32, 8, 3),
             (64, 32, 8, 3), (64, 64, 8, 3),
-            # narrow ones for the rest (loads one element at a time) and float32
-            (32, 32, 4, 1), (32, 32, 4, 2), (32, 16, 4, 1), (32, 32, 8, 2),
+            # narrow ones for the rest (loads one element at a time)
+            (32, 32, 4, 1), (32, 32, 4, 2), (32, 32, 8, 2),
+            # float32 products (FMA: every operand in registers; tl.dot takes K >= 16)
+            (32, 16, 4, 1), (32, 16, 8, 1),
         )
     ]  # fmt: skip
     _GRAD_CONFIGS = [
-        triton.Config({"BLOCK_P": bp, "BLOCK_Q": bq}, num_warps=w, num_stages=st)
-        for bp, bq, w, st in ((64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3), (128, 128, 8, 3),
-                              (32, 32, 4, 2))  # the last for float32 (FMA)
+        triton.Config({"BLOCK_P": bp, "BLOCK_Q": bq, "BLOCK_R": br}, num_warps=w, num_stages=st)
+        for bp, bq, br, w, st in ((64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3),
+                                  (128, 128, 64, 8, 3), (128, 128, 32, 8, 4),
+                                  (32, 32, 16, 4, 1))  # the last for float32 (FMA)
     ]  # fmt: skip
+#: Problems of fewer rows (tokens x top_k) than this run one fixed config, untuned.
+TUNE_FROM_ROWS = 4096
+#: Registers a thread may give to the float32 accumulators (wgmma's on sm_90 are cheaper to hold
+#: than mma.sync's, whose operands share the registers) and to operand tiles held in registers
+#: (mma.sync on sm_80, and FMA products): over either budget a config spills at some shape.
+ACC_REGISTERS = {"wgmma": 128, "registers": 64}
+OPERAND_REGISTERS = {"mma": 24, "fma": 16}
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in _CONFIGS)
-BLOCK_R = 32  # rows per step of the weight-gradient reduction
 
 # What _grouped_mm computes and stores (constexpr: kernels read only constexpr globals).
 PLAIN: tl.constexpr = tl.constexpr(0)
@@ -70,45 +87,75 @@ SWIGLU_BWD: tl.constexpr = tl.constexpr(2)
 SUM2: tl.constexpr = tl.constexpr(3)
 
 
-def _prune(configs, args, **kwargs):
-    """Configs that compile without spilling (``nox -s gpu_compile`` checks it): wide tiles where
-    every row and weight stride is a multiple of 8 elements and every operand starts on 16 bytes
-    (vector loads; a packed gate/up tensor's ``w_up`` view starts ``F * D`` elements in), narrow
-    ones for other layouts and for float32 (FMA dots, operands in registers); three
-    accumulators (``SWIGLU_BWD``) take 8 warps and ``BLOCK_N * BLOCK_K`` within 2048."""
+def _aligned(args) -> bool:
+    """Every row and weight stride a multiple of 16 elements (Triton then proves 16-byte
+    vector loads) and every operand on 16 bytes; a packed gate/up tensor's ``w_up`` view starts
+    ``F * D`` elements in."""
     strides = ("stride_a", "stride_a2", "K", "N")
     strides += tuple(f"stride_w{d}{i}" for i in ("", "2", "3") for d in "enk")
     starts = ("A", "A2", "W", "W2", "W3")
-    aligned = all(args[name] % 8 == 0 or args[name] == 1 for name in strides) and all(
+    return all(args[name] % 16 == 0 or args[name] == 1 for name in strides) and all(
         args[name].data_ptr() % 16 == 0 for name in starts
     )
-    narrow = not aligned or kwargs["DTYPE"] == tl.float32
-    bwd = kwargs["MODE"] == SWIGLU_BWD.value
+
+
+def fits_mm(block_n: int, block_k: int, warps: int, mode: int, fma: bool, wgmma: bool) -> bool:
+    """The resource rule of a ``_grouped_mm`` config: its float32 accumulators (one per
+    product kept apart) and, where they live in registers, its operand tiles fit per thread."""
+    threads = 32 * warps
+    accs = {PLAIN.value: 1, SUM2.value: 1, SWIGLU.value: 2, SWIGLU_BWD.value: 3}[mode]
+    a_tiles = 2 if mode in (SUM2.value, SWIGLU_BWD.value) else 1
+    w_tiles = accs + (mode == SUM2.value)
+    acc = accs * BLOCK_M * block_n / threads
+    operands = (a_tiles * BLOCK_M * block_k + w_tiles * block_k * block_n) / threads
+    if fma:  # float32 operands: one register an element
+        return acc <= ACC_REGISTERS["registers"] and operands <= OPERAND_REGISTERS["fma"]
+    if wgmma:  # operands in shared memory
+        return acc <= ACC_REGISTERS["wgmma"]
+    return acc <= ACC_REGISTERS["registers"] and operands / 2 <= OPERAND_REGISTERS["mma"]
+
+
+def _prune(configs, args, **kwargs):
+    """Configs that fit by :func:`fits_mm` for every shape: wide tiles only where the layout
+    is :func:`_aligned`, the BLOCK_K 8-16 tiles for float32 products (FMA)."""
+    fma = kwargs["DTYPE"] == tl.float32
+    narrow = fma or not _aligned(args)
+    wgmma = not mma_operands_in_registers()
     kept = [
         c
         for c in configs
         if (c.kwargs["BLOCK_N"] <= 32) == narrow
-        and (not bwd or (c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 2048 and c.num_warps == 8))
+        and (c.kwargs["BLOCK_K"] <= 16) == fma
+        and fits_mm(
+            c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, kwargs["MODE"], fma, wgmma
+        )
     ]
-    return kept or configs[:1]
+    return kept or configs[-1:]
 
 
 def _prune_grad(configs, args, **kwargs):
-    """float32 (FMA: operands in registers) takes the small tile, 16-bit the others."""
+    """float32 (FMA: operands in registers) takes the small tile, 16-bit the others; 128 x 128
+    accumulators only with wgmma (sm_90: 64 registers a thread at 8 warps)."""
     small = kwargs["DTYPE"] == tl.float32
-    kept = [c for c in configs if (c.kwargs["BLOCK_P"] == 32) == small]
-    return kept or configs[:1]
+    wide_ok = not mma_operands_in_registers()
+    kept = [
+        c
+        for c in configs
+        if (c.kwargs["BLOCK_P"] == 32) == small
+        and (wide_ok or c.kwargs["BLOCK_P"] * c.kwargs["BLOCK_Q"] <= 8192)
+    ]
+    return kept or configs[-1:]
 
 
 @triton.autotune(
     configs=_CONFIGS,
-    key=["N", "K", "MODE", "GATHER", "DTYPE", "PRECISION"],
+    key=["N_BUCKET", "K_BUCKET", "LAYOUT", "MODE", "GATHER", "DTYPE", "PRECISION"],
     prune_configs_by={"early_config_prune": _prune},
 )
-@triton.jit(do_not_specialize=["ROWS"])
+@triton.jit(do_not_specialize=["ROWS", "N_BUCKET", "K_BUCKET", "LAYOUT"])
 def _grouped_mm(
     A, A2, IDX, W, W2, W3, OUT, OUT2, OUT3, DWP, DST, SCALE, TILE_EXPERT, TILE_ROW, ENDS,
-    ROWS, N, K, stride_a, stride_a2,
+    ROWS, N, K, N_BUCKET, K_BUCKET, LAYOUT, stride_a, stride_a2,
     stride_we, stride_wn, stride_wk, stride_we2, stride_wn2, stride_wk2,
     stride_we3, stride_wn3, stride_wk3,
     GATHER: tl.constexpr, MODE: tl.constexpr, SCATTER: tl.constexpr, SCALED: tl.constexpr,
@@ -192,13 +239,13 @@ def _grouped_mm(
 
 @triton.autotune(
     configs=_GRAD_CONFIGS,
-    key=["P", "Q", "GATHER_A", "GATHER_B", "SCALED_A", "DTYPE", "PRECISION"],
+    key=["P_BUCKET", "Q_BUCKET", "GATHER_A", "GATHER_B", "SCALED_A", "DTYPE", "PRECISION"],
     prune_configs_by={"early_config_prune": _prune_grad},
 )
-@triton.jit
+@triton.jit(do_not_specialize=["P_BUCKET", "Q_BUCKET"])
 def _grouped_weight_grad(
     A, IDX_A, SCALE_A, B, IDX_B, DW, STARTS, ENDS,
-    stride_a, stride_b, P, Q,
+    stride_a, stride_b, P, Q, P_BUCKET, Q_BUCKET,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, SCALED_A: tl.constexpr,
     DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -258,6 +305,22 @@ def _slot_sum(slots: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tens
     return out
 
 
+def _bucket(n: int) -> int:
+    """The autotune key of a size: its power of two (never the exact size)."""
+    return triton.next_power_of_2(max(n, 1))
+
+
+def _launch(kernel, grid, args, meta, tuned: bool) -> None:
+    """``kernel`` through its autotuner, or, for a problem too small to tune, with the first
+    config its pruning keeps (one compilation, no tuning runs)."""
+    if tuned:
+        kernel[grid](*args, **meta)
+        return
+    named = dict(zip(kernel.arg_names, args, strict=False))
+    config = (kernel.early_config_prune(kernel.configs, named, **meta) or kernel.configs)[0]
+    kernel.fn[grid](*args, **meta, **config.all_kwargs())
+
+
 def _strides(w: torch.Tensor, transpose: bool = False) -> tuple[int, int, int]:
     """``(expert, n, k)`` strides reading ``w[e]`` as ``W[e]`` (``a @ W[e]^T``) or, transposed,
     as ``W[e]^T`` (``a @ W[e]``)."""
@@ -298,14 +361,18 @@ def _mm(
     def grid(meta):
         return (tile_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))
 
-    _grouped_mm[grid](
+    args = (
         a, a2, a if idx is None else idx, w, w if w2 is None else w2, w if w3 is None else w3,
         out, out2, out3, dwp, out if dst is None else dst, out if scale is None else scale,
-        tile_expert, tile_row, ends, rows, n_out, k_in, a.stride(0), a2.stride(0),
-        *ws, *ws2, *ws3,
-        GATHER=idx is not None, MODE=mode, SCATTER=dst is not None, SCALED=scale is not None,
-        DTYPE=_TL_DTYPES[compute], PRECISION=dot_precision(compute), BLOCK_M=BLOCK_M,
+        tile_expert, tile_row, ends, rows, n_out, k_in, _bucket(n_out), _bucket(k_in), 0,
+        a.stride(0), a2.stride(0), *ws, *ws2, *ws3,
     )  # fmt: skip
+    meta = {"GATHER": idx is not None, "MODE": mode, "SCATTER": dst is not None,
+            "SCALED": scale is not None, "DTYPE": _TL_DTYPES[compute],
+            "PRECISION": dot_precision(compute), "BLOCK_M": BLOCK_M}  # fmt: skip
+    named = dict(zip(_grouped_mm.arg_names, args, strict=False))
+    args = (*args[:20], int(_aligned(named)), *args[21:])  # the layout is part of the key
+    _launch(_grouped_mm, grid, args, meta, tuned=rows >= TUNE_FROM_ROWS)
     if mode == SWIGLU_BWD.value:
         return out, out2, out3, dwp
     return out
@@ -324,12 +391,15 @@ def _weight_grad(
     def grid(meta):
         return (num_experts, triton.cdiv(P, meta["BLOCK_P"]), triton.cdiv(Q, meta["BLOCK_Q"]))
 
-    _grouped_weight_grad[grid](
+    args = (
         a, a if idx_a is None else idx_a, a if scale_a is None else scale_a,
         b, b if idx_b is None else idx_b, dw, starts, ends, a.stride(0), b.stride(0), P, Q,
-        GATHER_A=idx_a is not None, GATHER_B=idx_b is not None, SCALED_A=scale_a is not None,
-        DTYPE=_TL_DTYPES[compute], PRECISION=dot_precision(compute), BLOCK_R=BLOCK_R,
+        _bucket(P), _bucket(Q),
     )  # fmt: skip
+    meta = {"GATHER_A": idx_a is not None, "GATHER_B": idx_b is not None,
+            "SCALED_A": scale_a is not None, "DTYPE": _TL_DTYPES[compute],
+            "PRECISION": dot_precision(compute)}  # fmt: skip
+    _launch(_grouped_weight_grad, grid, args, meta, tuned=a.shape[0] >= TUNE_FROM_ROWS)
     return dw
 
 
