@@ -43,6 +43,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--docs", type=Path)
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="compile the resource sweep's shapes instead (16-bit and mixed)",
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gpu-compile-"))
     # A fresh Triton cache: every kernel is compiled (and ptxas reports on it) in this run.
@@ -51,12 +56,18 @@ def main() -> None:
     sigs = work / "numba-signatures.json"
     procs = {
         f"triton sm_{arch}": (
-            start([str(HERE / "triton_check.py"), "--arch", str(arch), "--out", str(part)],
+            start([str(HERE / "triton_check.py"), "--arch", str(arch), "--out", str(part),
+                   *(["--sweep"] if args.sweep else [])],
                   work / f"triton-{arch}.log", TRITON_CACHE_DIR=cache),
             work / f"triton-{arch}.log",
         )
         for arch, part in zip(ARCHS, parts, strict=True)
     }  # fmt: skip
+    if args.sweep:  # the Triton kernels' configs only
+        wait(procs)
+        report = [str(HERE / "report.py"), *map(str, parts)]
+        report += ["--json", str(args.out / "gpu-compile-sweep.json")]
+        sys.exit(subprocess.run([sys.executable, *report]).returncode)
     record = start(
         [str(HERE / "numba_check.py"), "record", "--out", str(sigs)],
         work / "numba-record.log",
