@@ -43,7 +43,7 @@ def tests(session: nox.Session) -> None:
     # The numba-cuda kernels on CPU tensors in numba's CUDA simulator. It runs every simulated
     # thread's every scalar operation in Python (about 10 us each): the two L = 8192 checks of
     # causal_dot_product alone would take over 10 minutes, so they run only on a real GPU
-    # (nox -s gpu runs the whole suite on CUDA); everything else runs here.
+    # (the GPU check, tests/gpu/run.py, runs them on CUDA); everything else runs here.
     session.run(
         "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=numba", "-q",
         "-k", "not test_long_sequence", env={"NUMBA_ENABLE_CUDASIM": "1"},
