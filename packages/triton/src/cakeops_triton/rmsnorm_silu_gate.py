@@ -17,7 +17,12 @@ import triton.language as tl
 from cakeops_triton._common import PROGRAMS_PER_SM, multiprocessors, round_to, serialised
 
 MAX_BLOCK_G = 1024
-TILE = 4096  # elements per (BLOCK_R x BLOCK_G) tile
+# Elements per (BLOCK_R x BLOCK_G) tile, and threads per program: 8 elements a thread. Strides
+# that are not multiples of 16 elements leave every element its own 64-bit address (no vector
+# loads), so a thread's share of a tile bounds its registers at any D (nox -s gpu_compile
+# sweeps D and group sizes).
+TILE = 2048
+WARPS = 8
 
 
 @triton.jit
@@ -29,7 +34,7 @@ def _silu_parts(z):
 @triton.jit
 def _group_rstd(
     X, Z, rows64, row_ok, start, stride_x, stride_z, eps,
-    G: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
+    G, NORM_BEFORE_GATE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     """``rsqrt(mean(v^2) + eps)`` over the group starting at column ``start`` of each row, with
@@ -50,7 +55,7 @@ def _group_rstd(
 @triton.jit
 def _chunk(
     X, Z, W, GO, rows64, row_ok, cols, group_end, stride_x, stride_z,
-    D: tl.constexpr, HAS_GRAD: tl.constexpr,
+    D, HAS_GRAD: tl.constexpr,
 ):  # fmt: skip
     """One ``BLOCK_R x BLOCK_G`` chunk of x, z (and the incoming gradient) and its weights, in
     float32, with the mask of valid entries."""
@@ -84,7 +89,7 @@ def _forward_kernel(
     X, Z, W, Y,
     R, stride_x, stride_z,
     eps,
-    D: tl.constexpr, G: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
+    D, G, NORM_BEFORE_GATE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -116,14 +121,14 @@ def _backward_kernel(
     GO, X, Z, W, DX, DZ, DW_PARTIAL,
     R, PROGRAMS, stride_x, stride_z,
     eps,
-    D: tl.constexpr, G: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
+    D, G, NORM_BEFORE_GATE: tl.constexpr, SINGLE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     for block in range(pid, tl.cdiv(R, BLOCK_R), PROGRAMS):
         _backward_rows(
             GO, X, Z, W, DX, DZ, DW_PARTIAL + pid.to(tl.int64) * D, block * BLOCK_R, R,
-            stride_x, stride_z, eps, D, G, NORM_BEFORE_GATE, BLOCK_R, BLOCK_G,
+            stride_x, stride_z, eps, D, G, NORM_BEFORE_GATE, SINGLE, BLOCK_R, BLOCK_G,
         )  # fmt: skip
         # this program's partial is read back by other threads of it in the next block
         tl.debug_barrier()
@@ -132,7 +137,7 @@ def _backward_kernel(
 @triton.jit
 def _backward_rows(
     GO, X, Z, W, DX, DZ, DW_ROW, row0, R, stride_x, stride_z, eps,
-    D: tl.constexpr, G: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
+    D, G, NORM_BEFORE_GATE: tl.constexpr, SINGLE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     """dx, dz of ``BLOCK_R`` rows from ``row0``, their dweight terms added to ``DW_ROW``."""
@@ -162,7 +167,7 @@ def _backward_rows(
             )  # fmt: skip
             sig, gate, n, a = _norm_terms(x, z, w, g, r, NORM_BEFORE_GATE)
             dsilu = sig * (1.0 + z * (1.0 - sig))
-            if G == 1:
+            if SINGLE:  # groups of one feature
                 # r * (a - n * a * n) = a * eps * r^3 exactly; the difference would cancel
                 dv = a * (eps * r * r * r)[:, None]
             else:
@@ -188,9 +193,10 @@ def _blocks(group_size: int) -> tuple[int, int]:
     return max(1, min(64, TILE // block_g)), block_g
 
 
-def _backward_warps(block_r: int, block_g: int) -> int:
-    """Many short groups per tile hold more per-row state: 8 warps keep it in registers."""
-    return 8 if block_g <= 128 and block_r * block_g >= 2048 else 4
+def _warps(block_g: int) -> int:
+    """8 warps (8 elements a thread), but 4 for the widest chunks, whose column reductions
+    across 8 warps spilled on sm_80."""
+    return 4 if block_g >= MAX_BLOCK_G else WARPS
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -211,7 +217,7 @@ def forward(x, z, weight, eps, group_size, norm_before_gate):
         R, x2.stride(0), z2.stride(0),
         eps,
         D=D, G=group_size, NORM_BEFORE_GATE=norm_before_gate,
-        BLOCK_R=block_r, BLOCK_G=block_g,
+        BLOCK_R=block_r, BLOCK_G=block_g, num_warps=_warps(block_g), num_stages=1,
     )  # fmt: skip
     return y
 
@@ -229,7 +235,7 @@ def backward(g, x, z, weight, eps, group_size, norm_before_gate):
         g, x2, z2, weight.contiguous(), dx, dz, partial,
         R, programs, x2.stride(0), z2.stride(0),
         eps,
-        D=D, G=group_size, NORM_BEFORE_GATE=norm_before_gate,
-        BLOCK_R=block_r, BLOCK_G=block_g, num_warps=_backward_warps(block_r, block_g),
+        D=D, G=group_size, NORM_BEFORE_GATE=norm_before_gate, SINGLE=group_size == 1,
+        BLOCK_R=block_r, BLOCK_G=block_g, num_warps=_warps(block_g), num_stages=1,
     )  # fmt: skip
     return dx, dz, partial.sum(0).to(weight.dtype)
