@@ -158,3 +158,48 @@ def test_interpreter_and_simulator_serve_several_threads(backend, env):
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+TUNED_PATH = textwrap.dedent(
+    """
+    import torch
+    import cakeops
+    from cakeops.ops import SPECS
+    from cakeops.testing import assert_matches
+    import cakeops_triton.causal_dot_product as causal
+    import cakeops_triton.rmsnorm_silu_gate as rmsnorm
+    import cakeops_triton.routed_experts as routed
+
+    # every problem takes the autotuned, specialised kernels (the GPU path of big shapes)
+    causal.TUNE_FROM_POSITIONS = routed.TUNE_FROM_ROWS = rmsnorm.UNTUNED_BELOW = 0
+    for op in ("rmsnorm_silu_gate", "causal_dot_product", "moe_experts", "routed_experts"):
+        spec = SPECS[op]
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            inputs = spec.example("cpu", dtype)
+            for name in spec.differentiable:
+                inputs[name].requires_grad_()
+            wrt = [inputs[name] for name in spec.differentiable]
+            got = {}
+            for backend in ("triton", "reference"):
+                with cakeops.use_backend(backend):
+                    out = spec(**inputs)
+                    got[backend] = [out, *torch.autograd.grad(out, wrt, torch.ones_like(out))]
+            for mine, ref in zip(got["triton"], got["reference"]):
+                assert_matches(mine, ref, op)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed"
+)
+def test_the_tuned_kernels_match_the_reference_too():
+    """The conformance suite's small shapes take the untuned kernels; the autotuned ones (a
+    GPU's path for big problems) run here, through the interpreter, at the same small shapes."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", TUNED_PATH], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]

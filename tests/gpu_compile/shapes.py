@@ -5,7 +5,7 @@ shape added there is compiled here too."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,12 +25,15 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class Call:
     """One op call: forward and backward at ``shape`` in ``dtype`` (``variant`` names a layout
-    or weight-dtype variation of the suite)."""
+    or weight-dtype variation of the suite; ``source`` who makes the call on a GPU: ``suite``,
+    ``gpu-bench`` (``python -m cakeops.bench.gpu``), or ``other`` (CPU benchmark shapes and
+    other dtypes, compiled for their resources only))."""
 
     op: str
     dtype: torch.dtype
     shape: tuple[Any, ...]
     variant: str = ""
+    source: str = field(default="suite", compare=False)
 
     def label(self) -> str:
         return f"{self.op} {self.shape}{' ' + self.variant if self.variant else ''}"
@@ -41,19 +44,16 @@ def _unique(calls: list[Call]) -> list[Call]:
 
 
 def calls(dtypes=DTYPES) -> Iterator[Call]:
+    """The suite's calls in every dtype, then the GPU benchmark's, then the rest: a kernel is
+    compiled, and counted, under the first call that needs it."""
     rms = [(shape, gs, nbg) for shape, gs, nbg in suite_rmsnorm.CASES.values()]
-    rms += [(shape, gs, nbg) for shape, gs in bench_rmsnorm.CASES.values() for nbg in (True,)]
-    rms += [(tuple(bench_gpu.FULL["rmsnorm_silu_gate"]), None, True)]
     causal = [*list(suite_causal.CASES.values()), (1, 1, suite_causal.LONG_L, 16, 16)]
-    causal += [*list(bench_causal.CASES.values()), tuple(bench_gpu.FULL["causal_dot_product"])]
-    causal += [(1, 2, 64, 256, 256)]  # the largest head size the kernel is sized for
     moe = [c[:5] for c in suite_moe.CASES.values()]
-    moe += [*list(bench_moe.CASES.values()), tuple(bench_gpu.FULL["moe_experts"])]
     # routed_experts: the same kernels as moe_experts, with Hugging Face's packed gate/up views
     routed = [c[1:] for c in suite_routed.CASES]
-    routed_packed = [(16, 12, 20, 4, 2), tuple(bench_gpu.FULL["moe_experts"])]
+    out = []
     for dtype in dtypes:
-        out = [Call("rmsnorm_silu_gate", dtype, c) for c in rms]
+        out += [Call("rmsnorm_silu_gate", dtype, c) for c in rms]
         # z as a slice of a packed projection (rows strided), as the suite checks
         out += [Call("rmsnorm_silu_gate", dtype, ((4, 64), None, True), "strided")]
         out += [Call("causal_dot_product", dtype, c) for c in causal]
@@ -62,8 +62,27 @@ def calls(dtypes=DTYPES) -> Iterator[Call]:
         if dtype != torch.float32:
             out += [Call("moe_experts", dtype, (16, 12, 20, 4, 2), "float32-weights")]
         out += [Call("routed_experts", dtype, c) for c in routed]
-        out += [Call("routed_experts", dtype, c, "packed") for c in routed_packed]
-        yield from _unique(out)
+        out += [Call("routed_experts", dtype, (16, 12, 20, 4, 2), "packed")]
+    full = bench_gpu.FULL
+    bench = {
+        "rmsnorm_silu_gate": [(tuple(full["rmsnorm_silu_gate"]), None, True)],
+        "causal_dot_product": [tuple(full["causal_dot_product"])],
+        "moe_experts": [tuple(full["moe_experts"])],
+        "routed_experts": [tuple(full["routed_experts"])],
+    }
+    ran = {"rmsnorm_silu_gate": (torch.bfloat16, torch.float16)}
+    for dtype in dtypes:
+        for op, shapes in bench.items():
+            source = "gpu-bench" if dtype in ran.get(op, (torch.bfloat16,)) else "other"
+            variant = "packed" if op == "routed_experts" else ""
+            out += [Call(op, dtype, shape, variant, source) for shape in shapes]
+    for dtype in dtypes:  # the CPU benchmarks' shapes, and the largest head size
+        out += [Call("rmsnorm_silu_gate", dtype, (shape, gs, True), source="other")
+                for shape, gs in bench_rmsnorm.CASES.values()]  # fmt: skip
+        out += [Call("causal_dot_product", dtype, c, source="other")
+                for c in [*bench_causal.CASES.values(), (1, 2, 64, 256, 256)]]  # fmt: skip
+        out += [Call("moe_experts", dtype, c, source="other") for c in bench_moe.CASES.values()]
+    yield from _unique([c for c in out if c.dtype in dtypes])
 
 
 #: the head sizes the resource sweep compiles causal_dot_product at (E = M, and a few E != M)
@@ -73,7 +92,7 @@ EXPERT_SIZES = ((96, 160), (640, 1408), (1000, 1400), (2880, 2880), (7168, 2048)
 NORM_SIZES = (96, 640, 1000, 2880, 5120, 8200)
 
 
-def sweep_calls(dtypes=(torch.bfloat16,)) -> Iterator[Call]:
+def sweep_calls(dtypes=(torch.bfloat16, torch.float16)) -> Iterator[Call]:
     """The resource sweep: shapes no test uses, which a config must fit all the same (every
     config the pruning keeps is compiled), 16-bit and 16-bit ``x`` with float32 weights."""
     heads = [(E, E) for E in HEAD_SIZES] + [(16, 256), (256, 16), (24, 192), (192, 24)]

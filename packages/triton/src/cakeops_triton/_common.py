@@ -10,6 +10,7 @@ its ``tl.dot`` multiplies the raw bits of bfloat16 operands.
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 
 import torch
@@ -41,6 +42,17 @@ def serialised(fn):
             return fn(*args, **kwargs)
 
     return one_at_a_time
+
+
+def untuned(fn, heuristics: dict | None = None):
+    """``fn`` (a kernel's plain Python function) compiled with no specialisation on the values
+    of its sizes and strides or the alignment of its pointers: one binary per config serves
+    every shape, for problems too small to tune (their loads need no vectorising). The tuned
+    kernel is the same function, specialised and autotuned."""
+    params = inspect.signature(fn).parameters.values()
+    plain = [p.name for p in params if p.annotation not in (tl.constexpr, "tl.constexpr")]
+    kernel = triton.jit(do_not_specialize=plain, do_not_specialize_on_alignment=plain)(fn)
+    return triton.heuristics(heuristics)(kernel) if heuristics else kernel
 
 
 def multiprocessors(device: torch.device) -> int:

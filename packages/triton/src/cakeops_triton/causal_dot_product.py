@@ -24,6 +24,7 @@ from cakeops_triton._common import (
     mma_operands_in_registers,
     round_to,
     serialised,
+    untuned,
 )
 
 # Chunk length and warps, tuned per (head-size bucket, direction, precision) -- never per exact
@@ -95,13 +96,6 @@ def _prune(configs, args, **kwargs):
     return kept or [c for c in configs if c.kwargs["BLOCK_L"] == 16 and c.num_warps == 8][:1]
 
 
-@triton.autotune(
-    configs=_CONFIGS,
-    key=["BLOCK_E", "M_BUCKET", "REVERSE", "PRECISION"],
-    prune_configs_by={"early_config_prune": _prune},
-)
-@triton.heuristics({"BLOCK_M": _block_m})
-@triton.jit(do_not_specialize=["L", "E", "M", "M_BUCKET"])
 def _causal_kernel(
     A, B, C, OUT,
     L, H, E, M, M_BUCKET,
@@ -156,6 +150,19 @@ def _causal_kernel(
         state = dot(tl.trans(b), v, state, PRECISION)
 
 
+# the kernel autotuned (specialised on sizes and strides), and untuned for small problems
+_causal_tuned = triton.autotune(
+    configs=_CONFIGS,
+    key=["BLOCK_E", "M_BUCKET", "REVERSE", "PRECISION"],
+    prune_configs_by={"early_config_prune": _prune},
+)(
+    triton.heuristics({"BLOCK_M": _block_m})(
+        triton.jit(do_not_specialize=["L", "E", "M", "M_BUCKET"])(_causal_kernel)
+    )
+)
+_causal_untuned = untuned(_causal_kernel, {"BLOCK_M": _block_m})
+
+
 def _strides(t: torch.Tensor) -> torch.Tensor:
     """``t`` with a contiguous last dim (a copy only when it has none)."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -180,11 +187,11 @@ def _run(a, b, c, reverse: bool) -> torch.Tensor:
     meta = {"REVERSE": reverse, "PRECISION": dot_precision(a.dtype),
             "BLOCK_E": max(16, triton.next_power_of_2(E))}  # fmt: skip
     if N * H * L >= TUNE_FROM_POSITIONS:
-        _causal_kernel[grid](*args, **meta)
+        _causal_tuned[grid](*args, **meta)
     else:  # too small to tune: the first config the rules keep (the smallest chunk)
-        named = dict(zip(_causal_kernel.arg_names, args, strict=False))
-        config = (_prune(_causal_kernel.configs, named, **meta) or _causal_kernel.configs)[0]
-        _causal_kernel.fn[grid](*args, **meta, **config.all_kwargs())
+        named = dict(zip(_causal_tuned.arg_names, args, strict=False))
+        config = (_prune(_causal_tuned.configs, named, **meta) or _causal_tuned.configs)[0]
+        _causal_untuned[grid](*args, **meta, **config.all_kwargs())
     return out
 
 

@@ -14,9 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from cakeops_triton._common import PROGRAMS_PER_SM, multiprocessors, round_to, serialised
+from cakeops_triton._common import (
+    PROGRAMS_PER_SM,
+    multiprocessors,
+    round_to,
+    serialised,
+    untuned,
+)
 
-MAX_BLOCK_G = 1024
+MIN_BLOCK_G, MAX_BLOCK_G = 64, 1024
 # Elements per (BLOCK_R x BLOCK_G) tile, and threads per program: 8 elements a thread. Strides
 # that are not multiples of 16 elements leave every element its own 64-bit address (no vector
 # loads), so a thread's share of a tile bounds its registers at any D (nox -s gpu_compile
@@ -84,7 +90,6 @@ def _norm_terms(x, z, w, g, r, NORM_BEFORE_GATE: tl.constexpr):
     return sig, gate, n, a
 
 
-@triton.jit(do_not_specialize=["R"])
 def _forward_kernel(
     X, Z, W, Y,
     R, stride_x, stride_z,
@@ -116,7 +121,6 @@ def _forward_kernel(
             )
 
 
-@triton.jit(do_not_specialize=["R", "PROGRAMS"])
 def _backward_kernel(
     GO, X, Z, W, DX, DZ, DW_PARTIAL,
     R, PROGRAMS, stride_x, stride_z,
@@ -188,8 +192,19 @@ def _backward_rows(
             tl.store(DW_ROW + cols, dw, mask=col_ok)
 
 
+# Each kernel specialised on its sizes and strides, and untuned: one binary per block shape for
+# inputs too small to need vector loads (fewer than UNTUNED_BELOW elements).
+_forward_tuned = triton.jit(do_not_specialize=["R"])(_forward_kernel)
+_forward_untuned = untuned(_forward_kernel)
+_backward_tuned = triton.jit(do_not_specialize=["R", "PROGRAMS"])(_backward_kernel)
+_backward_untuned = untuned(_backward_kernel)
+UNTUNED_BELOW = 1 << 16
+
+
 def _blocks(group_size: int) -> tuple[int, int]:
-    block_g = min(triton.next_power_of_2(group_size), MAX_BLOCK_G)
+    """``(BLOCK_R, BLOCK_G)``: chunks of the group's power of two, from 64 (narrower groups are
+    masked: a handful of compilations serves every group size) up to ``MAX_BLOCK_G``."""
+    block_g = min(max(MIN_BLOCK_G, triton.next_power_of_2(group_size)), MAX_BLOCK_G)
     return max(1, min(64, TILE // block_g)), block_g
 
 
@@ -212,7 +227,8 @@ def forward(x, z, weight, eps, group_size, norm_before_gate):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_r, block_g = _blocks(group_size)
     grid = (triton.cdiv(R, block_r),)
-    _forward_kernel[grid](
+    kernel = _forward_tuned if R * D >= UNTUNED_BELOW else _forward_untuned
+    kernel[grid](
         x2, z2, weight.contiguous(), y,
         R, x2.stride(0), z2.stride(0),
         eps,
@@ -231,7 +247,8 @@ def backward(g, x, z, weight, eps, group_size, norm_before_gate):
     block_r, block_g = _blocks(group_size)
     programs = min(triton.cdiv(R, block_r), PROGRAMS_PER_SM * multiprocessors(x.device))
     partial = torch.zeros((programs, D), dtype=torch.float32, device=x.device)
-    _backward_kernel[(programs,)](
+    kernel = _backward_tuned if R * D >= UNTUNED_BELOW else _backward_untuned
+    kernel[(programs,)](
         g, x2, z2, weight.contiguous(), dx, dz, partial,
         R, programs, x2.stride(0), z2.stride(0),
         eps,

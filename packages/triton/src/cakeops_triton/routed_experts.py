@@ -42,6 +42,7 @@ from cakeops_triton._common import (
     mma_operands_in_registers,
     round_to,
     serialised,
+    untuned,
 )
 
 # Row tiles are laid out by the tile table, so BLOCK_M is fixed; the autotuner picks the rest
@@ -56,18 +57,17 @@ else:
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
         for bn, bk, w, st in (
             # wide tiles, for rows and weights whose strides are multiples of 16 elements
-            (64, 32, 4, 3), (64, 64, 4, 4), (128, 32, 8, 3), (128, 64, 8, 3), (256, 32, 8, 3),
-            (64, 32, 8, 3), (64, 64, 8, 3),
-            # narrow ones for the rest (loads one element at a time)
-            (32, 32, 4, 1), (32, 32, 4, 2), (32, 32, 8, 2),
+            (64, 64, 4, 4), (128, 32, 8, 3), (128, 64, 8, 3), (256, 32, 8, 3), (64, 32, 8, 3),
+            # narrow ones for the rest (loads one element at a time; the first serves the
+            # untuned kernel of small problems)
+            (32, 32, 8, 2), (32, 32, 4, 1), (32, 32, 4, 2),
             # float32 products (FMA: every operand in registers; tl.dot takes K >= 16)
             (32, 16, 4, 1), (32, 16, 8, 1),
         )
     ]  # fmt: skip
     _GRAD_CONFIGS = [
         triton.Config({"BLOCK_P": bp, "BLOCK_Q": bq, "BLOCK_R": br}, num_warps=w, num_stages=st)
-        for bp, bq, br, w, st in ((64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3),
-                                  (128, 128, 64, 8, 3), (128, 128, 32, 8, 4),
+        for bp, bq, br, w, st in ((64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3),
                                   (32, 32, 16, 4, 1))  # the last for float32 (FMA)
     ]  # fmt: skip
 #: Problems of fewer rows (tokens x top_k) than this run one fixed config, untuned.
@@ -117,9 +117,10 @@ def fits_mm(block_n: int, block_k: int, warps: int, mode: int, fma: bool, wgmma:
 
 def _prune(configs, args, **kwargs):
     """Configs that fit by :func:`fits_mm` for every shape: wide tiles only where the layout
-    is :func:`_aligned`, the BLOCK_K 8-16 tiles for float32 products (FMA)."""
+    is :func:`_aligned` (and the kernel specialised to see it), the BLOCK_K 16 tiles for float32
+    products (FMA)."""
     fma = kwargs["DTYPE"] == tl.float32
-    narrow = fma or not _aligned(args)
+    narrow = fma or args.get("UNTUNED", False) or not _aligned(args)
     wgmma = not mma_operands_in_registers()
     kept = [
         c
@@ -147,12 +148,6 @@ def _prune_grad(configs, args, **kwargs):
     return kept or configs[-1:]
 
 
-@triton.autotune(
-    configs=_CONFIGS,
-    key=["N_BUCKET", "K_BUCKET", "LAYOUT", "MODE", "GATHER", "DTYPE", "PRECISION"],
-    prune_configs_by={"early_config_prune": _prune},
-)
-@triton.jit(do_not_specialize=["ROWS", "N_BUCKET", "K_BUCKET", "LAYOUT"])
 def _grouped_mm(
     A, A2, IDX, W, W2, W3, OUT, OUT2, OUT3, DWP, DST, SCALE, TILE_EXPERT, TILE_ROW, ENDS,
     ROWS, N, K, N_BUCKET, K_BUCKET, LAYOUT, stride_a, stride_a2,
@@ -237,12 +232,6 @@ def _grouped_mm(
         tl.store(OUT + out, acc, mask=ok)
 
 
-@triton.autotune(
-    configs=_GRAD_CONFIGS,
-    key=["P_BUCKET", "Q_BUCKET", "GATHER_A", "GATHER_B", "SCALED_A", "DTYPE", "PRECISION"],
-    prune_configs_by={"early_config_prune": _prune_grad},
-)
-@triton.jit(do_not_specialize=["P_BUCKET", "Q_BUCKET"])
 def _grouped_weight_grad(
     A, IDX_A, SCALE_A, B, IDX_B, DW, STARTS, ENDS,
     stride_a, stride_b, P, Q, P_BUCKET, Q_BUCKET,
@@ -281,7 +270,6 @@ def _grouped_weight_grad(
     tl.store(DW + out, round_to(acc, DW.dtype.element_ty), mask=(p < P)[:, None] & (q < Q)[None, :])
 
 
-@triton.jit
 def _slot_sum_kernel(SLOTS, OUT, D, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
     """``out[t] = sum_s slots[t, s]`` in slot order (deterministic), stored in ``OUT``'s dtype."""
     t = tl.program_id(0).to(tl.int64)
@@ -293,15 +281,31 @@ def _slot_sum_kernel(SLOTS, OUT, D, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
     tl.store(OUT + t * D + cols, round_to(acc, OUT.dtype.element_ty), mask=ok)
 
 
+# Each kernel autotuned (specialised on sizes and strides) and untuned, for small problems.
+_grouped_mm_tuned = triton.autotune(
+    configs=_CONFIGS,
+    key=["N_BUCKET", "K_BUCKET", "LAYOUT", "MODE", "GATHER", "DTYPE", "PRECISION"],
+    prune_configs_by={"early_config_prune": _prune},
+)(triton.jit(do_not_specialize=["ROWS", "N_BUCKET", "K_BUCKET", "LAYOUT"])(_grouped_mm))
+_grouped_mm_untuned = untuned(_grouped_mm)
+_grouped_weight_grad_tuned = triton.autotune(
+    configs=_GRAD_CONFIGS,
+    key=["P_BUCKET", "Q_BUCKET", "GATHER_A", "GATHER_B", "SCALED_A", "DTYPE", "PRECISION"],
+    prune_configs_by={"early_config_prune": _prune_grad},
+)(triton.jit(do_not_specialize=["P_BUCKET", "Q_BUCKET"])(_grouped_weight_grad))
+_grouped_weight_grad_untuned = untuned(_grouped_weight_grad)
+_slot_sum_tuned = triton.jit(_slot_sum_kernel)  # no configs to tune: "tuned" is specialised
+_slot_sum_untuned = untuned(_slot_sum_kernel)
+
+
 def _slot_sum(slots: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
     """The ``(T * top_k, D)`` float32 rows in ``(token, slot)`` order summed per token: one read
     of the slots, one write of the result in ``dtype``."""
     D = slots.shape[1]
     out = torch.empty((slots.shape[0] // top_k, D), dtype=dtype, device=slots.device)
     block_d = min(1024, triton.next_power_of_2(max(D, 16)))
-    _slot_sum_kernel[(out.shape[0], triton.cdiv(D, block_d))](
-        slots, out, D, TOP_K=top_k, BLOCK_D=block_d
-    )
+    kernel = _slot_sum_tuned if slots.shape[0] >= TUNE_FROM_ROWS else _slot_sum_untuned
+    kernel[(out.shape[0], triton.cdiv(D, block_d))](slots, out, D, TOP_K=top_k, BLOCK_D=block_d)
     return out
 
 
@@ -310,15 +314,18 @@ def _bucket(n: int) -> int:
     return triton.next_power_of_2(max(n, 1))
 
 
-def _launch(kernel, grid, args, meta, tuned: bool) -> None:
-    """``kernel`` through its autotuner, or, for a problem too small to tune, with the first
-    config its pruning keeps (one compilation, no tuning runs)."""
+def _launch(kernels, grid, args, meta, tuned: bool) -> None:
+    """The tuned kernel of ``kernels`` through its autotuner, or, for a problem too small to
+    tune, the untuned one with the first config the pruning keeps (no tuning runs)."""
+    autotuned, untuned_kernel = kernels
     if tuned:
-        kernel[grid](*args, **meta)
+        autotuned[grid](*args, **meta)
         return
-    named = dict(zip(kernel.arg_names, args, strict=False))
-    config = (kernel.early_config_prune(kernel.configs, named, **meta) or kernel.configs)[0]
-    kernel.fn[grid](*args, **meta, **config.all_kwargs())
+    # no specialisation: the untuned kernel cannot prove vector loads, whatever the layout
+    named = {**dict(zip(autotuned.arg_names, args, strict=False)), "UNTUNED": True}
+    configs = autotuned.configs
+    config = (autotuned.early_config_prune(configs, named, **meta) or configs)[0]
+    untuned_kernel[grid](*args, **meta, **config.all_kwargs())
 
 
 def _strides(w: torch.Tensor, transpose: bool = False) -> tuple[int, int, int]:
@@ -370,9 +377,10 @@ def _mm(
     meta = {"GATHER": idx is not None, "MODE": mode, "SCATTER": dst is not None,
             "SCALED": scale is not None, "DTYPE": _TL_DTYPES[compute],
             "PRECISION": dot_precision(compute), "BLOCK_M": BLOCK_M}  # fmt: skip
-    named = dict(zip(_grouped_mm.arg_names, args, strict=False))
+    named = dict(zip(_grouped_mm_tuned.arg_names, args, strict=False))
     args = (*args[:20], int(_aligned(named)), *args[21:])  # the layout is part of the key
-    _launch(_grouped_mm, grid, args, meta, tuned=rows >= TUNE_FROM_ROWS)
+    kernels = (_grouped_mm_tuned, _grouped_mm_untuned)
+    _launch(kernels, grid, args, meta, tuned=rows >= TUNE_FROM_ROWS)
     if mode == SWIGLU_BWD.value:
         return out, out2, out3, dwp
     return out
@@ -399,7 +407,8 @@ def _weight_grad(
     meta = {"GATHER_A": idx_a is not None, "GATHER_B": idx_b is not None,
             "SCALED_A": scale_a is not None, "DTYPE": _TL_DTYPES[compute],
             "PRECISION": dot_precision(compute)}  # fmt: skip
-    _launch(_grouped_weight_grad, grid, args, meta, tuned=a.shape[0] >= TUNE_FROM_ROWS)
+    kernels = (_grouped_weight_grad_tuned, _grouped_weight_grad_untuned)
+    _launch(kernels, grid, args, meta, tuned=a.shape[0] >= TUNE_FROM_ROWS)
     return dw
 
 
