@@ -90,15 +90,20 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def gpu_compile(session: nox.Session) -> None:
     """Compile every Triton and numba-cuda kernel for sm_90 (H100/H200) and sm_80 (A100) without
-    a GPU, at every config the host code reaches at the conformance and benchmark shapes; write
-    ``bench-results/gpu-compile.json`` and the table in ``docs/content/gpu.md``; fail on compile
-    errors, 16-bit spills, shared memory over the limit and 16-bit ``tl.dot`` s on FMA."""
+    a GPU, at every config the host code reaches at the conformance and benchmark shapes, then
+    the Triton kernels over the resource sweep; write ``bench-results/gpu-compile.json`` and the
+    table in ``docs/content/gpu.md``; fail on compile errors, 16-bit spills, shared memory over
+    the limit and 16-bit ``tl.dot`` s on FMA."""
     # NVVM and NVRTC for numba-cuda's compile_ptx (and their ptxas); Triton ships its own.
     # pytest: the shapes come from the conformance suite's modules.
     install(session, "pytest", "nvidia-cuda-nvcc-cu12", "nvidia-cuda-nvrtc-cu12")
     session.run(
         "python", "tests/gpu_compile/run_all.py", "--docs", "docs/content/gpu.md", *session.posargs
     )
+    # The resource sweep: every config the rules keep at shapes no test uses (head sizes 16-256,
+    # non-power-of-two D and F), 16-bit and mixed: fails on any spill.
+    if "--sweep" not in session.posargs:
+        session.run("python", "tests/gpu_compile/run_all.py", "--sweep")
     # The predicted H200 table (roofline per launch at the benchmark shapes).
     session.run("python", "tests/gpu_compile/predict.py", "--docs", "docs/content/gpu.md")
 
