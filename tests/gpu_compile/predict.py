@@ -1,20 +1,26 @@
-"""A predicted GPU table, without a GPU: each op at the H200 benchmark shapes
-(``cakeops.bench.gpu``) runs through the compile-only driver, which notes every Triton launch
-the host code makes (its kernel, grid, arguments and the config the launch would use); a model
-per kernel gives the bytes it must move and the FLOPs it performs, and a roofline at the
-device's limits gives the time. Written as a table into ``docs/content/gpu.md`` beside an empty
-"measured" column.
+"""The H200 forecast, without a GPU: each op at the H200 benchmark shapes (``cakeops.bench.gpu``)
+runs through the compile-only driver, which notes every Triton launch the host code makes (its
+kernel, grid and arguments); for an autotuned launch every config the pruning keeps is modelled
+and the fastest taken, as the autotuner would. Each launch's time is a range:
+
+- **low**: the largest of its unique HBM bytes at the copy bandwidth, its FLOPs at the matrix
+  rate, its tiles' operand traffic from L2 at the faster L2 bandwidth, and its serial chain
+  (``causal_dot_product``: one chunk after another per program) at the shorter chunk latency;
+- **high**: the same limits at the slower L2 bandwidth and the longer chunk latency, added
+  rather than overlapped (memory, then compute), times the waves' quantisation (a last,
+  partial wave of programs costs a whole one).
+
+Rates are those measured on an H200 (copy about 4.3 TB/s, dense bf16 about 790 TFLOP/s), not
+the datasheet's; the PyTorch ops of the host code (routing, casts, partial sums) count by the
+bytes of their operands and results. Written as a table into ``docs/content/gpu.md``.
 
     python tests/gpu_compile/predict.py --docs docs/content/gpu.md
-
-Bytes are the unique bytes a launch reads and writes (tiles re-read by neighbouring programs are
-assumed to hit L2); the PyTorch ops of the host code (routing, slot sums, partial sums, casts)
-are counted apart, by the bytes of their operands and results.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import sys
 from pathlib import Path
@@ -27,10 +33,14 @@ from shapes import Call, inputs
 
 from cakeops.bench import gpu as bench_gpu
 
-# H200 SXM: HBM3e bandwidth and dense bfloat16 tensor-core rate (datasheet figures).
-DEVICE = "H200 SXM (datasheet: 4.8 TB/s HBM3e, 989 TFLOP/s dense bf16)"
-BANDWIDTH = 4.8e12
-BF16_RATE = 989e12
+DEVICE = "H200 (measured rates: copy 4.3 TB/s, dense bf16 790 TFLOP/s; 132 SMs)"
+BANDWIDTH = 4.3e12
+BF16_RATE = 790e12
+SMS = 132
+#: L2 -> SM operand bandwidth, (fast, slow) bytes/s: what a tile's re-read operands cost
+L2_BANDWIDTH = (10e12, 7e12)
+#: one chunk of the causal scan after the other, (short, long) seconds per chunk
+CHUNK_LATENCY = (0.4e-6, 1.0e-6)
 START, END = "<!-- gpu-predict:start -->", "<!-- gpu-predict:end -->"
 
 
@@ -38,44 +48,100 @@ def _size(t) -> int:
     return t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def model(kernel: str, a: dict) -> tuple[float, float]:
-    """``(bytes, flops)`` of one launch from its arguments (``a``: name -> value, with the
-    config's meta-parameters)."""
+def model(kernel: str, a: dict) -> dict:
+    """What one launch must do, from its arguments and config (``a``): ``bytes`` (unique HBM
+    traffic), ``flops``, ``l2`` (operand bytes its tiles read from L2), ``chain`` (serial steps
+    per program), ``programs`` and ``per_sm`` (programs a multiprocessor holds at once)."""
+    warps = a.get("num_warps", 4)
+    per_sm = max(1, 8 // warps)
     if kernel == "_forward_kernel":  # rmsnorm: read x, z, w; write y
         R, D, es = a["R"], a["D"], _size(a["X"])
-        return 3 * R * D * es + D * _size(a["W"]), 12 * R * D
+        return {"bytes": 3 * R * D * es + D * _size(a["W"]), "flops": 12 * R * D, "l2": 0,
+                "chain": 0, "programs": a["_grid"][0], "per_sm": 4}  # fmt: skip
     if kernel == "_backward_kernel":  # read g, x, z (row blocks again from L2), w; write dx, dz
         R, D, es = a["R"], a["D"], _size(a["X"])
-        partial = 2 * a["PROGRAMS"] * D * 4  # each program's float32 dweight row, read + written
-        return 5 * R * D * es + D * _size(a["W"]) + partial, 30 * R * D
+        partial = 2 * a["PROGRAMS"] * D * 4  # each program's float32 dweight row
+        # persistent: PROGRAMS_PER_SM programs on each multiprocessor of the GPU
+        return {"bytes": 5 * R * D * es + D * _size(a["W"]) + partial, "flops": 30 * R * D,
+                "l2": 2 * R * D * es, "chain": 0, "programs": 4 * SMS,
+                "per_sm": 4}  # fmt: skip
     if kernel == "_causal_kernel":
         L, E, M = a["L"], a["E"], a["M"]
-        NH, m_blocks = a["_grid"][0], a["_grid"][1]
+        NH = a["_grid"][0]
         es, bl, bm = _size(a["A"]), a["BLOCK_L"], a["BLOCK_M"]
-        nbytes = NH * L * (2 * E + 2 * M) * es  # a, b (shared by the column blocks), c, out
+        m_blocks = math.ceil(M / bm)
         chunks = math.ceil(L / bl)
         per_chunk = 2 * bl * (bl * E + bl * bm + 2 * E * bm)  # scores, scores@v, a@S, S update
-        return nbytes, NH * m_blocks * chunks * per_chunk
+        # a and b are read once per column block (the second and later from L2)
+        l2 = NH * (m_blocks - 1) * L * 2 * E * es
+        return {"bytes": NH * L * (2 * E + 2 * M) * es, "flops": NH * m_blocks * chunks * per_chunk,
+                "l2": l2, "chain": chunks, "programs": NH * m_blocks, "per_sm": per_sm}  # fmt: skip
     if kernel == "_grouped_mm":
         rows, N, K, mode = a["ROWS"], a["N"], a["K"], a["MODE"]
-        es = _size(a["A"])
+        bm, bn = a["BLOCK_M"], a["BLOCK_N"]
+        es, wes = _size(a["A"]), _size(a["W"])
         experts = a["W"].shape[0]
         n_a, n_w, outs = {0: (1, 1, 1), 1: (1, 2, 1), 2: (2, 3, 3), 3: (2, 2, 1)}[mode]
-        out_es = _size(a["OUT"])
+        row_tiles = math.ceil(rows / bm) + experts  # each expert's last tile is partial
+        col_tiles = math.ceil(N / bn)
         nbytes = (
-            rows * K * es * n_a + experts * N * K * _size(a["W"]) * n_w + rows * N * out_es * outs
+            rows * K * es * n_a + experts * N * K * wes * n_w + rows * N * _size(a["OUT"]) * outs
         )
-        return nbytes, 2 * rows * N * K * n_w
+        # every program reads its rows' K-wide A tiles and its columns' weight tiles
+        l2 = row_tiles * col_tiles * K * (bm * es * n_a + bn * wes * n_w)
+        return {"bytes": nbytes, "flops": 2 * row_tiles * bm * N * K * n_w, "l2": l2, "chain": 0,
+                "programs": row_tiles * col_tiles, "per_sm": per_sm}  # fmt: skip
     if kernel == "_grouped_weight_grad":
         experts = a["_grid"][0]
-        P, Q = a["P"], a["Q"]
+        P, Q, bp, bq = a["P"], a["Q"], a["BLOCK_P"], a["BLOCK_Q"]
         rows = a["A"].shape[0] if not a["GATHER_A"] else a["IDX_A"].numel()
         es = max(_size(a["A"]), _size(a["B"]))
-        return rows * (P + Q) * es + experts * P * Q * _size(a["DW"]), 2 * rows * P * Q
+        tiles = math.ceil(P / bp) * math.ceil(Q / bq)
+        l2 = rows * (math.ceil(Q / bq) * P + math.ceil(P / bp) * Q) * es
+        return {"bytes": rows * (P + Q) * es + experts * P * Q * _size(a["DW"]),
+                "flops": 2 * rows * P * Q, "l2": l2, "chain": 0, "programs": experts * tiles,
+                "per_sm": per_sm}  # fmt: skip
     if kernel == "_slot_sum_kernel":  # read the float32 slots, write each token's sum
         tokens, D, k = a["_grid"][0], a["D"], a["TOP_K"]
-        return tokens * D * (k * 4 + _size(a["OUT"])), tokens * D * k
+        return {"bytes": tokens * D * (k * 4 + _size(a["OUT"])), "flops": tokens * D * k,
+                "l2": 0, "chain": 0, "programs": tokens * a["_grid"][1], "per_sm": 8}  # fmt: skip
     raise KeyError(f"no byte/FLOP model for kernel {kernel}")
+
+
+def seconds(work: dict) -> tuple[float, float]:
+    """``(low, high)`` seconds of a launch's ``work`` (see the module's docstring)."""
+    memory, compute = work["bytes"] / BANDWIDTH, work["flops"] / BF16_RATE
+    slots = SMS * work["per_sm"]
+    waves = math.ceil(work["programs"] / slots) if work["programs"] else 1
+    fill = work["programs"] / (waves * slots) if work["programs"] else 1.0
+    chain_low = work["chain"] * CHUNK_LATENCY[0] * waves
+    chain_high = work["chain"] * CHUNK_LATENCY[1] * waves
+    low = max(memory, compute, work["l2"] / L2_BANDWIDTH[0], chain_low)
+    high = max(memory + compute, work["l2"] / L2_BANDWIDTH[1], chain_high) / max(fill, 1e-9)
+    return low, max(low, high)
+
+
+def candidates(kernel: str, args: dict) -> list[dict]:
+    """Every config the autotuner could pick for this launch (the config it ran with, for an
+    untuned kernel): ``args`` merged with each."""
+    if kernel == "_causal_kernel":
+        module = importlib.import_module("cakeops_triton.causal_dot_product")
+        kept = module._prune(module._CONFIGS, args, BLOCK_E=args["BLOCK_E"])
+    elif kernel == "_grouped_mm":
+        module = importlib.import_module("cakeops_triton.routed_experts")
+        kept = module._prune(module._CONFIGS, args, **args)
+    elif kernel == "_grouped_weight_grad":
+        module = importlib.import_module("cakeops_triton.routed_experts")
+        kept = module._prune_grad(module._GRAD_CONFIGS, args, **args)
+    else:
+        return [args]
+    out = []
+    for config in kept:
+        merged = {**args, **config.all_kwargs()}
+        if kernel == "_causal_kernel":
+            merged["BLOCK_M"] = module._block_m(merged)
+        out.append(merged)
+    return out or [args]
 
 
 class HostOps:
@@ -172,57 +238,75 @@ def predict() -> list[dict]:
     for op, call in calls.items():
         for launch in launches(call):
             if "args" in launch:
-                nbytes, flops = model(launch["kernel"], launch["args"])
+                options = [(seconds(model(launch["kernel"], c)), c)
+                           for c in candidates(launch["kernel"], launch["args"])]  # fmt: skip
+                (low, high), chosen = min(options, key=lambda o: o[0][0] + o[0][1])
+                work = model(launch["kernel"], chosen)
+                config = _config_name(chosen)
             else:
-                nbytes, flops = launch["bytes"], 0
-            seconds = max(nbytes / BANDWIDTH, flops / BF16_RATE)
-            rows.append({"op": op, **{k: launch[k] for k in ("kernel", "phase")},
-                         "bytes": nbytes, "flops": flops, "seconds": seconds})  # fmt: skip
+                low = high = launch["bytes"] / BANDWIDTH
+                work, config = {"bytes": launch["bytes"], "flops": 0}, ""
+            rows.append({"op": op, **{k: launch[k] for k in ("kernel", "phase")}, "config": config,
+                         "bytes": work["bytes"], "flops": work["flops"], "low": low,
+                         "high": high})  # fmt: skip
     return rows
 
 
+def _config_name(args: dict) -> str:
+    blocks = [f"{k.removeprefix('BLOCK_')}{v}" for k, v in args.items() if k.startswith("BLOCK_")]
+    return " ".join(blocks) + (f" w{args['num_warps']}" if "num_warps" in args else "")
+
+
 def targets(rows: list[dict]) -> dict[str, str]:
-    """The fraction of each op's H200 target the predicted times imply."""
+    """Each op's forecast against its H200 target."""
     full = bench_gpu.FULL
+
+    def total(op: str) -> tuple[float, float]:
+        return (sum(r["low"] for r in rows if r["op"] == op),
+                sum(r["high"] for r in rows if r["op"] == op))  # fmt: skip
+
     out = {}
-    total = {op: sum(r["seconds"] for r in rows if r["op"] == op) for op in {r["op"] for r in rows}}
     R, D = full["rmsnorm_silu_gate"]
-    # the bench counts forward x, z, w -> y and backward g, x, z, w -> dx, dz, dw (bf16)
-    minimal = (3 * R * D + 5 * R * D) * 2
-    share = minimal / total["rmsnorm_silu_gate"] / BANDWIDTH
-    out["rmsnorm_silu_gate"] = f"{share:.0%} of bandwidth (target 80%)"
-    out["causal_dot_product"] = "vs flash-linear-attention's chunk kernel: measured on the GPU only"
+    minimal = 8 * R * D * 2  # the bench's count: 8 tensors of x's size, bf16
+    low, high = total("rmsnorm_silu_gate")
+    out["rmsnorm_silu_gate"] = (
+        f"{minimal / high / BANDWIDTH:.0%}-{minimal / low / BANDWIDTH:.0%} of the copy bandwidth "
+        "(target 80%)"
+    )
+    out["causal_dot_product"] = "target: no slower than flash-linear-attention (GPU only)"
     T, Dm, F, _, k = full["moe_experts"]
-    useful = 2 * T * k * Dm * F * 3 * 3  # forward 3 GEMMs, backward 6 (the bench's count)
+    useful = 2 * T * k * Dm * F * 9  # forward 3 GEMMs, backward 6 (the bench's count)
+    low, high = total("moe_experts")
     out["moe_experts"] = (
-        f"{useful / total['moe_experts'] / BF16_RATE:.0%} of the bf16 rate (target 50%)"
+        f"{useful / high / BF16_RATE:.0%}-{useful / low / BF16_RATE:.0%} of the bf16 rate "
+        "(target 50%)"
     )
     return out
 
 
 def table(rows: list[dict]) -> str:
     lines = [
-        f"Predicted on {DEVICE}: per launch, the time is max(bytes / bandwidth, FLOPs / rate).",
+        f"Forecast for an {DEVICE}, bfloat16, per op and kernel: the config the model picks and a"
+        " range of times (see the assumptions above).",
         "",
-        "| op | phase | kernel | launches | GB moved | GFLOP | roofline (ms) | measured (ms) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| op | phase | kernel | config | launches | GB | GFLOP | forecast (ms) |",
+        "|---|---|---|---|--:|--:|--:|--:|",
     ]
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["op"], r["phase"], r["kernel"]), []).append(r)
     for (op, phase, kernel), g in sorted(groups.items(), key=lambda kv: kv[0][2].startswith("P")):
         nbytes, flops = sum(r["bytes"] for r in g), sum(r["flops"] for r in g)
-        ms = sum(r["seconds"] for r in g) * 1e3
-        name = f"`{kernel}`" if kernel.startswith("_") else "PyTorch ops of the host code"
-        lines.append(
-            f"| {op} | {phase} | {name} | {len(g)} | {nbytes / 1e9:.2f} | {flops / 1e9:.1f} "
-            f"| {ms:.3f} | |"
-        )
-    lines += ["", "| op | roofline total (ms) | implied share of the H200 target | measured |"]
-    lines += ["|---|---|---|---|"]
+        low, high = sum(r["low"] for r in g) * 1e3, sum(r["high"] for r in g) * 1e3
+        configs = ", ".join(dict.fromkeys(r["config"] for r in g if r["config"])) or "-"
+        name = f"`{kernel}`" if kernel.startswith("_") else "host PyTorch ops"
+        lines.append(f"| {op} | {phase} | {name} | {configs} | {len(g)} | {nbytes / 1e9:.2f} "
+                     f"| {flops / 1e9:.0f} | {low:.3f}-{high:.3f} |")  # fmt: skip
+    lines += ["", "| op | forecast (ms) | against the H200 target |", "|---|--:|---|"]
     for op, text in targets(rows).items():
-        ms = sum(r["seconds"] for r in rows if r["op"] == op) * 1e3
-        lines.append(f"| {op} | {ms:.3f} | {text} | |")
+        low = sum(r["low"] for r in rows if r["op"] == op) * 1e3
+        high = sum(r["high"] for r in rows if r["op"] == op) * 1e3
+        lines.append(f"| {op} | {low:.2f}-{high:.2f} | {text} |")
     return "\n".join(lines)
 
 

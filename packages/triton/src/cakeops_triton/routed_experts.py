@@ -45,10 +45,12 @@ from cakeops_triton._common import (
     untuned,
 )
 
-# Row tiles are laid out by the tile table, so BLOCK_M is fixed; the autotuner picks the rest
-# per (N, K buckets, layout, mode) -- never per token count or exact size. The interpreter gets
-# one small config.
+# Row tiles are laid out by the tile table, so BLOCK_M is chosen per call (WIDE_BLOCK_M for the
+# tuned 16-bit products on wgmma, where 128-row tiles halve the weight traffic from L2); the
+# autotuner picks the rest per (N, K buckets, layout, mode) -- never per token count or exact
+# size. The interpreter gets one small config.
 BLOCK_M = 32 if INTERPRET else 64
+WIDE_BLOCK_M = 128
 if INTERPRET:
     _CONFIGS = [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32})]
     _GRAD_CONFIGS = [triton.Config({"BLOCK_P": 32, "BLOCK_Q": 32, "BLOCK_R": 32})]
@@ -68,6 +70,7 @@ else:
     _GRAD_CONFIGS = [
         triton.Config({"BLOCK_P": bp, "BLOCK_Q": bq, "BLOCK_R": br}, num_warps=w, num_stages=st)
         for bp, bq, br, w, st in ((64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3),
+                                  (256, 128, 64, 8, 3),
                                   (32, 32, 16, 4, 1))  # the last for float32 (FMA)
     ]  # fmt: skip
 #: Problems of fewer rows (tokens x top_k) than this run one fixed config, untuned.
@@ -99,15 +102,17 @@ def _aligned(args) -> bool:
     )
 
 
-def fits_mm(block_n: int, block_k: int, warps: int, mode: int, fma: bool, wgmma: bool) -> bool:
+def fits_mm(
+    block_m: int, block_n: int, block_k: int, warps: int, mode: int, fma: bool, wgmma: bool
+) -> bool:
     """The resource rule of a ``_grouped_mm`` config: its float32 accumulators (one per
     product kept apart) and, where they live in registers, its operand tiles fit per thread."""
     threads = 32 * warps
     accs = {PLAIN.value: 1, SUM2.value: 1, SWIGLU.value: 2, SWIGLU_BWD.value: 3}[mode]
     a_tiles = 2 if mode in (SUM2.value, SWIGLU_BWD.value) else 1
     w_tiles = accs + (mode == SUM2.value)
-    acc = accs * BLOCK_M * block_n / threads
-    operands = (a_tiles * BLOCK_M * block_k + w_tiles * block_k * block_n) / threads
+    acc = accs * block_m * block_n / threads
+    operands = (a_tiles * block_m * block_k + w_tiles * block_k * block_n) / threads
     if fma:  # float32 operands: one register an element
         return acc <= ACC_REGISTERS["registers"] and operands <= OPERAND_REGISTERS["fma"]
     if wgmma:  # operands in shared memory
@@ -128,22 +133,28 @@ def _prune(configs, args, **kwargs):
         if (c.kwargs["BLOCK_N"] <= 32) == narrow
         and (c.kwargs["BLOCK_K"] <= 16) == fma
         and fits_mm(
-            c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, kwargs["MODE"], fma, wgmma
+            kwargs["BLOCK_M"],
+            c.kwargs["BLOCK_N"],
+            c.kwargs["BLOCK_K"],
+            c.num_warps,
+            kwargs["MODE"],
+            fma,
+            wgmma,
         )
     ]
     return kept or configs[-1:]
 
 
 def _prune_grad(configs, args, **kwargs):
-    """float32 (FMA: operands in registers) takes the small tile, 16-bit the others; 128 x 128
-    accumulators only with wgmma (sm_90: 64 registers a thread at 8 warps)."""
+    """float32 (FMA: operands in registers) takes the small tile, 16-bit the others, their
+    accumulator within the register budget (wgmma's on sm_90, mma.sync's before)."""
     small = kwargs["DTYPE"] == tl.float32
-    wide_ok = not mma_operands_in_registers()
+    budget = ACC_REGISTERS["registers" if mma_operands_in_registers() else "wgmma"]
     kept = [
         c
         for c in configs
         if (c.kwargs["BLOCK_P"] == 32) == small
-        and (wide_ok or c.kwargs["BLOCK_P"] * c.kwargs["BLOCK_Q"] <= 8192)
+        and c.kwargs["BLOCK_P"] * c.kwargs["BLOCK_Q"] / (32 * c.num_warps) <= budget
     ]
     return kept or configs[-1:]
 
@@ -284,7 +295,7 @@ def _slot_sum_kernel(SLOTS, OUT, D, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
 # Each kernel autotuned (specialised on sizes and strides) and untuned, for small problems.
 _grouped_mm_tuned = triton.autotune(
     configs=_CONFIGS,
-    key=["N_BUCKET", "K_BUCKET", "LAYOUT", "MODE", "GATHER", "DTYPE", "PRECISION"],
+    key=["N_BUCKET", "K_BUCKET", "LAYOUT", "MODE", "GATHER", "DTYPE", "PRECISION", "BLOCK_M"],
     prune_configs_by={"early_config_prune": _prune},
 )(triton.jit(do_not_specialize=["ROWS", "N_BUCKET", "K_BUCKET", "LAYOUT"])(_grouped_mm))
 _grouped_mm_untuned = untuned(_grouped_mm)
@@ -336,7 +347,7 @@ def _strides(w: torch.Tensor, transpose: bool = False) -> tuple[int, int, int]:
 
 def _mm(
     a, idx, w, tables, n_out: int, k_in: int, *, transpose=False, w2=None, w3=None, a2=None,
-    mode=PLAIN, dst=None, scale=None,
+    mode=PLAIN, dst=None, scale=None, block_m=BLOCK_M,
 ):  # fmt: skip
     """Grouped ``a @ W[e]^T`` (``a @ W[e]`` with ``transpose``) with the ``mode``'s fusion.
 
@@ -376,7 +387,7 @@ def _mm(
     )  # fmt: skip
     meta = {"GATHER": idx is not None, "MODE": mode, "SCATTER": dst is not None,
             "SCALED": scale is not None, "DTYPE": _TL_DTYPES[compute],
-            "PRECISION": dot_precision(compute), "BLOCK_M": BLOCK_M}  # fmt: skip
+            "PRECISION": dot_precision(compute), "BLOCK_M": block_m}  # fmt: skip
     named = dict(zip(_grouped_mm_tuned.arg_names, args, strict=False))
     args = (*args[:20], int(_aligned(named)), *args[21:])  # the layout is part of the key
     kernels = (_grouped_mm_tuned, _grouped_mm_untuned)
@@ -412,15 +423,27 @@ def _weight_grad(
     return dw
 
 
+def _block_m(routing: Routing, x: torch.Tensor, *weights: torch.Tensor) -> int:
+    """Rows per tile: ``WIDE_BLOCK_M`` for tuned problems whose products are 16-bit on wgmma
+    (operands in shared memory leave registers for 128-row accumulators), else ``BLOCK_M``."""
+    compute = x.dtype
+    for w in weights:
+        compute = torch.promote_types(compute, w.dtype)
+    wide = routing.order.numel() >= TUNE_FROM_ROWS and compute != torch.float32
+    return WIDE_BLOCK_M if wide and not mma_operands_in_registers() else BLOCK_M
+
+
 def experts_forward(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
     """The experts and the combine for a routing: ``(T, D)`` in ``x.dtype``."""
     D, F_ = x.shape[1], w_gate.shape[1]
     top_k = routing.weights.shape[1]
-    tables = row_tiles(routing, BLOCK_M)
+    block_m = _block_m(routing, x, w_gate, w_up, w_down)
+    tables = row_tiles(routing, block_m)
     x = x.contiguous()
-    h = _mm(x, routing.token, w_gate, tables, F_, D, w2=w_up, mode=SWIGLU)
+    h = _mm(x, routing.token, w_gate, tables, F_, D, w2=w_up, mode=SWIGLU, block_m=block_m)
     # the combine in the epilogue: w_ts * y_ts stored at its (token, slot) row
-    slots = _mm(h, None, w_down, tables, D, F_, dst=routing.order, scale=row_weights(routing))
+    slots = _mm(h, None, w_down, tables, D, F_, dst=routing.order, scale=row_weights(routing),
+                block_m=block_m)  # fmt: skip
     return _slot_sum(slots, top_k, x.dtype)
 
 
@@ -430,12 +453,24 @@ def experts_backward(g, x, routing: Routing, w_gate, w_up, w_down) -> tuple[torc
     D = x.shape[1]
     E, F_, _ = w_gate.shape
     top_k = routing.weights.shape[1]
-    tables = row_tiles(routing, BLOCK_M)
+    block_m = _block_m(routing, x, w_gate, w_up, w_down)
+    tables = row_tiles(routing, block_m)
     x, g, idx = x.contiguous(), g.contiguous(), routing.token
     slot_w = row_weights(routing)
     # gate, up and u = g W_down[e] in one pass; the SwiGLU backward in its epilogue
     h, d_gate_rows, d_up_rows, parts = _mm(
-        x, idx, w_gate, tables, F_, D, w2=w_up, w3=w_down, a2=g, mode=SWIGLU_BWD, scale=slot_w
+        x,
+        idx,
+        w_gate,
+        tables,
+        F_,
+        D,
+        w2=w_up,
+        w3=w_down,
+        a2=g,
+        mode=SWIGLU_BWD,
+        scale=slot_w,
+        block_m=block_m,
     )
     dweights = torch.empty(routing.order.numel(), dtype=torch.float32, device=x.device)
     dweights[routing.order] = parts.sum(0)
@@ -447,7 +482,7 @@ def experts_backward(g, x, routing: Routing, w_gate, w_up, w_down) -> tuple[torc
     # (token, slot) row: the dispatch backward is then the slot sum, with no weight factor
     dx_slots = _mm(
         d_gate_rows, None, w_gate, tables, D, F_, transpose=True, w2=w_up, a2=d_up_rows,
-        mode=SUM2, dst=routing.order,
+        mode=SUM2, dst=routing.order, block_m=block_m,
     )  # fmt: skip
     dx = _slot_sum(dx_slots, top_k, x.dtype)
     return dx, dweights.view_as(routing.weights), d_gate, d_up, d_down
