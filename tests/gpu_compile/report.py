@@ -53,7 +53,7 @@ def suite_compilations(rows: list[dict]) -> int:
         if r["backend"] == "triton"
         and r["target"] == "sm_90"
         and "TF32" not in r["dtype"]
-        and not r.get("sweep")
+        and r.get("source") in ("suite", "gpu-bench")
     )
 
 
