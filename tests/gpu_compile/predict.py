@@ -286,10 +286,10 @@ def targets(rows: list[dict]) -> dict[str, str]:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        f"Forecast for an {DEVICE}, bfloat16, per op and kernel: the config the model picks and a"
-        " range of times (see the assumptions above).",
+        f"Forecast for an {DEVICE}, bfloat16, per op, pass (forward, backward) and kernel: the"
+        " config the model picks and a range of times (the assumptions are above).",
         "",
-        "| op | phase | kernel | config | launches | GB | GFLOP | forecast (ms) |",
+        "| op | pass | kernel | config | launches | GB | GFLOP | forecast (ms) |",
         "|---|---|---|---|--:|--:|--:|--:|",
     ]
     groups: dict[tuple, list[dict]] = {}
@@ -298,10 +298,10 @@ def table(rows: list[dict]) -> str:
     for (op, phase, kernel), g in sorted(groups.items(), key=lambda kv: kv[0][2].startswith("P")):
         nbytes, flops = sum(r["bytes"] for r in g), sum(r["flops"] for r in g)
         low, high = sum(r["low"] for r in g) * 1e3, sum(r["high"] for r in g) * 1e3
-        configs = ", ".join(dict.fromkeys(r["config"] for r in g if r["config"])) or "-"
-        name = f"`{kernel}`" if kernel.startswith("_") else "host PyTorch ops"
-        lines.append(f"| {op} | {phase} | {name} | {configs} | {len(g)} | {nbytes / 1e9:.2f} "
-                     f"| {flops / 1e9:.0f} | {low:.3f}-{high:.3f} |")  # fmt: skip
+        configs = "; ".join(dict.fromkeys(r["config"] for r in g if r["config"])) or "-"
+        name = f"`{kernel}`" if kernel.startswith("_") else "host ops"
+        lines.append(f"| {op} | {phase[:3]} | {name} | {configs} | {len(g)} | {nbytes / 1e9:.2f} "
+                     f"| {flops / 1e9:.0f} | {low:.2f}-{high:.2f} |")  # fmt: skip
     lines += ["", "| op | forecast (ms) | against the H200 target |", "|---|--:|---|"]
     for op, text in targets(rows).items():
         low = sum(r["low"] for r in rows if r["op"] == op) * 1e3
