@@ -42,6 +42,7 @@ L2_BANDWIDTH = (10e12, 7e12)
 #: one chunk of the causal scan after the other, (short, long) seconds per chunk
 CHUNK_LATENCY = (0.4e-6, 1.0e-6)
 START, END = "<!-- gpu-predict:start -->", "<!-- gpu-predict:end -->"
+SHORT = {"forward": "fwd", "backward": "bwd"}
 
 
 def _size(t) -> int:
@@ -300,7 +301,7 @@ def table(rows: list[dict]) -> str:
         low, high = sum(r["low"] for r in g) * 1e3, sum(r["high"] for r in g) * 1e3
         configs = "; ".join(dict.fromkeys(r["config"] for r in g if r["config"])) or "-"
         name = f"`{kernel}`" if kernel.startswith("_") else "host ops"
-        lines.append(f"| {op} | {phase[:3]} | {name} | {configs} | {len(g)} | {nbytes / 1e9:.2f} "
+        lines.append(f"| {op} | {SHORT[phase]} | {name} | {configs} | {len(g)} | {nbytes / 1e9:.2f} "
                      f"| {flops / 1e9:.0f} | {low:.2f}-{high:.2f} |")  # fmt: skip
     lines += ["", "| op | forecast (ms) | against the H200 target |", "|---|--:|---|"]
     for op, text in targets(rows).items():
