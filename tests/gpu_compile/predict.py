@@ -301,8 +301,9 @@ def table(rows: list[dict]) -> str:
         low, high = sum(r["low"] for r in g) * 1e3, sum(r["high"] for r in g) * 1e3
         configs = "; ".join(dict.fromkeys(r["config"] for r in g if r["config"])) or "-"
         name = f"`{kernel}`" if kernel.startswith("_") else "host ops"
-        lines.append(f"| {op} | {SHORT[phase]} | {name} | {configs} | {len(g)} | {nbytes / 1e9:.2f} "
-                     f"| {flops / 1e9:.0f} | {low:.2f}-{high:.2f} |")  # fmt: skip
+        cells = [op, SHORT[phase], name, configs, str(len(g)), f"{nbytes / 1e9:.2f}",
+                 f"{flops / 1e9:.0f}", f"{low:.2f}-{high:.2f}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| op | forecast (ms) | against the H200 target |", "|---|--:|---|"]
     for op, text in targets(rows).items():
         low = sum(r["low"] for r in rows if r["op"] == op) * 1e3
