@@ -55,6 +55,22 @@ def untuned(fn, heuristics: dict | None = None):
     return triton.heuristics(heuristics)(kernel) if heuristics else kernel
 
 
+def launch(kernels, grid, args, meta, tuned: bool) -> None:
+    """``kernels = (autotuned, untuned)`` (see :func:`untuned`): the autotuned kernel through
+    its autotuner, or, for a problem too small to tune, the untuned one with the first config
+    its pruning keeps for an unspecialised kernel (``UNTUNED`` among the pruning's arguments:
+    no vector loads to count on), and no tuning runs."""
+    autotuned, untuned_kernel = kernels
+    if tuned:
+        autotuned[grid](*args, **meta)
+        return
+    named = {**dict(zip(autotuned.arg_names, args, strict=False)), "UNTUNED": True}
+    configs = autotuned.configs
+    prune = autotuned.early_config_prune
+    config = ((prune(configs, named, **meta) if prune else None) or configs)[0]
+    untuned_kernel[grid](*args, **meta, **config.all_kwargs())
+
+
 def multiprocessors(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (a stand-in count off the GPU)."""
     if device.type == "cuda":

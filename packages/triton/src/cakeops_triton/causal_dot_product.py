@@ -21,6 +21,7 @@ from cakeops_triton._common import (
     INTERPRET,
     dot,
     dot_precision,
+    launch,
     mma_operands_in_registers,
     round_to,
     serialised,
@@ -186,12 +187,9 @@ def _run(a, b, c, reverse: bool) -> torch.Tensor:
     )  # fmt: skip
     meta = {"REVERSE": reverse, "PRECISION": dot_precision(a.dtype),
             "BLOCK_E": max(16, triton.next_power_of_2(E))}  # fmt: skip
-    if N * H * L >= TUNE_FROM_POSITIONS:
-        _causal_tuned[grid](*args, **meta)
-    else:  # too small to tune: the first config the rules keep (the smallest chunk)
-        named = dict(zip(_causal_tuned.arg_names, args, strict=False))
-        config = (_prune(_causal_tuned.configs, named, **meta) or _causal_tuned.configs)[0]
-        _causal_untuned[grid](*args, **meta, **config.all_kwargs())
+    # too small to tune: the first config the rules keep (the smallest chunk), untuned
+    kernels = (_causal_tuned, _causal_untuned)
+    launch(kernels, grid, args, meta, tuned=N * H * L >= TUNE_FROM_POSITIONS)
     return out
 
 

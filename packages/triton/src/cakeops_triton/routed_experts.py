@@ -39,6 +39,7 @@ from cakeops_triton._common import (
     INTERPRET,
     dot,
     dot_precision,
+    launch,
     mma_operands_in_registers,
     round_to,
     serialised,
@@ -325,20 +326,6 @@ def _bucket(n: int) -> int:
     return triton.next_power_of_2(max(n, 1))
 
 
-def _launch(kernels, grid, args, meta, tuned: bool) -> None:
-    """The tuned kernel of ``kernels`` through its autotuner, or, for a problem too small to
-    tune, the untuned one with the first config the pruning keeps (no tuning runs)."""
-    autotuned, untuned_kernel = kernels
-    if tuned:
-        autotuned[grid](*args, **meta)
-        return
-    # no specialisation: the untuned kernel cannot prove vector loads, whatever the layout
-    named = {**dict(zip(autotuned.arg_names, args, strict=False)), "UNTUNED": True}
-    configs = autotuned.configs
-    config = (autotuned.early_config_prune(configs, named, **meta) or configs)[0]
-    untuned_kernel[grid](*args, **meta, **config.all_kwargs())
-
-
 def _strides(w: torch.Tensor, transpose: bool = False) -> tuple[int, int, int]:
     """``(expert, n, k)`` strides reading ``w[e]`` as ``W[e]`` (``a @ W[e]^T``) or, transposed,
     as ``W[e]^T`` (``a @ W[e]``)."""
@@ -391,7 +378,7 @@ def _mm(
     named = dict(zip(_grouped_mm_tuned.arg_names, args, strict=False))
     args = (*args[:20], int(_aligned(named)), *args[21:])  # the layout is part of the key
     kernels = (_grouped_mm_tuned, _grouped_mm_untuned)
-    _launch(kernels, grid, args, meta, tuned=rows >= TUNE_FROM_ROWS)
+    launch(kernels, grid, args, meta, tuned=rows >= TUNE_FROM_ROWS)
     if mode == SWIGLU_BWD.value:
         return out, out2, out3, dwp
     return out
@@ -419,7 +406,7 @@ def _weight_grad(
             "SCALED_A": scale_a is not None, "DTYPE": _TL_DTYPES[compute],
             "PRECISION": dot_precision(compute)}  # fmt: skip
     kernels = (_grouped_weight_grad_tuned, _grouped_weight_grad_untuned)
-    _launch(kernels, grid, args, meta, tuned=a.shape[0] >= TUNE_FROM_ROWS)
+    launch(kernels, grid, args, meta, tuned=a.shape[0] >= TUNE_FROM_ROWS)
     return dw
 
 
