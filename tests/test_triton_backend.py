@@ -187,6 +187,22 @@ TUNED_PATH = textwrap.dedent(
                     got[backend] = [out, *torch.autograd.grad(out, wrt, torch.ones_like(out))]
             for mine, ref in zip(got["triton"], got["reference"]):
                 assert_matches(mine, ref, op)
+    # sizes of 16-element multiples: the 128-row tiles of tuned 16-bit products
+    torch.manual_seed(0)
+    T, D, F, E, k = 24, 16, 32, 4, 2
+    x = torch.randn(T, D, dtype=torch.bfloat16, requires_grad=True)
+    index = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, k), -1).bfloat16().requires_grad_()
+    shapes = ((E, F, D), (E, F, D), (E, D, F))
+    ws = [(torch.randn(s) * 0.2).bfloat16().requires_grad_() for s in shapes]
+    assert routed._block_m(routed.given_routing(index, weights.float(), E), x, *ws) == 128
+    got = {}
+    for backend in ("triton", "reference"):
+        with cakeops.use_backend(backend):
+            out = cakeops.routed_experts(x, index, weights, *ws)
+            got[backend] = [out, *torch.autograd.grad(out, [x, weights, *ws], torch.ones_like(out))]
+    for mine, ref in zip(got["triton"], got["reference"]):
+        assert_matches(mine, ref, "routed_experts")
     print("ok")
     """
 )

@@ -412,11 +412,16 @@ def _weight_grad(
 
 def _block_m(routing: Routing, x: torch.Tensor, *weights: torch.Tensor) -> int:
     """Rows per tile: ``WIDE_BLOCK_M`` for tuned problems whose products are 16-bit on wgmma
-    (operands in shared memory leave registers for 128-row accumulators), else ``BLOCK_M``."""
+    with a layout of 16-element strides (operands in shared memory, loaded as vectors, leave
+    registers for 128-row accumulators), else ``BLOCK_M``."""
     compute = x.dtype
     for w in weights:
         compute = torch.promote_types(compute, w.dtype)
-    wide = routing.order.numel() >= TUNE_FROM_ROWS and compute != torch.float32
+    aligned = all(
+        all(s % 16 == 0 or s == 1 for s in (*t.stride(), *t.shape[1:])) and t.data_ptr() % 16 == 0
+        for t in (x, *weights)
+    )
+    wide = routing.order.numel() >= TUNE_FROM_ROWS and compute != torch.float32 and aligned
     return WIDE_BLOCK_M if wide and not mma_operands_in_registers() else BLOCK_M
 
 
