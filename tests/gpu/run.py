@@ -120,7 +120,7 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
             pytest("suite-numba", *suite, "--cakeops-backend=numba", "-k",
                    "test_saves_exactly_the_inputs"),
         ]  # fmt: skip
-        limits = {"preflight": 45, "bench": 60, "conformance": 50, "hf": 25}
+        limits = {"preflight": 40, "bench": 75, "conformance": 45, "hf": 20}
         bench += ["--quick", "--budget", "40"]
         hf += ["--quick"]
     else:
