@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     missing = device_missing(args.device)
     if missing:
-        print(f"preflight: {missing}: nothing can run", file=sys.stderr)
+        print(f"preflight: device {missing}: nothing can run", file=sys.stderr)
         return NO_DEVICE
     device = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -50,16 +50,16 @@ def device_missing(name: str) -> str | None:
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError) as exc:
-        return f"--cakeops-device={name!r} is not a device torch knows ({exc})"
+        return f"{name!r} is not a device torch knows ({exc})"
     if device.type == "cpu":
         return None
     module = getattr(torch, device.type, None)
     available = getattr(module, "is_available", None)
     if available is None or not available():
-        return f"--cakeops-device={name}: no {device.type} device on this machine"
+        return f"{name}: no {device.type} device on this machine"
     count = getattr(module, "device_count", lambda: 1)()
     if device.index is not None and device.index >= count:
-        return f"--cakeops-device={name}: this machine has {count} {device.type} device(s)"
+        return f"{name}: this machine has {count} {device.type} device(s)"
     return None
 
 
@@ -69,7 +69,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if not hasattr(session.config, "workerinput"):  # once, in the controller of an xdist run
         missing = device_missing(session.config.getoption("cakeops_device"))
         if missing:
-            pytest.exit(f"cakeops conformance suite: {missing}", returncode=4)
+            pytest.exit(f"cakeops conformance suite: --cakeops-device={missing}", returncode=4)
 
 
 def _requested(config: pytest.Config) -> list[str]:
