@@ -83,6 +83,8 @@ def model(kernel: str, a: dict) -> dict:
         es, wes = _size(a["A"]), _size(a["W"])
         experts = a["W"].shape[0]
         n_a, n_w, outs = {0: (1, 1, 1), 1: (1, 2, 1), 2: (2, 3, 3), 3: (2, 2, 1)}[mode]
+        if a.get("U_GIVEN"):  # the SwiGLU backward reading u (float32 rows) instead of g W_down
+            n_a, n_w = 1, 2
         row_tiles = math.ceil(rows / bm) + experts  # each expert's last tile is partial
         col_tiles = math.ceil(N / bn)
         nbytes = (

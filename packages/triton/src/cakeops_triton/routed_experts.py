@@ -13,7 +13,8 @@ float32 (``x`` widened as it loads), so that every gradient is as accurate as it
   index (the dispatch is a load, never a gathered copy of ``x``). ``MODE`` picks the fusion:
   ``SWIGLU`` (the forward) multiplies the rows by ``W_gate[e]`` and ``W_up[e]`` in one pass and
   stores ``silu(gate) * up`` in the activations' dtype; ``SWIGLU_BWD`` (the backward) adds
-  ``u = g W_down[e]`` as a third product over the same ``K = D`` loop and runs the SwiGLU
+  ``u = g W_down[e]`` as a third product over the same ``K = D`` loop (or, on 128-row tiles,
+  reads it from a ``PLAIN`` launch of its own) and runs the SwiGLU
   backward in the epilogue (``h``, the gate and up gradients, and each row's ``<h, u>`` partial
   for the routing weights); ``SUM2`` accumulates ``A W[e]^T + A2 W2[e]^T`` (the input gradient
   through gate and up). The ``PLAIN`` epilogue can scale each row by a per-row factor and store
@@ -60,7 +61,7 @@ else:
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
         for bn, bk, w, st in (
             # wide tiles, for rows and weights whose strides are multiples of 16 elements
-            (64, 64, 4, 4), (128, 32, 8, 3), (128, 64, 8, 3), (256, 32, 8, 3), (64, 32, 8, 3),
+            (128, 32, 8, 3), (128, 64, 8, 3), (256, 32, 8, 3), (64, 32, 8, 3),
             # narrow ones for the rest (loads one element at a time; the first serves the
             # untuned kernel of small problems)
             (32, 32, 8, 2), (32, 32, 4, 1), (32, 32, 4, 2),
@@ -104,14 +105,21 @@ def _aligned(args) -> bool:
 
 
 def fits_mm(
-    block_m: int, block_n: int, block_k: int, warps: int, mode: int, fma: bool, wgmma: bool
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    warps: int,
+    mode: int,
+    fma: bool,
+    wgmma: bool,
+    u_given: bool = False,
 ) -> bool:
     """The resource rule of a ``_grouped_mm`` config: its float32 accumulators (one per
     product kept apart) and, where they live in registers, its operand tiles fit per thread."""
     threads = 32 * warps
     accs = {PLAIN.value: 1, SUM2.value: 1, SWIGLU.value: 2, SWIGLU_BWD.value: 3}[mode]
-    a_tiles = 2 if mode in (SUM2.value, SWIGLU_BWD.value) else 1
-    w_tiles = accs + (mode == SUM2.value)
+    a_tiles = 2 if mode == SUM2.value or (mode == SWIGLU_BWD.value and not u_given) else 1
+    w_tiles = accs + (mode == SUM2.value) - u_given
     acc = accs * block_m * block_n / threads
     operands = (a_tiles * block_m * block_k + w_tiles * block_k * block_n) / threads
     if fma:  # float32 operands: one register an element
@@ -141,6 +149,7 @@ def _prune(configs, args, **kwargs):
             kwargs["MODE"],
             fma,
             wgmma,
+            kwargs.get("U_GIVEN", False),
         )
     ]
     return kept or configs[-1:]
@@ -166,7 +175,7 @@ def _grouped_mm(
     stride_we, stride_wn, stride_wk, stride_we2, stride_wn2, stride_wk2,
     stride_we3, stride_wn3, stride_wk3,
     GATHER: tl.constexpr, MODE: tl.constexpr, SCATTER: tl.constexpr, SCALED: tl.constexpr,
-    DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DTYPE: tl.constexpr, PRECISION: tl.constexpr, U_GIVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -209,7 +218,7 @@ def _grouped_mm(
                 acc = dot(a2.to(DTYPE), round_to(w2, DTYPE), acc, PRECISION)
             else:  # ... against the same rows, kept apart
                 acc2 = dot(a, round_to(w2, DTYPE), acc2, PRECISION)
-        if MODE == SWIGLU_BWD:  # u = g W_down[e]: the incoming gradient's rows, third weight
+        if MODE == SWIGLU_BWD and not U_GIVEN:  # u = g W_down[e]: the gradient's rows, W_down
             a3 = tl.load(A2 + src[:, None] * stride_a2 + kk[None, :], mask=a_mask, other=0.0)
             w3 = tl.load(
                 W3 + e * stride_we3 + kk[:, None] * stride_wk3 + cols[None, :] * stride_wn3,
@@ -220,6 +229,8 @@ def _grouped_mm(
     rows64 = rows.to(tl.int64)
     ok = row_ok[:, None] & col_ok[None, :]
     out = rows64[:, None] * N + cols[None, :]
+    if U_GIVEN:  # u computed by a launch of its own: A2 holds its float32 rows, in row order
+        acc3 = tl.load(A2 + rows64[:, None] * stride_a2 + cols[None, :], mask=ok, other=0.0)
     if MODE == SWIGLU:
         h = acc / (1.0 + tl.exp(-acc)) * acc2
         tl.store(OUT + out, round_to(h, OUT.dtype.element_ty), mask=ok)
@@ -296,7 +307,17 @@ def _slot_sum_kernel(SLOTS, OUT, D, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
 # Each kernel autotuned (specialised on sizes and strides) and untuned, for small problems.
 _grouped_mm_tuned = triton.autotune(
     configs=_CONFIGS,
-    key=["N_BUCKET", "K_BUCKET", "LAYOUT", "MODE", "GATHER", "DTYPE", "PRECISION", "BLOCK_M"],
+    key=[
+        "N_BUCKET",
+        "K_BUCKET",
+        "LAYOUT",
+        "MODE",
+        "GATHER",
+        "DTYPE",
+        "PRECISION",
+        "BLOCK_M",
+        "U_GIVEN",
+    ],
     prune_configs_by={"early_config_prune": _prune},
 )(triton.jit(do_not_specialize=["ROWS", "N_BUCKET", "K_BUCKET", "LAYOUT"])(_grouped_mm))
 _grouped_mm_untuned = untuned(_grouped_mm)
@@ -334,7 +355,7 @@ def _strides(w: torch.Tensor, transpose: bool = False) -> tuple[int, int, int]:
 
 def _mm(
     a, idx, w, tables, n_out: int, k_in: int, *, transpose=False, w2=None, w3=None, a2=None,
-    mode=PLAIN, dst=None, scale=None, block_m=BLOCK_M,
+    mode=PLAIN, dst=None, scale=None, block_m=BLOCK_M, u=None,
 ):  # fmt: skip
     """Grouped ``a @ W[e]^T`` (``a @ W[e]`` with ``transpose``) with the ``mode``'s fusion.
 
@@ -343,7 +364,8 @@ def _mm(
     with float32 weights); ``SUM2``:
     ``a W[e]^T + a2 w2[e]^T`` (float32); ``SWIGLU_BWD`` (``a2`` the gradient rows, ``w3`` the
     down weight): ``(h, d_gate, d_up)`` in the product dtype and the ``<h, u>`` partials, float32
-    ``(column tiles, rows)``.
+    ``(column tiles, rows)``; given ``u`` (float32 rows of ``g W_down[e]`` in row order,
+    computed by a launch of their own), it is read instead of computed.
     """
     tile_expert, tile_row, _, ends = tables
     rows = idx.numel() if idx is not None else a.shape[0]
@@ -361,7 +383,7 @@ def _mm(
     ws = _strides(w, transpose)
     ws2 = _strides(w if w2 is None else w2, transpose)
     ws3 = _strides(w if w3 is None else w3, True)
-    a2 = a if a2 is None else a2
+    a2 = (a if a2 is None else a2) if u is None else u
 
     def grid(meta):
         return (tile_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))
@@ -374,7 +396,8 @@ def _mm(
     )  # fmt: skip
     meta = {"GATHER": idx is not None, "MODE": mode, "SCATTER": dst is not None,
             "SCALED": scale is not None, "DTYPE": _TL_DTYPES[compute],
-            "PRECISION": dot_precision(compute), "BLOCK_M": block_m}  # fmt: skip
+            "PRECISION": dot_precision(compute), "BLOCK_M": block_m,
+            "U_GIVEN": u is not None}  # fmt: skip
     named = dict(zip(_grouped_mm_tuned.arg_names, args, strict=False))
     args = (*args[:20], int(_aligned(named)), *args[21:])  # the layout is part of the key
     kernels = (_grouped_mm_tuned, _grouped_mm_untuned)
@@ -449,21 +472,17 @@ def experts_backward(g, x, routing: Routing, w_gate, w_up, w_down) -> tuple[torc
     tables = row_tiles(routing, block_m)
     x, g, idx = x.contiguous(), g.contiguous(), routing.token
     slot_w = row_weights(routing)
-    # gate, up and u = g W_down[e] in one pass; the SwiGLU backward in its epilogue
+    # gate, up and u = g W_down[e] in one pass; the SwiGLU backward in its epilogue. On
+    # 128-row tiles u is a product of its own first (wide tiles, float32 rows): the SwiGLU pass
+    # then reads one operand row and two weights per step instead of two and three, which its
+    # three accumulators (64-wide columns) would otherwise wait for from L2.
+    u = None
+    if block_m == WIDE_BLOCK_M:
+        u = _mm(g, idx, w_down, tables, F_, D, transpose=True, block_m=block_m)
     h, d_gate_rows, d_up_rows, parts = _mm(
-        x,
-        idx,
-        w_gate,
-        tables,
-        F_,
-        D,
-        w2=w_up,
-        w3=w_down,
-        a2=g,
-        mode=SWIGLU_BWD,
-        scale=slot_w,
-        block_m=block_m,
-    )
+        x, idx, w_gate, tables, F_, D, w2=w_up, w3=w_down, a2=g, mode=SWIGLU_BWD, scale=slot_w,
+        block_m=block_m, u=u,
+    )  # fmt: skip
     dweights = torch.empty(routing.order.numel(), dtype=torch.float32, device=x.device)
     dweights[routing.order] = parts.sum(0)
     # dW_down[e] = (w g)_e^T h_e: the rows of g gathered and scaled as they load
