@@ -92,15 +92,12 @@ SWIGLU_BWD: tl.constexpr = tl.constexpr(2)
 SUM2: tl.constexpr = tl.constexpr(3)
 
 
-def _aligned(args) -> bool:
-    """Every row and weight stride a multiple of 16 elements (Triton then proves 16-byte
-    vector loads) and every operand on 16 bytes; a packed gate/up tensor's ``w_up`` view starts
-    ``F * D`` elements in."""
-    strides = ("stride_a", "stride_a2", "K", "N")
-    strides += tuple(f"stride_w{d}{i}" for i in ("", "2", "3") for d in "enk")
-    starts = ("A", "A2", "W", "W2", "W3")
-    return all(args[name] % 16 == 0 or args[name] == 1 for name in strides) and all(
-        args[name].data_ptr() % 16 == 0 for name in starts
+def _aligned(tensors, sizes=()) -> bool:
+    """Every stride and size a multiple of 16 elements (or 1) and every tensor on 16 bytes:
+    Triton then proves 16-byte vector loads. (A packed gate/up tensor's ``w_up`` view starts
+    ``F * D`` elements in.)"""
+    return all(n % 16 == 0 or n == 1 for n in sizes) and all(
+        all(s % 16 == 0 or s == 1 for s in t.stride()) and t.data_ptr() % 16 == 0 for t in tensors
     )
 
 
@@ -131,10 +128,10 @@ def fits_mm(
 
 def _prune(configs, args, **kwargs):
     """Configs that fit by :func:`fits_mm` for every shape: wide tiles only where the layout
-    is :func:`_aligned` (and the kernel specialised to see it), the BLOCK_K 16 tiles for float32
-    products (FMA)."""
+    is aligned (``LAYOUT``, :func:`_aligned`) and the kernel specialised to see it, the BLOCK_K
+    16 tiles for float32 products (FMA)."""
     fma = kwargs["DTYPE"] == tl.float32
-    narrow = fma or args.get("UNTUNED", False) or not _aligned(args)
+    narrow = fma or args.get("UNTUNED", False) or not args["LAYOUT"]
     wgmma = not mma_operands_in_registers()
     kept = [
         c
@@ -380,26 +377,25 @@ def _mm(
         # zeros: the autotuner's tile width decides how many of these rows are written
         dwp = torch.zeros((triton.cdiv(n_out, MIN_BLOCK_N), rows), dtype=torch.float32,
                           device=a.device)  # fmt: skip
-    ws = _strides(w, transpose)
-    ws2 = _strides(w if w2 is None else w2, transpose)
-    ws3 = _strides(w if w3 is None else w3, True)
     a2 = (a if a2 is None else a2) if u is None else u
+    w2, w3 = (w if w2 is None else w2), (w if w3 is None else w3)
+    ws, ws2, ws3 = _strides(w, transpose), _strides(w2, transpose), _strides(w3, True)
+    # the layout is part of the autotune key: wide tiles only where vector loads are proved
+    layout = int(_aligned((a, a2, w, w2, w3), (n_out, k_in)))
 
     def grid(meta):
         return (tile_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))
 
     args = (
-        a, a2, a if idx is None else idx, w, w if w2 is None else w2, w if w3 is None else w3,
+        a, a2, a if idx is None else idx, w, w2, w3,
         out, out2, out3, dwp, out if dst is None else dst, out if scale is None else scale,
-        tile_expert, tile_row, ends, rows, n_out, k_in, _bucket(n_out), _bucket(k_in), 0,
+        tile_expert, tile_row, ends, rows, n_out, k_in, _bucket(n_out), _bucket(k_in), layout,
         a.stride(0), a2.stride(0), *ws, *ws2, *ws3,
     )  # fmt: skip
     meta = {"GATHER": idx is not None, "MODE": mode, "SCATTER": dst is not None,
             "SCALED": scale is not None, "DTYPE": _TL_DTYPES[compute],
             "PRECISION": dot_precision(compute), "BLOCK_M": block_m,
             "U_GIVEN": u is not None}  # fmt: skip
-    named = dict(zip(_grouped_mm_tuned.arg_names, args, strict=False))
-    args = (*args[:20], int(_aligned(named)), *args[21:])  # the layout is part of the key
     kernels = (_grouped_mm_tuned, _grouped_mm_untuned)
     launch(kernels, grid, args, meta, tuned=rows >= TUNE_FROM_ROWS)
     if mode == SWIGLU_BWD.value:
@@ -440,10 +436,7 @@ def _block_m(routing: Routing, x: torch.Tensor, *weights: torch.Tensor) -> int:
     compute = x.dtype
     for w in weights:
         compute = torch.promote_types(compute, w.dtype)
-    aligned = all(
-        all(s % 16 == 0 or s == 1 for s in (*t.stride(), *t.shape[1:])) and t.data_ptr() % 16 == 0
-        for t in (x, *weights)
-    )
+    aligned = _aligned((x, *weights), (*x.shape[1:], *weights[0].shape[1:]))
     wide = routing.order.numel() >= TUNE_FROM_ROWS and compute != torch.float32 and aligned
     return WIDE_BLOCK_M if wide and not mma_operands_in_registers() else BLOCK_M
 
