@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cakeops import bench
 from cakeops.bench import gpu
 from cakeops.ops import SPECS
 from cakeops.testing.plugin import device_missing
@@ -57,7 +58,7 @@ def test_the_bench_step_differentiates_only_what_the_spec_does():
     inputs = SPECS["routed_experts"].example("cpu")
     for name in SPECS["routed_experts"].differentiable:
         inputs[name].requires_grad_()
-    step = gpu.step_of("routed_experts", inputs, lambda: SPECS["routed_experts"](**inputs))
+    step = bench.step_of("routed_experts", inputs, lambda: SPECS["routed_experts"](**inputs))
     grads = step()
     assert "top_k_index" not in SPECS["routed_experts"].differentiable
     assert len(grads) == len(SPECS["routed_experts"].differentiable)

@@ -57,6 +57,22 @@ def result_row(
     return row
 
 
+def step_of(op: str, inputs, forward: Callable[[], Any]) -> Callable[[], Any]:
+    """Forward+backward of ``forward``, gradients for the inputs the spec differentiates (not
+    integer ids, for one), against a fixed random incoming gradient."""
+    from cakeops.ops import SPECS
+
+    spec = SPECS[op]
+    wrt = tuple(inputs[name] for name in spec.differentiable)
+    g = torch.randn_like(spec.output_like(inputs))
+
+    def step():
+        out = forward()
+        return torch.autograd.grad(out, wrt, g.view_as(out))
+
+    return step
+
+
 def example_run(op: str, device: torch.device) -> list[dict[str, Any]]:
     """The benchmark of an op without a module here: the op on the spec's example inputs, on
     the backend the automatic choice picks (and ``torch`` beside it)."""
@@ -64,16 +80,13 @@ def example_run(op: str, device: torch.device) -> list[dict[str, Any]]:
 
     spec = SPECS[op]
     inputs = spec.example(device)
-    # the spec knows which inputs take a gradient (not integer ids, for one)
-    diff = {k: inputs[k].requires_grad_() for k in spec.differentiable}
-    g = torch.randn_like(spec.output_like(inputs))
+    for name in spec.differentiable:
+        inputs[name].requires_grad_()
     backend = explain_inputs(op, spec.validate(tuple(inputs.values()))).backend or "torch"
-    contenders = {}
-    for label, fn in cakeops_rows(lambda: spec(**inputs), backend):
-        contenders[label] = (
-            fn,
-            lambda fn=fn: torch.autograd.grad(fn(), tuple(diff.values()), g),
-        )
+    contenders = {
+        label: (fn, step_of(op, inputs, fn))
+        for label, fn in cakeops_rows(lambda: spec(**inputs), backend)
+    }
     results = measure(contenders, device, repeats=3)
     baseline = f"cakeops [{backend}]"
     print(format_table(f"\n{op} fwd+bwd, example inputs", results, baseline))

@@ -35,6 +35,7 @@ import torch
 
 import cakeops
 from cakeops import registry
+from cakeops.bench import step_of
 from cakeops.bench.limits import NAMES as LIMIT_NAMES
 from cakeops.bench.limits import measure_limits
 from cakeops.measure import sync
@@ -93,19 +94,6 @@ def _peers(op: str, inputs) -> dict[str, Callable[[], Any] | str]:
     """``label -> forward`` of the op's peers, or ``label -> why not compared``."""
     module = sys.modules.get(f"cakeops.bench.{op}")
     return getattr(module, "gpu_peers", lambda _: {})(inputs)
-
-
-def step_of(op: str, inputs, forward: Callable[[], Any]) -> Callable[[], Any]:
-    """Forward+backward of ``forward``, gradients for the inputs the spec differentiates."""
-    spec = SPECS[op]
-    wrt = tuple(inputs[name] for name in spec.differentiable)
-    g = torch.randn_like(spec.output_like(inputs))
-
-    def step():
-        out = forward()
-        return torch.autograd.grad(out, wrt, g.view_as(out))
-
-    return step
 
 
 def time_step(step: Callable[[], Any], device: torch.device, repeats: int) -> dict[str, Any]:
