@@ -223,7 +223,6 @@ def run_calls(arch: int, dtypes, ops=None, sweep=False) -> list[dict]:
         for tf32 in (False, True) if tf32_too else (False,):
             torch.backends.cuda.matmul.allow_tf32 = tf32
             recorder.context = {
-                "sweep": sweep,
                 "source": "sweep" if sweep else call.source,
                 "target": f"sm_{arch}",
                 "dtype": dtype + (" (TF32)" if tf32 else ""),
