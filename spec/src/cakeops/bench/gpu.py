@@ -38,7 +38,7 @@ from cakeops import registry
 from cakeops.bench import step_of
 from cakeops.bench.limits import NAMES as LIMIT_NAMES
 from cakeops.bench.limits import measure_limits
-from cakeops.measure import sync
+from cakeops.measure import peak_memory, sync
 from cakeops.ops import SPECS
 
 FULL = {
@@ -148,17 +148,6 @@ def _graph_time(step: Callable[[], Any], device: torch.device, repeats: int) -> 
         return {"kernels": None, "graph": f"not capturable: {type(exc).__name__}"}
 
 
-def _peak(step: Callable[[], Any], device: torch.device) -> int | None:
-    if device.type != "cuda":
-        return None
-    sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    step()
-    sync(device)
-    return torch.cuda.max_memory_allocated(device) - base
-
-
 class Recorder:
     """The run's record, rewritten under ``out`` after every row (``None``: printed only)."""
 
@@ -212,7 +201,8 @@ def _time_case(op, case, device, repeats, limits, recorder, deadline) -> None:
                 step = step_of(op, inputs, fn)
                 row.update({f"{k}_s" if k != "graph" else k: v
                             for k, v in time_step(step, device, repeats).items()})  # fmt: skip
-                row["peak_bytes"] = _peak(step, device)
+                # on a CPU the profiler it takes would cost more than these tiny steps
+                row["peak_bytes"] = peak_memory(step, device) if device.type == "cuda" else None
         except Exception as exc:  # a peer's failure is a row, not the end of the run
             recorder.add({**row, "skipped": f"failed: {type(exc).__name__}: {exc}"[:300]})
             continue
