@@ -4,7 +4,9 @@ written once here (the conformance guide names this module).
 - ``moe_experts``: the routing rules (:func:`route`, :class:`Routing`), their backward
   (:func:`routing_backward`), sorted-row bookkeeping (:func:`row_weights`, :func:`row_tiles`),
   the combine and the dispatch backward (:func:`combine`, :func:`weighted_slot_sum`,
-  :func:`slot_sum`, :func:`dispatch_backward`) and the SwiGLU backward (:func:`swiglu_backward`);
+  :func:`slot_sum`, :func:`dispatch_backward`), the SwiGLU backward (:func:`swiglu_backward`)
+  and every other activation the experts take (:class:`Activation`), dropped slots
+  (:func:`kept_rows`);
 - ``causal_dot_product``: the backward as three causal scans (:func:`backward_by_scans`);
 - every op: :func:`cast_grads` (each gradient in its input's dtype) and
   :func:`cakeops.compute_dtype` (the precision to compute in).
@@ -14,11 +16,15 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import math
+
 import torch
 
 from cakeops._spec import compute_dtype
 
 __all__ = [
+    "Activation",
+    "ExpertWeights",
     "Routing",
     "SwiGLUGrads",
     "backward_by_scans",
@@ -27,6 +33,7 @@ __all__ = [
     "compute_dtype",
     "dispatch_backward",
     "given_routing",
+    "kept_rows",
     "route",
     "routing_backward",
     "row_tiles",
@@ -39,8 +46,9 @@ __all__ = [
 
 
 def cast_grads(grads, inputs) -> tuple[torch.Tensor, ...]:
-    """Each gradient in the dtype of the input it belongs to (a no-op where it already is)."""
-    return tuple(g.to(t.dtype) for g, t in zip(grads, inputs, strict=True))
+    """Each gradient in the dtype of the input it belongs to (a no-op where it already is; None
+    for an optional input not given)."""
+    return tuple(None if t is None else g.to(t.dtype) for g, t in zip(grads, inputs, strict=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -74,6 +82,14 @@ class Routing(NamedTuple):
     def bounds(self) -> list[int]:
         """``offsets`` on the host (a device synchronisation: for backends that loop there)."""
         return self.offsets.tolist()
+
+
+def kept_rows(routing: Routing) -> torch.Tensor:
+    """``(T * k, 1)`` bool: which sorted rows belong to an expert (``routed_experts``' ids
+    ``>= E`` are dropped slots, sorted last, past ``offsets[E]``). A device mask, no
+    synchronisation."""
+    rows = torch.arange(routing.order.numel(), device=routing.order.device)
+    return (rows < routing.offsets[-1]).unsqueeze(-1)
 
 
 def route(router_logits, top_k, renormalize, scale, dtype=torch.float32) -> Routing:
@@ -145,17 +161,18 @@ def weighted_slot_sum(slots: torch.Tensor, routing: Routing) -> torch.Tensor:
 
 
 def combine(y_sorted: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """:func:`weighted_slot_sum` of expert outputs given in sorted-row order."""
+    """:func:`weighted_slot_sum` of expert outputs given in sorted-row order (dropped rows,
+    whatever they hold, add nothing)."""
     slots = torch.empty_like(y_sorted)
-    slots[routing.order] = y_sorted
+    slots[routing.order] = y_sorted.masked_fill(~kept_rows(routing), 0)
     return weighted_slot_sum(slots, routing)
 
 
 def dispatch_backward(dx_sorted: torch.Tensor, routing: Routing) -> torch.Tensor:
     """The input gradient from each sorted row's gradient: a token's copies summed in slot
-    order, with no second routing-weight factor."""
+    order, with no second routing-weight factor (dropped rows add nothing)."""
     slots = torch.empty_like(dx_sorted)
-    slots[routing.order] = dx_sorted
+    slots[routing.order] = dx_sorted.masked_fill(~kept_rows(routing), 0)
     return slot_sum(slots, routing)
 
 
@@ -183,13 +200,125 @@ def swiglu_rows(hg: torch.Tensor, hu: torch.Tensor, u: torch.Tensor, w: torch.Te
     return h, dot, d_gate, d_up
 
 
-def swiglu_backward(hg: torch.Tensor, hu: torch.Tensor, u: torch.Tensor, routing: Routing):
-    """:func:`swiglu_rows` over every sorted row, with ``dL/dw_ts`` put in ``(T, k)`` order."""
+def swiglu_backward(hg: torch.Tensor, hu: torch.Tensor, u: torch.Tensor, routing: Routing,
+                    activation: Activation | None = None):  # fmt: skip
+    """:func:`swiglu_rows` (or ``activation.rows``) over every sorted row, with ``dL/dw_ts`` put
+    in ``(T, k)`` order (zero for dropped slots)."""
     w = row_weights(routing).to(u.dtype).unsqueeze(-1)
-    h, dot, d_gate, d_up = swiglu_rows(hg, hu, u, w)
+    if activation is None or activation.is_swiglu:
+        h, dot, d_gate, d_up = swiglu_rows(hg, hu, u, w)
+    else:
+        h, dot, d_gate, d_up = activation.rows(hg, hu, u, w)
     dweights = torch.empty(routing.order.numel(), dtype=u.dtype, device=u.device)
-    dweights[routing.order] = dot
+    dweights[routing.order] = dot.masked_fill(~kept_rows(routing).squeeze(-1), 0)
     return SwiGLUGrads(h, dweights.view_as(routing.weights), d_gate, d_up)
+
+
+_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+
+
+class Activation(NamedTuple):
+    """The experts' activation (the spec's ``activation``, ``alpha``, ``limit``, ``up_offset``
+    and whether there is a gate): ``h = act(min(gate, L)) * (clamp(up, -L, L) + up_offset)``,
+    or ``act(up)`` without a gate. Its forward and backward on float32 (or float64) blocks."""
+
+    name: str = "silu"
+    alpha: float = 1.0
+    limit: float | None = None
+    up_offset: float = 0.0
+    gated: bool = True
+
+    @classmethod
+    def of(cls, inputs) -> Activation:
+        """The activation of an expert op's validated inputs."""
+        return cls(inputs.activation, inputs.alpha, inputs.limit, inputs.up_offset,
+                   inputs.w_gate is not None)  # fmt: skip
+
+    @property
+    def is_swiglu(self) -> bool:
+        """The default: ``silu(gate) * up`` (the backends' fused fast path)."""
+        return self == Activation()
+
+    def act(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(act(g), act'(g))``."""
+        if self.name == "silu":
+            sig = torch.sigmoid(self.alpha * g)
+            return g * sig, sig * (1 + self.alpha * g * (1 - sig))
+        if self.name == "gelu":
+            cdf = 0.5 * (1 + torch.erf(g * math.sqrt(0.5)))
+            return g * cdf, cdf + g * torch.exp(-0.5 * g * g) / math.sqrt(2 * math.pi)
+        if self.name == "gelu_tanh":
+            inner = _SQRT_2_OVER_PI * (g + 0.044715 * g**3)
+            th = torch.tanh(inner)
+            d_inner = _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * g * g)
+            return 0.5 * g * (1 + th), 0.5 * (1 + th) + 0.5 * g * (1 - th * th) * d_inner
+        positive = torch.relu(g)
+        if self.name == "relu":
+            return positive, (g > 0).to(g.dtype)
+        return positive * positive, 2 * positive  # relu2
+
+    def _clamped(self, hg: torch.Tensor, hu: torch.Tensor):
+        """``(gate, up, gate's mask, up's mask)`` after the limit (masks: where the gradient
+        passes, as ``torch.clamp``'s, bounds included; None without a limit)."""
+        L = self.limit
+        if L is None:
+            return hg, hu, None, None
+        return hg.clamp(max=L), hu.clamp(-L, L), hg <= L, (hu >= -L) & (hu <= L)
+
+    def forward(self, hg: torch.Tensor | None, hu: torch.Tensor) -> torch.Tensor:
+        """``h`` from the gate and up pre-activations (``hg`` None without a gate)."""
+        if not self.gated:
+            return self.act(hu)[0]
+        gate, up, _, _ = self._clamped(hg, hu)
+        return self.act(gate)[0] * (up + self.up_offset)
+
+    def rows(self, hg, hu, u, w):
+        """:func:`swiglu_rows` for this activation: ``(h, <h, u> per row, d_gate, d_up)``
+        (``d_gate`` None without a gate); ``u = g_t W_down[e]``, ``w`` the rows' combine
+        weights ``(rows, 1)``."""
+        dh = u * w
+        if not self.gated:
+            a, da = self.act(hu)
+            return a, (a * u).sum(-1), None, dh * da
+        gate, up, mask_g, mask_u = self._clamped(hg, hu)
+        a, da = self.act(gate)
+        up = up + self.up_offset
+        h = a * up
+        d_gate, d_up = dh * up * da, dh * a
+        if mask_g is not None:
+            d_gate, d_up = torch.where(mask_g, d_gate, 0), torch.where(mask_u, d_up, 0)
+        return h, (h * u).sum(-1), d_gate, d_up
+
+
+class ExpertWeights(NamedTuple):
+    """An expert op's weights, biases (None where not given) and activation, from its kernel
+    arguments ``w_gate, w_up, w_down, b_gate, b_up, b_down, activation, alpha, limit,
+    up_offset``."""
+
+    w_gate: torch.Tensor | None
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    b_gate: torch.Tensor | None
+    b_up: torch.Tensor | None
+    b_down: torch.Tensor | None
+    activation: Activation
+
+    @classmethod
+    def of(cls, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation="silu",
+           alpha=1.0, limit=None, up_offset=0.0) -> ExpertWeights:  # fmt: skip
+        act = Activation(activation, alpha, limit, up_offset, w_gate is not None)
+        return cls(w_gate, w_up, w_down, b_gate, b_up, b_down, act)
+
+    @property
+    def is_swiglu(self) -> bool:
+        """The default experts: SiLU-gated, no biases (the backends' fused fast path)."""
+        no_bias = self.b_gate is None and self.b_up is None and self.b_down is None
+        return no_bias and self.activation.is_swiglu
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The six tensors, in argument order (the order of their gradients)."""
+        return self[:6]
 
 
 def row_tiles(routing: Routing, block: int) -> tuple[torch.Tensor, ...]:

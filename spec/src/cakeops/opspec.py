@@ -116,34 +116,55 @@ class OpInputs(Mapping[str, Any]):
 # Argument kinds, from the annotations
 
 
+_KINDS = {torch.Tensor: "Tensor", float: "float", int: "int", bool: "bool", str: "str"}
+
+
 def _kind(annotation: Any) -> str:
-    """``Tensor``, ``float``, ``int``, ``bool`` or ``int?`` (an int or None): the custom-op
-    schema type of an argument."""
-    if annotation in (torch.Tensor, float, int, bool):
-        return {torch.Tensor: "Tensor", float: "float", int: "int", bool: "bool"}[annotation]
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and set(
-        typing.get_args(annotation)
-    ) == {int, type(None)}:
-        return "int?"
+    """``Tensor``, ``float``, ``int``, ``bool``, ``str``, or one of ``Tensor?``, ``float?``,
+    ``int?`` (the type or None): the custom-op schema type of an argument."""
+    if annotation in _KINDS:
+        return _KINDS[annotation]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = set(typing.get_args(annotation)) - {type(None)}
+        if len(args) == 1 and (base := args.pop()) in (torch.Tensor, float, int):
+            return f"{_KINDS[base]}?"
     raise TypeError(f"unsupported argument annotation {annotation!r}")
+
+
+def is_tensor_kind(kind: str) -> bool:
+    """Whether an argument of this kind is a tensor (maybe an optional one)."""
+    return kind in ("Tensor", "Tensor?")
 
 
 def _checked_value(op: str, name: str, kind: str, value: Any) -> Any:
     """``value`` after the type check of its kind (numbers of kind ``float`` become floats)."""
+    optional = kind.endswith("?")
+    if optional and value is None:
+        return None
+    kind = kind.removesuffix("?")
+    try:
+        return _checked_present(op, name, kind, value)
+    except TypeError as exc:
+        if not optional:
+            raise
+        raise TypeError(str(exc).replace(", got", " or None, got", 1)) from None
+
+
+def _checked_present(op: str, name: str, kind: str, value: Any) -> Any:
     if kind == "Tensor":
         _spec.check_tensor(op, name, value)
         return value
     if kind == "float":
         return _spec.check_number(op, name, value)
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise TypeError(f"{op}: argument '{name}' expected a bool, got {_spec.describe(value)}")
+    if kind in ("bool", "str"):
+        if not isinstance(value, bool if kind == "bool" else str):
+            raise TypeError(
+                f"{op}: argument '{name}' expected a {kind}, got {_spec.describe(value)}"
+            )
         return value
-    optional = kind == "int?"
-    if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool)):
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
-    expected = "an int or None" if optional else "an int"
-    raise TypeError(f"{op}: argument '{name}' expected {expected}, got {_spec.describe(value)}")
+    raise TypeError(f"{op}: argument '{name}' expected an int, got {_spec.describe(value)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,6 +246,12 @@ def _returns(n: int) -> str:
     return "Tensor" if n == 1 else f"({', '.join(['Tensor'] * n)})"
 
 
+def _absent(like: torch.Tensor) -> torch.Tensor:
+    """The backward op's gradient for an optional tensor input that was not given (its schema
+    returns tensors only): an empty tensor, turned into ``None`` by the autograd glue."""
+    return torch.empty(0, dtype=like.dtype, device=like.device)
+
+
 def _unwrapped(grads: tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The backward op's result: a lone gradient as itself (its schema returns a Tensor)."""
     return grads[0] if len(grads) == 1 else grads
@@ -270,7 +297,7 @@ class OpSpec:
         arguments = tuple(
             (f.name, _kind(hints[f.name]), f.default, bool(f.kw_only)) for f in fields
         )
-        tensors = tuple(name for name, kind, _, _ in arguments if kind == "Tensor")
+        tensors = tuple(name for name, kind, _, _ in arguments if is_tensor_kind(kind))
         grads = {f.name: f.metadata.get("grad", True) for f in fields}
         object.__setattr__(self, "arguments", arguments)
         object.__setattr__(self, "names", tuple(name for name, _, _, _ in arguments))
@@ -402,7 +429,9 @@ class OpSpec:
         self._check_grad_output(g, inputs)
         tensors = {name: inputs[name] for name in self.differentiable}
         if self.no_work(inputs):
-            return _unwrapped(tuple(torch.zeros_like(t) for t in tensors.values()))
+            return _unwrapped(
+                tuple(_absent(g) if t is None else torch.zeros_like(t) for t in tensors.values())
+            )
         backend = select(self.name, inputs)
         grads = _run_kernel(backend, self.name, "backward", g.contiguous(), *inputs.values())
         if len(grads) != len(tensors):
@@ -412,7 +441,9 @@ class OpSpec:
             )
         return _unwrapped(
             tuple(
-                _checked(self.name, backend, f"d{name}", grad, (t.shape, t.dtype, t.device))
+                _absent(g)
+                if t is None
+                else _checked(self.name, backend, f"d{name}", grad, (t.shape, t.dtype, t.device))
                 for (name, t), grad in zip(tensors.items(), grads, strict=True)
             )
         )
@@ -420,7 +451,12 @@ class OpSpec:
     def _backward_fake(self, g: torch.Tensor, *values: Any) -> tuple[torch.Tensor, ...]:
         inputs = self.validate(values)
         self._check_grad_output(g, inputs)
-        return _unwrapped(tuple(torch.empty_like(inputs[name]) for name in self.differentiable))
+        return _unwrapped(
+            tuple(
+                _absent(g) if inputs[name] is None else torch.empty_like(inputs[name])
+                for name in self.differentiable
+            )
+        )
 
     def _setup_context(self, ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         tensors = tuple(v for v in inputs if isinstance(v, torch.Tensor))
@@ -445,7 +481,12 @@ class OpSpec:
                 grads = self._backward_function.apply(grad, *values)
         grads = iter((grads,) if isinstance(grads, torch.Tensor) else grads)
         differentiable = self.differentiable
-        return tuple(next(grads) if name in differentiable else None for name in self.names)
+        result = []
+        for name, value in zip(self.names, values, strict=True):
+            grad = next(grads) if name in differentiable else None
+            # an optional tensor not given (None) got the backward op's placeholder
+            result.append(None if value is None else grad)
+        return tuple(result)
 
     def _autograd_function(self) -> type:
         """The ``torch.autograd.Function`` the public function calls under ``torch.func``

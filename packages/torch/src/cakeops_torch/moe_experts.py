@@ -5,17 +5,19 @@ where they apply); the backward recomputes the routing and adds its backward."""
 from __future__ import annotations
 
 from cakeops import compute_dtype
-from cakeops.helpers import cast_grads, route, routing_backward
+from cakeops.helpers import ExpertWeights, cast_grads, route, routing_backward
 from cakeops_torch.routed_experts import experts_backward, experts_forward
 
 
-def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
+def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale, *options):
+    ew = ExpertWeights.of(w_gate, w_up, w_down, *options)
     routing = route(router_logits, top_k, renormalize, scale, compute_dtype(x.dtype))
-    return experts_forward(x, routing, w_gate, w_up, w_down)
+    return experts_forward(x, routing, ew)
 
 
-def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
+def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale, *options):
+    ew = ExpertWeights.of(w_gate, w_up, w_down, *options)
     routing = route(router_logits, top_k, renormalize, scale, compute_dtype(x.dtype))
-    dx, dweights, *dws = experts_backward(g, x, routing, w_gate, w_up, w_down)
+    dx, dweights, *dws = experts_backward(g, x, routing, ew)
     dlogits = routing_backward(routing, dweights, renormalize, scale)
-    return cast_grads((dx, dlogits, *dws), (x, router_logits, w_gate, w_up, w_down))
+    return cast_grads((dx, dlogits, *dws), (x, router_logits, *ew.tensors))

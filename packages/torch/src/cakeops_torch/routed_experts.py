@@ -1,5 +1,5 @@
-"""The routed SwiGLU experts in plain PyTorch, for a given routing: sorted, dropless,
-deterministic (``moe_experts`` is the spec's routing followed by these).
+"""The routed experts in plain PyTorch, for a given routing: sorted, dropless, deterministic
+(``moe_experts`` is the spec's routing followed by these).
 
 The (token, slot) pairs are sorted by expert once; each expert then runs one grouped pass over its
 own rows, gathered block by block (no dense all-experts compute, no padding to a capacity, no
@@ -21,6 +21,11 @@ sorted rows instead of one matmul per expert. The runs hold at most ``GROUP_ELEM
 of the widest temporary, so memory stays bounded like the loop's. Anywhere else the per-expert
 loop runs. On a CPU the SwiGLU part of the backward of a big block is one inductor-compiled loop
 (:mod:`cakeops_torch._compile`).
+
+Those fast paths serve the default experts (SiLU-gated, no biases). Every other form (biases,
+another activation, a limit or offset, no gate: :class:`cakeops.helpers.ExpertWeights`) runs
+the per-expert loop with :class:`cakeops.helpers.Activation`. Slots with ids ``>= E`` (dropped)
+are zeros in the combine and get zero gradients.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 
 from cakeops import compute_dtype
 from cakeops.helpers import (
+    ExpertWeights,
     Routing,
     cast_grads,
     given_routing,
@@ -144,15 +150,27 @@ def _rows(t: torch.Tensor, routing: Routing, s: int, e: int) -> torch.Tensor:
     return t.index_select(0, routing.token[s:e])
 
 
-def experts_forward(x, routing: Routing, w_gate, w_up, w_down):
+def _bias(b: torch.Tensor | None, e: int, dtype: torch.dtype):
+    """Expert ``e``'s bias in ``dtype`` (0 when there is none)."""
+    return 0 if b is None else b[e].to(dtype)
+
+
+def _drop(t: torch.Tensor, routing: Routing, dropped: int) -> None:
+    """Zero the ``(token, slot)`` places of the dropped slots (ids ``>= E``, sorted last)."""
+    if dropped:
+        t[routing.order[-dropped:]] = 0
+
+
+def experts_forward(x, routing: Routing, ew: ExpertWeights):
     """The experts and the combine for a routing: ``(T, D)`` in ``x.dtype``."""
     T, D = x.shape
     top_k = routing.experts.shape[1]
-    mm = _mm_dtype(x, w_gate)
+    w_gate, w_up, w_down = ew.w_gate, ew.w_up, ew.w_down
+    mm = _mm_dtype(x, w_up)
     acc = compute_dtype(x.dtype)
     # Each block's outputs go straight to their (token, slot) places.
     slots = torch.empty((T * top_k, D), dtype=acc, device=x.device)
-    if _grouped(x, w_gate, w_up, w_down):
+    if ew.is_swiglu and _grouped(x, w_gate, w_up, w_down):
         F_ = w_gate.shape[1]
         for e0, e1, s, t, offs in _runs(routing, max(F_, D)):
             xe = _rows(x, routing, s, t)
@@ -161,17 +179,29 @@ def experts_forward(x, routing: Routing, w_gate, w_up, w_down):
             h = F.silu(hg).mul_(hu).to(x.dtype)
             out = torch._grouped_mm(h, w_down[e0:e1].transpose(1, 2), offs=offs)
             slots[routing.order[s:t]] = out.to(acc)
-    else:
+    elif ew.is_swiglu:
         for e, s, t in _experts(routing):
             xe = _rows(x, routing, s, t).to(mm)
             h = F.silu((xe @ w_gate[e].to(mm).T).to(acc)).mul_((xe @ w_up[e].to(mm).T).to(acc))
             slots[routing.order[s:t]] = (h.to(mm) @ w_down[e].to(mm).T).to(acc)
+    else:
+        act = ew.activation
+        for e, s, t in _experts(routing):
+            xe = _rows(x, routing, s, t).to(mm)
+            hu = (xe @ w_up[e].to(mm).T).to(acc) + _bias(ew.b_up, e, acc)
+            hg = None
+            if act.gated:
+                hg = (xe @ w_gate[e].to(mm).T).to(acc) + _bias(ew.b_gate, e, acc)
+            y = (act.forward(hg, hu).to(mm) @ w_down[e].to(mm).T).to(acc)
+            slots[routing.order[s:t]] = y + _bias(ew.b_down, e, acc)
+    _drop(slots, routing, T * top_k - routing.bounds[-1])
     return weighted_slot_sum(slots, routing).to(x.dtype)
 
 
-def experts_backward(g, x, routing: Routing, w_gate, w_up, w_down):
-    """``(dx, dL/dw_ts (T, k), dw_gate, dw_up, dw_down)`` for a routing, in float32 (float64 for
-    float64 inputs) but for the weight gradients, stored in their weights' dtypes."""
+def experts_backward(g, x, routing: Routing, ew: ExpertWeights):
+    """``(dx, dL/dw_ts (T, k), dw_gate, dw_up, dw_down, db_gate, db_up, db_down)`` for a routing
+    (None for a tensor not given), in float32 (float64 for float64 inputs) but for the weight
+    and bias gradients, stored in their own dtypes."""
     T, D = x.shape
     top_k = routing.experts.shape[1]
     acc = compute_dtype(x.dtype)
@@ -181,17 +211,26 @@ def experts_backward(g, x, routing: Routing, w_gate, w_up, w_down):
     # Each expert's weight gradient is one float32-accumulated matmul over its rows, stored in the
     # weight's dtype as it is produced: no float32 buffer for all experts at once.
     grads = [
-        torch.zeros_like(w, memory_format=torch.contiguous_format) for w in (w_gate, w_up, w_down)
+        None if w is None else torch.zeros_like(w, memory_format=torch.contiguous_format)
+        for w in ew.tensors
     ]
-    backward_pass = _grouped_backward if _grouped(x, w_gate, w_up, w_down) else _loop_backward
-    backward_pass(routing, x, g, slot_w, (w_gate, w_up, w_down), dx_slots, dw_flat, grads)
+    if not ew.is_swiglu:
+        backward_pass = _general_backward
+    elif _grouped(x, ew.w_gate, ew.w_up, ew.w_down):
+        backward_pass = _grouped_backward
+    else:
+        backward_pass = _loop_backward
+    backward_pass(routing, x, g, slot_w, ew, dx_slots, dw_flat, grads)
+    dropped = T * top_k - routing.bounds[-1]
+    _drop(dx_slots, routing, dropped)
+    _drop(dw_flat, routing, dropped)
     # dispatch backward: each token's copies summed in slot order (no routing weight again)
     return slot_sum(dx_slots, routing), dw_flat.view(T, top_k), *grads
 
 
-def _loop_backward(routing, x, g, slot_w, weights, dx_slots, dw_flat, grads):
+def _loop_backward(routing, x, g, slot_w, ew, dx_slots, dw_flat, grads):
     """One pass per expert; fills ``dx_slots``, ``dw_flat`` (``<y, g>`` per slot) and ``grads``."""
-    w_gate, w_up, w_down = weights
+    w_gate, w_up, w_down = ew.w_gate, ew.w_up, ew.w_down
     mm, acc = _mm_dtype(x, w_gate), dx_slots.dtype
     for e, s, t in _experts(routing):
         xr, gr, we = _rows(x, routing, s, t), _rows(g, routing, s, t), slot_w[s:t, None]
@@ -210,9 +249,38 @@ def _loop_backward(routing, x, g, slot_w, weights, dx_slots, dw_flat, grads):
         dx_slots[routing.order[s:t]] = dx.to(acc)
 
 
-def _grouped_backward(routing, x, g, slot_w, weights, dx_slots, dw_flat, grads):
+def _general_backward(routing, x, g, slot_w, ew, dx_slots, dw_flat, grads):
+    """``_loop_backward`` for every form of expert: biases, any activation, no gate."""
+    w_gate, w_up, w_down = ew.w_gate, ew.w_up, ew.w_down
+    act = ew.activation
+    mm, acc = _mm_dtype(x, w_up), dx_slots.dtype
+    for e, s, t in _experts(routing):
+        xr, gr, we = _rows(x, routing, s, t), _rows(g, routing, s, t), slot_w[s:t, None]
+        xa, ga = xr.to(acc), gr.to(acc)
+        hu = xa @ w_up[e].to(acc).T + _bias(ew.b_up, e, acc)
+        hg = xa @ w_gate[e].to(acc).T + _bias(ew.b_gate, e, acc) if act.gated else None
+        u = ga @ w_down[e].to(acc)
+        h, dot, dhg, dhu = act.rows(hg, hu, u, we)
+        if ew.b_down is not None:  # <y, g> = <h, u> + <b_down, g>
+            dot = dot + ga @ ew.b_down[e].to(acc)
+        dw_flat[routing.order[s:t]] = dot
+        dy = ga * we
+        xe = xr.to(mm)
+        grads[2][e] = dy.to(mm).T @ h.to(mm)
+        grads[1][e] = dhu.to(mm).T @ xe
+        dx = dhu.to(mm) @ w_up[e].to(mm)
+        if act.gated:
+            grads[0][e] = dhg.to(mm).T @ xe
+            dx = dx + dhg.to(mm) @ w_gate[e].to(mm)
+        for i, d in ((3, dhg), (4, dhu), (5, dy)):
+            if grads[i] is not None:
+                grads[i][e] = d.sum(0)
+        dx_slots[routing.order[s:t]] = dx.to(acc)
+
+
+def _grouped_backward(routing, x, g, slot_w, ew, dx_slots, dw_flat, grads):
     """``_loop_backward`` with every projection a grouped matmul over a run of experts."""
-    w_gate, w_up, w_down = weights
+    w_gate, w_up, w_down = ew.w_gate, ew.w_up, ew.w_down
     acc = dx_slots.dtype
     dt = x.dtype
     F_, D = w_gate.shape[1], w_gate.shape[2]
@@ -232,16 +300,18 @@ def _grouped_backward(routing, x, g, slot_w, weights, dx_slots, dw_flat, grads):
     # An expert without rows: the grouped matmul's output for it is not guaranteed to be zero.
     bounds = routing.bounds
     empty = [e for e in range(len(bounds) - 1) if bounds[e + 1] == bounds[e]]
-    for grad in grads:
+    for grad in grads[:3]:
         grad[empty] = 0
 
 
-def forward(x, top_k_index, top_k_weights, w_gate, w_up, w_down):
-    routing = given_routing(top_k_index, top_k_weights, w_gate.shape[0])
-    return experts_forward(x, routing, w_gate, w_up, w_down)
+def forward(x, top_k_index, top_k_weights, *weights):
+    ew = ExpertWeights.of(*weights)
+    routing = given_routing(top_k_index, top_k_weights, ew.w_up.shape[0])
+    return experts_forward(x, routing, ew)
 
 
-def backward(g, x, top_k_index, top_k_weights, w_gate, w_up, w_down):
-    routing = given_routing(top_k_index, top_k_weights, w_gate.shape[0])
-    dx, dweights, *dws = experts_backward(g, x, routing, w_gate, w_up, w_down)
-    return cast_grads((dx, dweights, *dws), (x, top_k_weights, w_gate, w_up, w_down))
+def backward(g, x, top_k_index, top_k_weights, *weights):
+    ew = ExpertWeights.of(*weights)
+    routing = given_routing(top_k_index, top_k_weights, ew.w_up.shape[0])
+    dx, dweights, *dws = experts_backward(g, x, routing, ew)
+    return cast_grads((dx, dweights, *dws), (x, top_k_weights, *ew.tensors))

@@ -1,9 +1,11 @@
-"""Spec of ``moe_experts``: the routed SwiGLU expert branch of an MoE layer, dropless.
+"""Spec of ``moe_experts``: the routed expert branch of an MoE layer, dropless.
 
 Routing (float32 always): ``p = softmax(router_logits)`` over all E experts, the ``top_k`` largest
 (ties to the lower expert id), ``w = scale * r / sum(r)`` with ``renormalize`` else ``scale * r``.
-Expert ``e`` on a row: ``y = (silu(x W_gate[e]^T) * (x W_up[e]^T)) W_down[e]^T``; the output is
-``out_t = sum_s w_ts y_(t,s)``: the routing weight is applied once, in the combine.
+Expert ``e`` on a row: by default ``y = (silu(x W_gate[e]^T) * (x W_up[e]^T)) W_down[e]^T``, and
+with the options of ``routed_experts`` (biases, activation, ``alpha``, ``limit``,
+``up_offset``, no gate) exactly its experts; the output is ``out_t = sum_s w_ts y_(t,s)``: the
+routing weight is applied once, in the combine.
 
 Backends implement :class:`Kernels` (arguments validated, ``T > 0``); the routing rules and
 the pieces several backends share are in :mod:`cakeops.helpers`. Saved-tensor contract: exactly
@@ -34,24 +36,27 @@ class Inputs(OpInputs):
     op = OP
     x: torch.Tensor
     router_logits: torch.Tensor
-    w_gate: torch.Tensor
+    w_gate: torch.Tensor | None
     w_up: torch.Tensor
     w_down: torch.Tensor
     _: dataclasses.KW_ONLY
     top_k: int
     renormalize: bool = True
     scale: float = 1.0
+    b_gate: torch.Tensor | None = None
+    b_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+    activation: str = "silu"
+    alpha: float = 1.0
+    limit: float | None = None
+    up_offset: float = 0.0
 
 
 #: What a backend's ``moe_experts`` kernel module defines: ``forward(x, router_logits, w_gate,
-#: w_up, w_down, top_k, renormalize, scale) -> out`` and ``backward(g, ...same...) -> (dx,
-#: drouter_logits, dw_gate, dw_up, dw_down)``.
-Kernels = opspec.Kernels[
-    Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, bool, float], Tensor],
-    Callable[
-        [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, bool, float], tuple[Tensor, ...]
-    ],
-]
+#: w_up, w_down, top_k, renormalize, scale, b_gate, b_up, b_down, activation, alpha, limit,
+#: up_offset) -> out`` and ``backward(g, ...same...) -> (dx, drouter_logits, dw_gate, dw_up,
+#: dw_down, db_gate, db_up, db_down)`` (None for a tensor not given).
+Kernels = opspec.Kernels[Callable[..., Tensor], Callable[..., tuple[Tensor | None, ...]]]
 
 
 def check(a: Inputs) -> Inputs:
@@ -96,19 +101,27 @@ SPEC = OpSpec(inputs=Inputs, check=check, example=example)  # output like x, no 
 def moe_experts(
     x: torch.Tensor,
     router_logits: torch.Tensor,
-    w_gate: torch.Tensor,
+    w_gate: torch.Tensor | None,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     *,
     top_k: int,
     renormalize: bool = True,
     scale: float = 1.0,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.0,
+    limit: float | None = None,
+    up_offset: float = 0.0,
 ) -> torch.Tensor:
-    """The routed SwiGLU experts of an MoE layer: softmax top-k routing, dispatch, experts, combine.
+    """The routed experts of an MoE layer: softmax top-k routing, dispatch, experts, combine.
 
-    ``x (T, D)``, ``router_logits (T, E)``, ``w_gate`` and ``w_up (E, F, D)``, ``w_down (E, D, F)``
-    (``nn.Linear`` layout) -> ``(T, D)`` in ``x.dtype``. Weights may be float32 while ``x`` is
-    16-bit. Saves only the five inputs; gradients flow to all of them.
+    ``x (T, D)``, ``router_logits (T, E)``, ``w_gate`` (None: no gate) and ``w_up (E, F, D)``,
+    ``w_down (E, D, F)`` (``nn.Linear`` layout) -> ``(T, D)`` in ``x.dtype``. Weights may be
+    float32 while ``x`` is 16-bit. The biases and the activation's options are those of
+    :func:`cakeops.routed_experts`. Saves only its tensor inputs; gradients flow to all of them.
     """
     return SPEC(**locals())
 

@@ -1,21 +1,33 @@
-"""Spec of ``routed_experts``: the SwiGLU experts and combine of an MoE layer, for a routing
-computed elsewhere (by the model: softmax top-k, sigmoid with expert bias, grouped top-k, ...).
+"""Spec of ``routed_experts``: the experts and combine of an MoE layer, for a routing computed
+elsewhere (by the model: softmax top-k, sigmoid with expert bias, grouped top-k, ...).
 
 ``out_t = sum_s w_ts y_(t, i_ts)`` with ``i = top_k_index``, ``w = top_k_weights`` and expert
-``e`` on a row ``y = (silu(x W_gate[e]^T) * (x W_up[e]^T)) W_down[e]^T``: exactly the expert
-math of ``moe_experts``, with the experts the caller chose (ties are the caller's). Gradients
-flow to ``x``, ``top_k_weights`` and the three weights; ``top_k_index`` has none.
+``e`` on a row ``x``::
 
-``w_gate`` and ``w_up`` may be views of one packed ``(E, 2F, D)`` tensor (Hugging Face's
-``gate_up_proj[:, :F]`` and ``[:, F:]``): kernels read them through their strides, no copy.
+    gate = x W_gate[e]^T + b_gate[e]        up = x W_up[e]^T + b_up[e]
+    with limit L:  gate = min(gate, L),  up = clamp(up, -L, L)
+    h = act(gate) * (up + up_offset)        (no W_gate: h = act(up))
+    y = h W_down[e]^T + b_down[e]
+
+with ``act`` one of :data:`ACTIVATIONS` (``silu`` is ``g * sigmoid(alpha * g)``). The defaults
+(SiLU, ``alpha`` 1, no limit, no offset, no biases) are the SwiGLU experts of Mixtral, Qwen and
+DeepSeek; GPT-OSS is ``alpha=1.702, limit=7, up_offset=1`` with biases. Gradients flow to ``x``,
+``top_k_weights``, the weights and the biases; ``top_k_index`` has none. Ids ``>= E`` are
+dropped slots (transformers' expert parallelism sends them for experts on other ranks): they
+add nothing and get zero gradients. Negative ids are an error.
+
+Weights are read through their strides: ``w_gate`` and ``w_up`` may be views of one packed
+``(E, 2F, D)`` tensor (``gate_up_proj[:, :F]``), of an interleaved one (``[:, ::2]``), or
+transposed views of an ``(E, D, 2F)`` one (``.transpose(1, 2)``): no copy.
 
 Backends implement :class:`Kernels` (arguments validated, ``T > 0``). Saved-tensor contract:
-exactly the six inputs.
+exactly the tensor inputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -27,29 +39,41 @@ from cakeops.opspec import NO_GRAD, OpInputs, OpSpec
 
 OP = "routed_experts"
 INDEX_DTYPES = (torch.int32, torch.int64)
+#: The activations ``act`` the experts take (``silu`` with its slope ``alpha``).
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
+#: The keyword-only arguments both expert ops share, in order, after their own.
+EXPERT_OPTIONS = ("b_gate", "b_up", "b_down", "activation", "alpha", "limit", "up_offset")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Inputs(OpInputs):
     """The arguments, in order: ``x (T, D)``, ``top_k_index (T, k)`` (int64 or int32 expert
-    ids), ``top_k_weights (T, k)``, ``w_gate`` and ``w_up (E, F, D)``, ``w_down (E, D, F)``."""
+    ids), ``top_k_weights (T, k)``, ``w_gate`` (or None) and ``w_up (E, F, D)``, ``w_down
+    (E, D, F)``; keyword-only: the biases ``b_gate``, ``b_up (E, F)``, ``b_down (E, D)`` and the
+    activation's options."""
 
     op = OP
     x: torch.Tensor
     top_k_index: torch.Tensor = dataclasses.field(metadata=NO_GRAD)
     top_k_weights: torch.Tensor
-    w_gate: torch.Tensor
+    w_gate: torch.Tensor | None
     w_up: torch.Tensor
     w_down: torch.Tensor
+    _: dataclasses.KW_ONLY
+    b_gate: torch.Tensor | None = None
+    b_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+    activation: str = "silu"
+    alpha: float = 1.0
+    limit: float | None = None
+    up_offset: float = 0.0
 
 
 #: What a backend's ``routed_experts`` kernel module defines: ``forward(x, top_k_index,
-#: top_k_weights, w_gate, w_up, w_down) -> out`` and ``backward(g, ...same...) -> (dx,
-#: dtop_k_weights, dw_gate, dw_up, dw_down)``.
-Kernels = opspec.Kernels[
-    Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor],
-    Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, ...]],
-]
+#: top_k_weights, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, alpha, limit,
+#: up_offset) -> out`` and ``backward(g, ...same...) -> (dx, dtop_k_weights, dw_gate, dw_up,
+#: dw_down, db_gate, db_up, db_down)`` (None for a tensor not given).
+Kernels = opspec.Kernels[Callable[..., Tensor], Callable[..., tuple[Tensor | None, ...]]]
 
 
 def check(a: Inputs) -> Inputs:
@@ -85,37 +109,74 @@ def check(a: Inputs) -> Inputs:
 
 
 def check_weights(op: str, a: OpInputs, E: int | None, where_e: str) -> tuple[int, int]:
-    """The dtypes and shapes of ``a.w_gate``, ``a.w_up`` ``(E, F, D)`` and ``a.w_down``
-    ``(E, D, F)`` against ``a.x`` (``E`` given, or read from ``w_gate``: ``where_e`` says where it
-    comes from); returns ``(E, F)``. Shared with ``moe_experts``."""
-    x, w_gate, w_up, w_down = a.x, a.w_gate, a.w_up, a.w_down
-    for name in ("w_gate", "w_up", "w_down"):
+    """The dtypes and shapes of ``a.w_gate`` (or None), ``a.w_up`` ``(E, F, D)``, ``a.w_down``
+    ``(E, D, F)`` and the biases against ``a.x`` (``E`` given, or read from ``w_up``:
+    ``where_e`` says where it comes from), then the activation's options; returns ``(E, F)``.
+    Shared with ``moe_experts``."""
+    x, w_up = a.x, a.w_up
+    weights = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+    for name in weights:
         w = a[name]
-        if w.dtype not in (x.dtype, torch.float32):
+        if w is not None and w.dtype not in (x.dtype, torch.float32):
             raise TypeError(
                 f"{op}: argument '{name}' expected dtype {_spec.dtype_name(x.dtype)} (the dtype of "
                 f"x) or float32 (master weights), got {_spec.dtype_name(w.dtype)}"
             )
-    _spec.check_dtype_like(op, "w_up", w_up, "w_gate", w_gate)
-    _spec.check_dtype_like(op, "w_down", w_down, "w_gate", w_gate)
+    for name in weights:
+        if name != "w_up" and a[name] is not None:
+            _spec.check_dtype_like(op, name, a[name], "w_up", w_up)
+    # E and F from the first projection: the gate's, or the up's without a gate
+    first = "w_up" if a.w_gate is None else "w_gate"
+    w = a[first]
     D = x.shape[1]
-    ok = w_gate.dim() == 3 and w_gate.shape[2] == D and w_gate.shape[0] == (E or w_gate.shape[0])
-    if not ok or w_gate.shape[0] < 1:
+    ok = w.dim() == 3 and w.shape[2] == D and w.shape[0] == (E or w.shape[0])
+    if not ok or w.shape[0] < 1:
         raise ValueError(
-            f"{op}: argument 'w_gate' expected shape ({E or 'E'}, F, {D}) ({where_e}, D of x), "
-            f"got {tuple(w_gate.shape)}"
+            f"{op}: argument '{first}' expected shape ({E or 'E'}, F, {D}) ({where_e}, D of x), "
+            f"got {tuple(w.shape)}"
         )
-    E, F = w_gate.shape[:2]
-    if w_up.shape != w_gate.shape:
-        raise ValueError(
-            f"{op}: argument 'w_up' expected shape {tuple(w_gate.shape)} (the shape of "
-            f"w_gate), got {tuple(w_up.shape)}"
-        )
-    if w_down.shape != (E, D, F):
-        raise ValueError(
-            f"{op}: argument 'w_down' expected shape ({E}, {D}, {F}), got {tuple(w_down.shape)}"
-        )
+    E, F = w.shape[:2]
+    expected = {"w_up": (E, F, D), "w_down": (E, D, F), "b_gate": (E, F), "b_up": (E, F),
+                "b_down": (E, D)}  # fmt: skip
+    for name, shape in expected.items():
+        w = a[name]
+        if w is not None and w.shape != shape:
+            raise ValueError(
+                f"{op}: argument '{name}' expected shape {shape} (E, F of {first}, D of x), "
+                f"got {tuple(w.shape)}"
+            )
+    _check_activation(op, a)
     return E, F
+
+
+def _check_activation(op: str, a: OpInputs) -> None:
+    """The activation's options: a known name, ``alpha`` for SiLU only, a positive ``limit``,
+    and the gate's options only with a gate."""
+    if a.activation not in ACTIVATIONS:
+        raise ValueError(
+            f"{op}: argument 'activation' expected one of {', '.join(ACTIVATIONS)}, "
+            f"got {a.activation!r}"
+        )
+    for name in ("alpha", "limit", "up_offset"):
+        value = a[name]
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{op}: argument '{name}' expected a finite number, got {value!r}")
+    if a.alpha <= 0 or (a.alpha != 1.0 and a.activation != "silu"):
+        raise ValueError(
+            f"{op}: argument 'alpha' expected a positive slope with activation 'silu' (1.0 "
+            f"otherwise), got {a.alpha!r} with {a.activation!r}"
+        )
+    if a.limit is not None and a.limit <= 0:
+        raise ValueError(f"{op}: argument 'limit' expected a positive number, got {a.limit!r}")
+    if a.w_gate is None:
+        given = [n for n in ("b_gate", "limit") if a[n] is not None]
+        given += ["up_offset"] if a.up_offset != 0.0 else []
+        if given:
+            default = "0.0" if given[0] == "up_offset" else "None"
+            raise ValueError(
+                f"{op}: argument '{given[0]}' expected {default} for experts without a gate "
+                f"(w_gate is None; it applies to the gate), got {_spec.describe(a[given[0]])}"
+            )
 
 
 def example_weights(E: int, F: int, D: int, device, dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -126,10 +187,14 @@ def example_weights(E: int, F: int, D: int, device, dtype) -> tuple[Tensor, Tens
 
 
 def _check_ids(index: Tensor, E: int) -> None:
+    """Negative ids are an error (ids ``>= E`` are dropped slots)."""
     if index.numel() == 0 or is_fake(index) or index.device.type == "meta":
         return
-    bad = (index < 0) | (index >= E)
-    message = f"{OP}: argument 'top_k_index' expected expert ids in 0..{E - 1}"
+    bad = index < 0
+    message = (
+        f"{OP}: argument 'top_k_index' expected expert ids >= 0 (0..{E - 1}, or >= {E} for a "
+        f"dropped slot)"
+    )
     if index.device.type == "cpu":
         if bad.any():
             first = index[bad][0].item()
@@ -149,6 +214,11 @@ def example(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float
     return Inputs(x, index, weights, *example_weights(E, F, D, device, dtype))
 
 
+def ungated(a: OpInputs) -> bool:
+    """Whether the experts have no gate (``h = act(x W_up^T + b_up)``)."""
+    return a.w_gate is None
+
+
 SPEC = OpSpec(
     inputs=Inputs,
     check=check,
@@ -162,14 +232,25 @@ def routed_experts(
     x: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
-    w_gate: torch.Tensor,
+    w_gate: torch.Tensor | None,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
+    *,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.0,
+    limit: float | None = None,
+    up_offset: float = 0.0,
 ) -> torch.Tensor:
-    """The SwiGLU experts and combine for a given routing: ``out_t = sum_s w_ts y_(t, i_ts)``.
+    """The experts and combine for a given routing: ``out_t = sum_s w_ts y_(t, i_ts)``.
 
-    ``x (T, D)``, ``top_k_index`` and ``top_k_weights (T, k)``, ``w_gate`` and ``w_up (E, F, D)``
-    (views of a packed ``(E, 2F, D)`` tensor work, without a copy), ``w_down (E, D, F)`` ->
+    ``x (T, D)``, ``top_k_index`` and ``top_k_weights (T, k)`` (ids ``>= E``: dropped slots),
+    ``w_gate`` (None: no gate) and ``w_up (E, F, D)`` (views of packed, interleaved or
+    transposed tensors work, without a copy), ``w_down (E, D, F)``; optional biases ``b_gate``,
+    ``b_up (E, F)``, ``b_down (E, D)``; ``h = act(min(gate, limit)) * (clamp(up, ±limit) +
+    up_offset)`` with ``act`` in :data:`ACTIVATIONS` (``silu``: ``g * sigmoid(alpha g)``) ->
     ``(T, D)`` in ``x.dtype``. Saves only its inputs; gradients for all but ``top_k_index``.
     """
     return SPEC(**locals())

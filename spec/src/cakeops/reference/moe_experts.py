@@ -26,17 +26,23 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, scale: flo
     return experts, weights * scale
 
 
-def math(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
-    """The op in float64: its routing, then the experts of ``routed_experts``; autograd of this
-    is the reference gradient."""
+def math(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale, *options):
+    """The op in float64: its routing, then the experts of ``routed_experts`` (``options``: the
+    biases and the activation's, in order); autograd of this is the reference gradient."""
     experts, weights = route(router_logits, top_k, renormalize, scale)
-    return routed.math(x, experts, weights, w_gate, w_up, w_down)
+    return routed.math(x, experts, weights, w_gate, w_up, w_down, *options)
 
 
-def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
-    return math(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale).to(x.dtype)
+def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale, *options):
+    out = math(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale, *options)
+    return out.to(x.dtype)
 
 
-def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
-    params = {"top_k": top_k, "renormalize": renormalize, "scale": scale}
-    return routed.grads_by_autograd(math, g, (x, router_logits, w_gate, w_up, w_down), params)
+def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale, b_gate, b_up,
+             b_down, activation, alpha, limit, up_offset):  # fmt: skip
+    def fn(x, router_logits, w_gate, w_up, w_down, b_gate, b_up, b_down):
+        return math(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale, b_gate,
+                    b_up, b_down, activation, alpha, limit, up_offset)  # fmt: skip
+
+    inputs = (x, router_logits, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    return routed.grads_by_autograd(fn, g, inputs, {})

@@ -8,47 +8,80 @@ import threading
 import torch
 import torch.nn.functional as F
 
+#: act(g) of each activation name, in plain PyTorch (``silu`` takes its slope ``alpha``)
+ACT = {
+    "silu": lambda g, alpha: g * torch.sigmoid(alpha * g),
+    "gelu": lambda g, alpha: F.gelu(g),
+    "gelu_tanh": lambda g, alpha: F.gelu(g, approximate="tanh"),
+    "relu": lambda g, alpha: F.relu(g),
+    "relu2": lambda g, alpha: F.relu(g).square(),
+}
 
-def math(x, top_k_index, top_k_weights, w_gate, w_up, w_down):
-    """The op in float64; autograd of this is the reference gradient."""
-    x, w_gate, w_up, w_down = x.double(), w_gate.double(), w_up.double(), w_down.double()
-    weights = top_k_weights.double()
+
+def expert(rows, e, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, alpha, limit,
+           up_offset):  # fmt: skip
+    """Expert ``e`` on ``rows``: the spec's formula, term by term."""
+    act = ACT[activation]
+    up = rows @ w_up[e].T + (0 if b_up is None else b_up[e])
+    if w_gate is None:
+        h = act(up, alpha)
+    else:
+        gate = rows @ w_gate[e].T + (0 if b_gate is None else b_gate[e])
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        h = act(gate, alpha) * (up + up_offset)
+    return h @ w_down[e].T + (0 if b_down is None else b_down[e])
+
+
+def math(x, top_k_index, top_k_weights, w_gate, w_up, w_down, b_gate=None, b_up=None,
+         b_down=None, activation="silu", alpha=1.0, limit=None, up_offset=0.0):  # fmt: skip
+    """The op in float64 (ids ``>= E`` add nothing); autograd of this is the reference
+    gradient."""
+    x, top_k_weights = x.double(), top_k_weights.double()
+    tensors = [None if t is None else t.double() for t in (w_gate, w_up, w_down, b_gate, b_up,
+                                                            b_down)]  # fmt: skip
     out = torch.zeros_like(x)
-    for e in range(w_gate.shape[0]):
+    for e in range(w_up.shape[0]):
         token, slot = (top_k_index == e).nonzero(as_tuple=True)
-        rows = x[token]
-        h = F.silu(rows @ w_gate[e].T) * (rows @ w_up[e].T)
-        out = out.index_add(0, token, (h @ w_down[e].T) * weights[token, slot, None])
+        y = expert(x[token], e, *tensors, activation, alpha, limit, up_offset)
+        out = out.index_add(0, token, y * top_k_weights[token, slot, None])
     return out
 
 
-def forward(x, top_k_index, top_k_weights, w_gate, w_up, w_down):
-    return math(x, top_k_index, top_k_weights, w_gate, w_up, w_down).to(x.dtype)
+def forward(x, top_k_index, top_k_weights, *rest):
+    return math(x, top_k_index, top_k_weights, *rest).to(x.dtype)
 
 
 def grads_by_autograd(fn, g, inputs, fixed):
     """Gradients of ``fn(*float64 inputs, **fixed)`` for ``g``, on a fresh thread (autograd is
-    switched off, thread-locally, inside a custom op's kernel); unused inputs get zeros."""
+    switched off, thread-locally, inside a custom op's kernel); unused inputs get zeros, inputs
+    that are None get None."""
     result: list = []
+    given = [t for t in inputs if t is not None]
 
     def work():
-        leaves = [t.detach().double().requires_grad_() for t in inputs]
-        out = fn(*leaves, **fixed)
+        leaves = [t.detach().double().requires_grad_() for t in given]
+        it = iter(leaves)
+        out = fn(*(None if t is None else next(it) for t in inputs), **fixed)
         result.extend(torch.autograd.grad(out, leaves, g.double(), allow_unused=True))
 
     thread = threading.Thread(target=work)
     thread.start()
     thread.join()
-    if len(result) != len(inputs):
+    if len(result) != len(given):
         raise RuntimeError("reference backward failed (see the thread's traceback)")
+    grads = iter(result)
     return tuple(
-        (torch.zeros_like(t) if d is None else d.to(t.dtype))
-        for d, t in zip(result, inputs, strict=True)
+        None if t is None else (torch.zeros_like(t) if (d := next(grads)) is None else d.to(t.dtype))
+        for t in inputs
     )
 
 
-def backward(g, x, top_k_index, top_k_weights, w_gate, w_up, w_down):
-    def fn(x, top_k_weights, w_gate, w_up, w_down):
-        return math(x, top_k_index, top_k_weights, w_gate, w_up, w_down)
+def backward(g, x, top_k_index, top_k_weights, w_gate, w_up, w_down, b_gate, b_up, b_down,
+             activation, alpha, limit, up_offset):  # fmt: skip
+    def fn(x, top_k_weights, w_gate, w_up, w_down, b_gate, b_up, b_down):
+        return math(x, top_k_index, top_k_weights, w_gate, w_up, w_down, b_gate, b_up, b_down,
+                    activation, alpha, limit, up_offset)  # fmt: skip
 
-    return grads_by_autograd(fn, g, (x, top_k_weights, w_gate, w_up, w_down), {})
+    inputs = (x, top_k_weights, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    return grads_by_autograd(fn, g, inputs, {})

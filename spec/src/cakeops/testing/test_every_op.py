@@ -32,7 +32,7 @@ def example(spec: OpSpec, device: torch.device, dtype: torch.dtype = torch.float
 
 
 def _as_function(spec: OpSpec, inputs):
-    names = spec.differentiable
+    names = [n for n in spec.differentiable if inputs[n] is not None]
     tensors = tuple(inputs[n].detach().clone().requires_grad_() for n in names)
     fixed = {k: v for k, v in inputs.items() if k not in names}
 
@@ -54,8 +54,9 @@ class Contract:
 
     def test_saves_exactly_the_inputs(self, backend, device):
         tensors, g, op, inputs = example(self.spec, device)
-        saved = tuple(inputs[n] for n in self.spec.saved)
-        out = assert_saves_exactly(lambda *_: op(*tensors), saved, self.spec.saved)
+        names = [n for n in self.spec.saved if inputs[n] is not None]
+        saved = tuple(inputs[n] for n in names)
+        out = assert_saves_exactly(lambda *_: op(*tensors), saved, names)
         out.backward(g)
 
     def test_checkpoint_gives_same_gradients(self, backend, device):
@@ -84,11 +85,11 @@ class Contract:
 
     def test_forward_mode_ad_is_refused(self, backend, device):
         """No silent zero tangents: jvp and dual tensors get a clear error."""
-        tensors, _, op, _ = example(self.spec, device)
+        tensors, _, op, inputs = example(self.spec, device)
         first, *rest = (t.detach() for t in tensors)
         with pytest.raises(NotImplementedError, match="forward-mode AD"):
             torch.func.jvp(lambda a: op(a, *rest), (first,), (torch.ones_like(first),))
-        last = self.spec.differentiable[-1]
+        last = [n for n in self.spec.differentiable if inputs[n] is not None][-1]
         with fwAD.dual_level(), pytest.raises(NotImplementedError, match=f"argument '{last}'"):
             plain = (first, *rest)
             op(*plain[:-1], fwAD.make_dual(plain[-1], torch.ones_like(plain[-1])))
@@ -143,9 +144,12 @@ def _bad_arguments(spec: OpSpec, inputs, kind: str) -> list[tuple[str, Any, type
         return [(first, tensors[first].long(), TypeError)]
     if kind == "other-device":
         return [(name, t.to("meta"), ValueError) for name, t in list(tensors.items())[1:]]
+    # a string where a number or a flag goes, a number where a string goes
     return [
-        (name, "0", TypeError) for name, k, _, _ in spec.arguments if k != "Tensor"
-    ]  # a string where a number or a flag goes
+        (name, 0 if k == "str" else "0", TypeError)
+        for name, k, _, _ in spec.arguments
+        if k != "Tensor"
+    ]
 
 
 for _name in SPECS:

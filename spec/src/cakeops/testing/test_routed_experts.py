@@ -12,6 +12,28 @@ from cakeops.reference import routed_experts as ref
 
 OP = "routed_experts"
 GRADS = ("x", "top_k_weights", "w_gate", "w_up", "w_down")
+OPTIONS = ("b_gate", "b_up", "b_down")
+
+#: The forms of expert the Hugging Face families use: the op's options, the tensors given
+#: (``biases``: all three, ``"up-down"``: no gate bias) and the layout the weights are read in
+#: (``packed``: HF's (E, 2F, D); ``interleaved``: gate and up alternating rows; ``transposed``:
+#: views of (E, D, F) tensors). ``kink``: the activation's derivative jumps (relu, a limit), so
+#: a 16-bit rounding across the jump moves a gradient by O(1): float32 and float64 only.
+FORMS = {
+    "gelu": ({"activation": "gelu"}, {}),
+    "gelu-tanh": ({"activation": "gelu_tanh"}, {}),
+    "relu2": ({"activation": "relu2"}, {}),
+    "quick-gelu": ({"alpha": 1.702}, {}),
+    "relu": ({"activation": "relu"}, {"kink": True}),
+    "clamped-silu": ({"limit": 0.6}, {"kink": True}),  # DeepSeek-V4, GLM-5, HY-V4
+    "gpt-oss": ({"alpha": 1.702, "limit": 0.8, "up_offset": 1.0},
+                {"biases": True, "layout": "interleaved-transposed", "kink": True}),
+    "biases": ({}, {"biases": True}),
+    "transposed": ({}, {"layout": "transposed"}),  # Aria
+    "interleaved": ({}, {"layout": "interleaved"}),
+    "no-gate-relu2": ({"activation": "relu2"}, {"gated": False}),  # Nemotron-H
+    "no-gate-biases": ({"activation": "gelu"}, {"gated": False, "biases": "up-down"}),
+}  # fmt: skip
 
 #: (name, T, D, F, E, top_k)
 CASES = [
@@ -25,9 +47,13 @@ CASES = [
 
 
 def make_inputs(T, D, F, E, k, dtype, device, *, packed=False, weight_dtype=None, skew=False,
-                index_dtype=torch.int64, seed=0):  # fmt: skip
+                index_dtype=torch.int64, seed=0, layout=None, gated=True, biases=False,
+                kink=False):  # fmt: skip
     """Inputs with distinct experts per token (``skew``: every token picks experts 0 and E-1);
-    ``packed``: ``w_gate``, ``w_up`` are views of one ``(E, 2F, D)`` tensor, as in Hugging Face."""
+    ``packed``: ``w_gate``, ``w_up`` are views of one ``(E, 2F, D)`` tensor, as in Hugging Face;
+    ``layout``, ``gated`` and ``biases`` as in :data:`FORMS` (the biases come in ``options``,
+    which the tensors then end with: ``(..., w_down, options)``)."""
+    del kink
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=1.0):
@@ -39,30 +65,78 @@ def make_inputs(T, D, F, E, k, dtype, device, *, packed=False, weight_dtype=None
         index = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
     weights = torch.softmax(rand(T, k), dim=-1).to(device, dtype).requires_grad_()
     wd = weight_dtype or dtype
-    if packed:
-        gate_up = rand(E, 2 * F, D, scale=max(D, 1) ** -0.5).to(device, wd).requires_grad_()
+
+    def leaf(*shape, scale):
+        return rand(*shape, scale=scale).to(device, wd).requires_grad_()
+
+    layout = "packed" if packed else layout
+    sd, sf = max(D, 1) ** -0.5, max(F, 1) ** -0.5
+    if layout == "packed":
+        gate_up = leaf(E, 2 * F, D, scale=sd)
         w_gate, w_up = gate_up[:, :F], gate_up[:, F:]
+    elif layout == "interleaved":
+        gate_up = leaf(E, 2 * F, D, scale=sd)
+        w_gate, w_up = gate_up[:, ::2], gate_up[:, 1::2]
+    elif layout == "interleaved-transposed":  # GPT-OSS: (E, D, 2F), gate and up alternating
+        gate_up = leaf(E, D, 2 * F, scale=sd)
+        w_gate, w_up = gate_up[..., ::2].transpose(1, 2), gate_up[..., 1::2].transpose(1, 2)
+    elif layout and layout.endswith("transposed"):
+        w_gate, w_up = (leaf(E, D, F, scale=sd).transpose(1, 2) for _ in range(2))
     else:
-        w_gate = rand(E, F, D, scale=max(D, 1) ** -0.5).to(device, wd).requires_grad_()
-        w_up = rand(E, F, D, scale=max(D, 1) ** -0.5).to(device, wd).requires_grad_()
-    w_down = rand(E, D, F, scale=max(F, 1) ** -0.5).to(device, wd).requires_grad_()
+        w_gate, w_up = leaf(E, F, D, scale=sd), leaf(E, F, D, scale=sd)
+    if layout and layout.endswith("transposed"):
+        w_down = leaf(E, F, D, scale=sf).transpose(1, 2)
+    else:
+        w_down = leaf(E, D, F, scale=sf)
     x = rand(T, D).to(device, dtype).requires_grad_()
     g = rand(T, D).to(device, dtype)
-    return (x, index.to(device, index_dtype), weights, w_gate, w_up, w_down), g
+    tensors = (x, index.to(device, index_dtype), weights, w_gate if gated else None, w_up, w_down)
+    if not biases:
+        return tensors, g
+    options = {"b_up": leaf(E, F, scale=0.5), "b_down": leaf(E, D, scale=0.5)}
+    if gated and biases is True:
+        options["b_gate"] = leaf(E, F, scale=0.5)
+    return (*tensors, options), g
 
 
-def run(tensors, g):
-    """Output and the gradients of ``x``, ``top_k_weights`` and the three weights."""
-    x, index, *rest = tensors
-    return t.run_with_grads(lambda x, *r: cakeops.routed_experts(x, index, *r), (x, *rest), g)
+def _split(tensors):
+    """``(x, index, the differentiable tensors by name, options)`` of :func:`make_inputs`'
+    tensors (the names of those given: no ``w_gate`` without a gate, the biases given)."""
+    options = tensors[6] if len(tensors) > 6 else {}
+    x, index, weights, w_gate, w_up, w_down = tensors[:6]
+    named = {"x": x, "top_k_weights": weights, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    named.update((k, options[k]) for k in OPTIONS if k in options)
+    return x, index, {k: v for k, v in named.items() if v is not None}, options
 
 
-def check_against_reference(tensors, g, got):
-    x, index, *rest = tensors
-    leaves = dict(zip(GRADS, (x, *rest), strict=True))
-    ref_out, ref_grads = t.reference_outputs(
-        lambda x, w, wg, wu, wd: ref.math(x, index, w, wg, wu, wd), leaves, (), g
-    )
+def run(tensors, g, **kwargs):
+    """Output and the gradients of every differentiable tensor given (``x``,
+    ``top_k_weights``, the weights, the biases), in :func:`_split`'s order."""
+    x, index, leaves, _ = _split(tensors)
+    names = list(leaves)
+
+    def op(*values):
+        given = dict(zip(names, values, strict=True))
+        biases = {k: given.pop(k) for k in OPTIONS if k in given}
+        return cakeops.routed_experts(
+            given["x"], index, given["top_k_weights"], given.get("w_gate"), given["w_up"],
+            given["w_down"], **biases, **kwargs,
+        )  # fmt: skip
+
+    return t.run_with_grads(op, list(leaves.values()), g)
+
+
+def check_against_reference(tensors, g, got, **kwargs):
+    x, index, leaves, _ = _split(tensors)
+    names = list(leaves)
+
+    def math(*values):
+        given = dict(zip(names, values, strict=True))
+        biases = {k: given.pop(k) for k in OPTIONS if k in given}
+        return ref.math(given["x"], index, given["top_k_weights"], given.get("w_gate"),
+                        given["w_up"], given["w_down"], **biases, **kwargs)  # fmt: skip
+
+    ref_out, ref_grads = t.reference_outputs(math, leaves, (), g)
     t.assert_matches(got[0], ref_out, "out", x.dtype)
     for (name, leaf), grad in zip(leaves.items(), got[1:], strict=True):
         t.assert_matches(grad, ref_grads[name], f"d{name}", leaf.dtype)
@@ -75,6 +149,46 @@ class TestRoutedExperts:
     def test_matches_reference(self, backend, dtype, device, case):
         tensors, g = make_inputs(*case[1:], dtype, device)
         check_against_reference(tensors, g, run(tensors, g))
+
+    @pytest.mark.parametrize("form", [f for f in FORMS if not FORMS[f][1].get("kink")])
+    def test_forms_of_expert(self, backend, dtype, device, form):
+        """Every activation, biases, no gate, transposed and interleaved weights (read through
+        their strides): output and every gradient against the reference."""
+        options, make = FORMS[form]
+        tensors, g = make_inputs(16, 12, 20, 4, 2, dtype, device, **make)
+        got = run(tensors, g, **options)
+        check_against_reference(tensors, g, got, **options)
+
+    @pytest.mark.cakeops_dtypes(torch.float32, torch.float64)
+    @pytest.mark.parametrize("form", [f for f in FORMS if FORMS[f][1].get("kink")])
+    def test_forms_with_a_kink(self, backend, dtype, device, form):
+        """relu and the limits (GPT-OSS, DeepSeek-V4): their derivative jumps, so these run in
+        float32 and float64 (see :data:`FORMS`)."""
+        options, make = FORMS[form]
+        tensors, g = make_inputs(16, 12, 20, 4, 2, dtype, device, **make)
+        got = run(tensors, g, **options)
+        check_against_reference(tensors, g, got, **options)
+
+    def test_dropped_slots(self, backend, dtype, device):
+        """Ids ``>= E`` (transformers' expert parallelism: experts on another rank) add nothing
+        and get zero gradients; the rest is the op on the slots that are kept."""
+        tensors, g = make_inputs(16, 12, 20, 4, 2, dtype, device)
+        x, index, weights, *w = tensors
+        dropped = index.clone()
+        dropped[::3, 1] = 4  # E: the first id past the local experts
+        dropped[1::5, 0] = 1000
+        got = run((x, dropped, weights, *w), g)
+        # the same tokens with those slots' weights at zero and any valid id: the same result
+        kept = dropped < 4
+        zeroed = (weights * kept).detach().requires_grad_()
+        want = run((x, torch.where(kept, dropped, 0), zeroed, *w), g)
+        t.assert_matches(got[0], want[0].double(), "out", x.dtype)
+        for name, a, b in zip(("dx", "dtop_k_weights", "dw_gate", "dw_up", "dw_down"), got[1:],
+                              want[1:], strict=True):  # fmt: skip
+            if name == "dtop_k_weights":
+                assert torch.equal(a[~kept], torch.zeros_like(a[~kept])), name
+                a, b = a[kept], b[kept]
+            t.assert_matches(a, b.double(), name, a.dtype)
 
     def test_packed_gate_up_views(self, backend, dtype, device):
         """Hugging Face's ``gate_up_proj[:, :F]`` and ``[:, F:]``: no copy needed, and the
@@ -143,9 +257,25 @@ def _bad_inputs(device):
     }
 
 
-def _bad_ids(device):
-    index = _bad_inputs(device)["ids-float"][0][1].long()
-    return {"id-too-large": index + 2, "id-negative": index - 1}
+def _bad_options(device):
+    """Bad biases and activation options: (kwargs, w_gate given, error, argument)."""
+    bias = torch.zeros(3, 6, device=device)
+    return {
+        "activation": ({"activation": "tanh"}, True, ValueError, "activation"),
+        "alpha-not-silu": ({"activation": "gelu", "alpha": 2.0}, True, ValueError, "alpha"),
+        "alpha-negative": ({"alpha": -1.0}, True, ValueError, "alpha"),
+        "limit-zero": ({"limit": 0.0}, True, ValueError, "limit"),
+        "limit-nan": ({"limit": float("nan")}, True, ValueError, "limit"),
+        "offset-inf": ({"up_offset": float("inf")}, True, ValueError, "up_offset"),
+        "bias-shape": ({"b_gate": bias[:, :5]}, True, ValueError, "b_gate"),
+        "bias-dtype": ({"b_down": torch.zeros(3, 8, device=device).double()}, True, TypeError,
+                       "b_down"),
+        "gate-bias-no-gate": ({"b_gate": bias}, False, ValueError, "b_gate"),
+        "limit-no-gate": ({"limit": 1.0}, False, ValueError, "limit"),
+        "offset-no-gate": ({"up_offset": 1.0}, False, ValueError, "up_offset"),
+        "activation-type": ({"activation": 1}, True, TypeError, "activation"),
+        "bias-not-tensor": ({"b_up": [0.0]}, True, TypeError, "b_up"),
+    }  # fmt: skip
 
 
 class TestRoutedExpertsBadInput:
@@ -156,14 +286,22 @@ class TestRoutedExpertsBadInput:
         args, error, argument = _bad_inputs(device)[case]
         t.assert_bad_input_raises(OP, lambda: cakeops.routed_experts(*args), error, argument)
 
-    @pytest.mark.parametrize("case", ["id-too-large", "id-negative"])
-    def test_ids_out_of_range(self, backend, device, case):
-        """Ids outside 0..E-1 are an error naming the argument (on the CPU at the call; on a
-        GPU by a device assertion, which does not synchronise)."""
+    @pytest.mark.parametrize("case", list(_bad_options("cpu")))
+    def test_bad_options_raise(self, backend, device, case):
+        args, _, _ = _bad_inputs(device)["ids-float"]
+        x, index, w, wg, wu, wd = args
+        kwargs, gated, error, argument = _bad_options(device)[case]
+        call = lambda: cakeops.routed_experts(  # noqa: E731
+            x, index.long(), w, wg if gated else None, wu, wd, **kwargs
+        )
+        t.assert_bad_input_raises(OP, call, error, argument)
+
+    def test_negative_ids_raise(self, backend, device):
+        """Negative ids are an error naming the argument (on the CPU at the call; on a GPU a
+        device assertion, which does not synchronise and so is not a ValueError)."""
         if torch.device(device).type != "cpu":
             pytest.skip("a device assertion is reported asynchronously, not as a ValueError")
         args, _, _ = _bad_inputs(device)["ids-float"]
-        x, _, w, wg, wu, wd = args
-        bad = _bad_ids(device)[case]
-        call = lambda: cakeops.routed_experts(x, bad, w, wg, wu, wd)  # noqa: E731
+        x, index, w, wg, wu, wd = args
+        call = lambda: cakeops.routed_experts(x, index.long() - 1, w, wg, wu, wd)  # noqa: E731
         t.assert_bad_input_raises(OP, call, ValueError, "top_k_index")
