@@ -88,8 +88,53 @@ def check_against_reference(tensors, g, params, got):
             assert_matches(grad, ref_grads[name], f"d{name}", t.dtype)
 
 
+def check_form(form, dtype, device):
+    """``moe_experts`` with one of ``routed_experts``' forms of expert (its weights, biases and
+    options) against the reference: output and every gradient."""
+    from cakeops.testing import test_routed_experts as routed
+
+    options, make = routed.FORMS[form]
+    (_, logits, *_), _ = make_inputs(16, 12, 20, 4, dtype, device)
+    tensors, g = routed.make_inputs(16, 12, 20, 4, 2, dtype, device, **make)
+    x, _, _, w_gate, w_up, w_down, *rest = tensors
+    biases = rest[0] if rest else {}
+    leaves = {"x": x, "router_logits": logits, "w_gate": w_gate, "w_up": w_up, "w_down": w_down,
+              **biases}  # fmt: skip
+    leaves = {k: v for k, v in leaves.items() if v is not None}
+    names = list(leaves)
+    params = {"top_k": 2, **options}
+
+    def op(*values):
+        given = dict(zip(names, values, strict=True))
+        main = [given.pop(k, None) for k in ("x", "router_logits", "w_gate", "w_up", "w_down")]
+        return cakeops.moe_experts(*main, **given, **params)
+
+    def math(*values):
+        given = dict(zip(names, values, strict=True))
+        main = [given.pop(k, None) for k in ("x", "router_logits", "w_gate", "w_up", "w_down")]
+        return ref.routed.math(*main[:1], *ref.route(main[1], 2, True, 1.0), *main[2:], **given,
+                               **options)  # fmt: skip
+
+    got = run_with_grads(op, list(leaves.values()), g)
+    ref_out, ref_grads = reference_outputs(math, leaves, (), g)
+    assert_matches(got[0], ref_out, "out", x.dtype)
+    for (name, leaf), grad in zip(leaves.items(), got[1:], strict=True):
+        assert_matches(grad, ref_grads[name], f"d{name}", leaf.dtype)
+
+
 class TestMoEExperts:
     op = OP
+
+    @pytest.mark.parametrize("form", ["gelu-tanh", "no-gate-biases", "interleaved"])
+    def test_forms_of_expert(self, backend, dtype, device, form):
+        """The forms of expert of ``routed_experts`` (biases, activations, no gate, layouts)."""
+        check_form(form, dtype, device)
+
+    @pytest.mark.cakeops_dtypes(torch.float32, torch.float64)
+    def test_gpt_oss_form(self, backend, dtype, device):
+        """GPT-OSS's clamped SwiGLU with biases, interleaved and transposed (a derivative with
+        jumps: float32 and float64, as in ``routed_experts``)."""
+        check_form("gpt-oss", dtype, device)
 
     @pytest.mark.parametrize("case", list(CASES))
     def test_matches_reference(self, backend, dtype, device, case):
