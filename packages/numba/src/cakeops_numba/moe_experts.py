@@ -4,17 +4,18 @@ backward."""
 
 from __future__ import annotations
 
-from cakeops.helpers import cast_grads, route, routing_backward
+from cakeops.helpers import ExpertWeights, cast_grads, route, routing_backward
 from cakeops_numba.routed_experts import experts_backward, experts_forward
 
 
-def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
+def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale, *options):
     routing = route(router_logits, top_k, renormalize, scale)
-    return experts_forward(x, routing, w_gate, w_up, w_down)
+    return experts_forward(x, routing, ExpertWeights.of(w_gate, w_up, w_down, *options))
 
 
-def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale):
+def backward(g, x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale, *options):
     routing = route(router_logits, top_k, renormalize, scale)
-    dx, dweights, *dws = experts_backward(g, x, routing, w_gate, w_up, w_down)
+    ew = ExpertWeights.of(w_gate, w_up, w_down, *options)
+    dx, dweights, *dws = experts_backward(g, x, routing, ew)
     dlogits = routing_backward(routing, dweights, renormalize, scale)
-    return cast_grads((dx, dlogits, *dws), (x, router_logits, w_gate, w_up, w_down))
+    return cast_grads((dx, dlogits, *dws), (x, router_logits, *ew.tensors))

@@ -15,6 +15,10 @@ shared-memory tiles:
   rows in order (deterministic; an expert with no rows stores exact zeros).
 
 The combine and the dispatch backward sum each token's ``top_k`` slots in slot order in PyTorch.
+Every form of expert but the default SwiGLU (biases, another activation, a limit or offset, no
+gate) takes the projections from the kernel (``BOTH``, or ``PLAIN`` without a gate) and applies
+the biases and :class:`cakeops.helpers.Activation` in PyTorch; the bias gradients are weight
+gradients against a column of ones (each expert's rows in order: deterministic).
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ import torch
 from numba import cuda, float32
 
 from cakeops.helpers import (
+    ExpertWeights,
     Routing,
     cast_grads,
     combine,
     dispatch_backward,
     given_routing,
+    kept_rows,
     row_tiles,
     row_weights,
     swiglu_backward,
@@ -152,40 +158,78 @@ def _grad(a, idx_a, b, idx_b, tables, num_experts: int) -> torch.Tensor:
     return dw
 
 
-def experts_forward(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
+def _row_bias(b, routing: Routing) -> torch.Tensor | int:
+    """The bias of each sorted row's expert, float32 ``(rows, N)`` (0 without a bias; dropped
+    rows take the last expert's, and are left out downstream)."""
+    if b is None:
+        return 0
+    expert = routing.experts.flatten()[routing.order].clamp(max=b.shape[0] - 1)
+    return b.float()[expert]
+
+
+def _projections(x, routing: Routing, ew: ExpertWeights, tables):
+    """``(gate or None, up)``: the pre-activations of every sorted row, float32, biases added."""
+    F_ = ew.w_up.shape[1]
+    if ew.w_gate is None:
+        hg, hu = None, _mm(x, routing.token, ew.w_up, tables, F_, False)
+    else:
+        hg, hu = _mm(x, routing.token, ew.w_gate, tables, F_, False, ew.w_up, BOTH)
+        hg = hg + _row_bias(ew.b_gate, routing)
+    return hg, hu + _row_bias(ew.b_up, routing)
+
+
+def experts_forward(x, routing: Routing, ew: ExpertWeights) -> torch.Tensor:
     """The experts and the combine for a routing: ``(T, D)`` in ``x.dtype``."""
     D = x.shape[1]
     tables = row_tiles(routing, TILE)
-    h = _mm(x, routing.token, w_gate, tables, w_gate.shape[1], False, w_up, SWIGLU)
-    return combine(_mm(h, None, w_down, tables, D, False), routing).to(x.dtype)
+    if ew.is_swiglu:
+        h = _mm(x, routing.token, ew.w_gate, tables, ew.w_gate.shape[1], False, ew.w_up, SWIGLU)
+    else:
+        h = ew.activation.forward(*_projections(x, routing, ew, tables))
+    y = _mm(h, None, ew.w_down, tables, D, False) + _row_bias(ew.b_down, routing)
+    return combine(y, routing).to(x.dtype)
 
 
-def experts_backward(g, x, routing: Routing, w_gate, w_up, w_down) -> tuple[torch.Tensor, ...]:
-    """``(dx, dL/dw_ts (T, k), dw_gate, dw_up, dw_down)`` for a routing, float32."""
+def experts_backward(g, x, routing: Routing, ew: ExpertWeights) -> tuple[torch.Tensor, ...]:
+    """``(dx, dL/dw_ts (T, k), dw_gate, dw_up, dw_down, db_gate, db_up, db_down)`` for a
+    routing, float32 (None for a tensor not given)."""
     D = x.shape[1]
-    E, F_, _ = w_gate.shape
+    E, F_, _ = ew.w_up.shape
     tables = row_tiles(routing, TILE)
     idx = routing.token
-    hg, hu = _mm(x, idx, w_gate, tables, F_, False, w_up, BOTH)
-    u = _mm(g, idx, w_down, tables, F_, True)  # g W_down[e]: w_down[e] is (D, F) = (K, N)
-    h, dweights, dhg, dhu = swiglu_backward(hg, hu, u, routing)
-    slot_w = row_weights(routing).unsqueeze(-1)
-    gw = g[idx].float().mul_(slot_w)  # dy = w g, per sorted row
+    hg, hu = _projections(x, routing, ew, tables)
+    u = _mm(g, idx, ew.w_down, tables, F_, True)  # g W_down[e]: w_down[e] is (D, F) = (K, N)
+    h, dweights, dhg, dhu = swiglu_backward(hg, hu, u, routing, ew.activation)
+    gf = g[idx].float()
+    if ew.b_down is not None:  # <y, g> = <h, u> + <b_down[e], g>
+        extra = (gf * _row_bias(ew.b_down, routing)).sum(-1)
+        dweights.view(-1)[routing.order] += extra.masked_fill(~kept_rows(routing)[:, 0], 0)
+    gw = gf.mul_(row_weights(routing).unsqueeze(-1))  # dy = w g, per sorted row
     d_down = _grad(gw, None, h, None, tables, E)
-    d_gate = _grad(dhg, None, x, idx, tables, E)
     d_up = _grad(dhu, None, x, idx, tables, E)
+    d_gate = None if dhg is None else _grad(dhg, None, x, idx, tables, E)
+    # the biases' gradients: each expert's rows summed, as a weight gradient against ones
+    ones = torch.ones((idx.numel(), 1), device=x.device)
+    db_gate, db_up, db_down = (
+        None if b is None else _grad(rows, None, ones, None, tables, E)[..., 0]
+        for b, rows in ((ew.b_gate, dhg), (ew.b_up, dhu), (ew.b_down, gw))
+    )
     # dx rows = dhg W_gate[e] + dhu W_up[e]: w_gate[e] is (F, D) = (K, N)
-    dx_rows = _mm(dhg, None, w_gate, tables, D, True)
-    dx_rows += _mm(dhu, None, w_up, tables, D, True)
-    return dispatch_backward(dx_rows, routing), dweights, d_gate, d_up, d_down
+    dx_rows = _mm(dhu, None, ew.w_up, tables, D, True)
+    if dhg is not None:
+        dx_rows += _mm(dhg, None, ew.w_gate, tables, D, True)
+    grads = (d_gate, d_up, d_down, db_gate, db_up, db_down)
+    return dispatch_backward(dx_rows, routing), dweights, *grads
 
 
-def forward(x, top_k_index, top_k_weights, w_gate, w_up, w_down):
-    routing = given_routing(top_k_index, top_k_weights.float(), w_gate.shape[0])
-    return experts_forward(x, routing, w_gate, w_up, w_down)
+def forward(x, top_k_index, top_k_weights, *weights):
+    ew = ExpertWeights.of(*weights)
+    routing = given_routing(top_k_index, top_k_weights.float(), ew.w_up.shape[0])
+    return experts_forward(x, routing, ew)
 
 
-def backward(g, x, top_k_index, top_k_weights, w_gate, w_up, w_down):
-    routing = given_routing(top_k_index, top_k_weights.float(), w_gate.shape[0])
-    grads = experts_backward(g, x, routing, w_gate, w_up, w_down)
-    return cast_grads(grads, (x, top_k_weights, w_gate, w_up, w_down))
+def backward(g, x, top_k_index, top_k_weights, *weights):
+    ew = ExpertWeights.of(*weights)
+    routing = given_routing(top_k_index, top_k_weights.float(), ew.w_up.shape[0])
+    grads = experts_backward(g, x, routing, ew)
+    return cast_grads(grads, (x, top_k_weights, *ew.tensors))

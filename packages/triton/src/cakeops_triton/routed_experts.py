@@ -35,7 +35,15 @@ import torch
 import triton
 import triton.language as tl
 
-from cakeops.helpers import Routing, given_routing, row_tiles, row_weights
+from cakeops.helpers import (
+    Activation,
+    ExpertWeights,
+    Routing,
+    given_routing,
+    kept_rows,
+    row_tiles,
+    row_weights,
+)
 from cakeops_triton._common import (
     INTERPRET,
     dot,
@@ -90,6 +98,8 @@ PLAIN: tl.constexpr = tl.constexpr(0)
 SWIGLU: tl.constexpr = tl.constexpr(1)
 SWIGLU_BWD: tl.constexpr = tl.constexpr(2)
 SUM2: tl.constexpr = tl.constexpr(3)
+#: The activations by number (``ACT``), in the spec's order.
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4}
 
 
 def _aligned(tensors, sizes=()) -> bool:
@@ -166,13 +176,69 @@ def _prune_grad(configs, args, **kwargs):
     return kept or configs[-1:]
 
 
+@triton.jit
+def _act(g, ACT: tl.constexpr, ALPHA):
+    """``(act(g), act'(g))`` in float32 (``ACT`` numbers :data:`ACTIVATIONS`)."""
+    if ACT == 0:  # silu with its slope: g * sigmoid(alpha g)
+        sig = 1.0 / (1.0 + tl.exp(-ALPHA * g))
+        a = g * sig
+        da = sig * (1.0 + ALPHA * g * (1.0 - sig))
+    elif ACT == 1:  # gelu (erf)
+        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        a = g * cdf
+        da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+    elif ACT == 2:  # gelu, tanh approximation (tanh from exp: saturates, never NaN)
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        th = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+        d_inner = 0.7978845608028654 * (1.0 + 0.134145 * g * g)
+        a = 0.5 * g * (1.0 + th)
+        da = 0.5 * (1.0 + th) + 0.5 * g * (1.0 - th * th) * d_inner
+    elif ACT == 3:  # relu
+        a = tl.maximum(g, 0.0)
+        da = tl.where(g > 0.0, 1.0, 0.0)
+    else:  # relu2
+        p = tl.maximum(g, 0.0)
+        a = p * p
+        da = 2.0 * p
+    return a, da
+
+
+@triton.jit
+def _expert_form(acc, acc2, ALPHA, LIMIT, OFFSET, ACT: tl.constexpr, CLAMP: tl.constexpr,
+                 GATED: tl.constexpr):  # fmt: skip
+    """Any form of expert but the default: ``(h, dh/dgate, dh/dup)`` from the gate and up
+    pre-activations (biases added; without a gate ``acc2`` is the up projection and
+    ``acc`` unused)."""
+    if GATED:
+        gate, up = acc, acc2
+        if CLAMP:  # torch.clamp's gradient passes with the bounds included
+            gate_ok = gate <= LIMIT
+            up_ok = (up >= -LIMIT) & (up <= LIMIT)
+            gate = tl.minimum(gate, LIMIT)
+            up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        a, da = _act(gate, ACT, ALPHA)
+        up = up + OFFSET
+        d_gate = up * da
+        d_up = a
+        if CLAMP:
+            d_gate = tl.where(gate_ok, d_gate, 0.0)
+            d_up = tl.where(up_ok, d_up, 0.0)
+        return a * up, d_gate, d_up
+    else:
+        a, da = _act(acc2, ACT, ALPHA)
+        return a, da, da
+
+
 def _grouped_mm(
-    A, A2, IDX, W, W2, W3, OUT, OUT2, OUT3, DWP, DST, SCALE, TILE_EXPERT, TILE_ROW, ENDS,
+    A, A2, IDX, W, W2, W3, B1, B2, OUT, OUT2, OUT3, DWP, DST, SCALE, TILE_EXPERT, TILE_ROW, ENDS,
     ROWS, N, K, N_BUCKET, K_BUCKET, LAYOUT, stride_a, stride_a2,
     stride_we, stride_wn, stride_wk, stride_we2, stride_wn2, stride_wk2,
-    stride_we3, stride_wn3, stride_wk3,
+    stride_we3, stride_wn3, stride_wk3, stride_b1e, stride_b1n, stride_b2e, stride_b2n,
+    ALPHA, LIMIT, OFFSET,
     GATHER: tl.constexpr, MODE: tl.constexpr, SCATTER: tl.constexpr, SCALED: tl.constexpr,
     DTYPE: tl.constexpr, PRECISION: tl.constexpr, U_GIVEN: tl.constexpr,
+    FORM: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr, GATED: tl.constexpr,
+    BIAS1: tl.constexpr, BIAS2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -204,7 +270,7 @@ def _grouped_mm(
             other=0.0,
         )
         acc = dot(a, round_to(w, DTYPE), acc, PRECISION)
-        if MODE != PLAIN:  # the second weight (the up projection)
+        if MODE == SUM2 or (MODE != PLAIN and GATED):  # the second weight (the up projection)
             w2 = tl.load(
                 W2 + e * stride_we2 + kk[:, None] * stride_wk2 + cols[None, :] * stride_wn2,
                 mask=w_mask,
@@ -228,22 +294,38 @@ def _grouped_mm(
     out = rows64[:, None] * N + cols[None, :]
     if U_GIVEN:  # u computed by a launch of its own: A2 holds its float32 rows, in row order
         acc3 = tl.load(A2 + rows64[:, None] * stride_a2 + cols[None, :], mask=ok, other=0.0)
+    if MODE == SWIGLU or MODE == SWIGLU_BWD:  # the biases; the up projection in acc2
+        if not GATED:
+            acc2 = acc
+        if BIAS1:  # the gate's
+            acc += tl.load(B1 + e * stride_b1e + cols * stride_b1n, mask=col_ok, other=0.0)[None, :]
+        if BIAS2:  # the up projection's
+            acc2 += tl.load(B2 + e * stride_b2e + cols * stride_b2n, mask=col_ok, other=0.0)[None, :]
     if MODE == SWIGLU:
-        h = acc / (1.0 + tl.exp(-acc)) * acc2
+        if FORM:
+            h, _, _ = _expert_form(acc, acc2, ALPHA, LIMIT, OFFSET, ACT, CLAMP, GATED)
+        else:
+            h = acc / (1.0 + tl.exp(-acc)) * acc2
         tl.store(OUT + out, round_to(h, OUT.dtype.element_ty), mask=ok)
     elif MODE == SWIGLU_BWD:
-        sig = 1.0 / (1.0 + tl.exp(-acc))
-        gate = acc * sig
-        h = gate * acc2
+        if FORM:
+            h, dh_gate, dh_up = _expert_form(acc, acc2, ALPHA, LIMIT, OFFSET, ACT, CLAMP, GATED)
+        else:
+            sig = 1.0 / (1.0 + tl.exp(-acc))
+            dh_up = acc * sig
+            h = dh_up * acc2
+            dh_gate = acc2 * sig * (1.0 + acc * (1.0 - sig))
         # <y, g> = <h W_down^T, g> = <h, u>: this column tile's part, summed over tiles on the host
         part = tl.sum(tl.where(ok, h * acc3, 0.0), axis=1)
         tl.store(DWP + pid_n.to(tl.int64) * ROWS + rows64, part, mask=row_ok)
         dh = acc3 * tl.load(SCALE + rows, mask=row_ok, other=0.0)[:, None]
-        d_gate = dh * acc2 * sig * (1.0 + acc * (1.0 - sig))
         tl.store(OUT + out, round_to(h, OUT.dtype.element_ty), mask=ok)
-        tl.store(OUT2 + out, round_to(d_gate, OUT2.dtype.element_ty), mask=ok)
-        tl.store(OUT3 + out, round_to(dh * gate, OUT3.dtype.element_ty), mask=ok)
+        if GATED:
+            tl.store(OUT2 + out, round_to(dh * dh_gate, OUT2.dtype.element_ty), mask=ok)
+        tl.store(OUT3 + out, round_to(dh * dh_up, OUT3.dtype.element_ty), mask=ok)
     else:
+        if BIAS1:  # the down projection's bias, before the combine weight
+            acc += tl.load(B1 + e * stride_b1e + cols * stride_b1n, mask=col_ok, other=0.0)[None, :]
         if SCALED:
             acc *= tl.load(SCALE + rows, mask=row_ok, other=0.0)[:, None]
         if SCATTER:
@@ -290,14 +372,16 @@ def _grouped_weight_grad(
     tl.store(DW + out, round_to(acc, DW.dtype.element_ty), mask=(p < P)[:, None] & (q < Q)[None, :])
 
 
-def _slot_sum_kernel(SLOTS, OUT, D, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``out[t] = sum_s slots[t, s]`` in slot order (deterministic), stored in ``OUT``'s dtype."""
+def _slot_sum_kernel(SLOTS, IDS, OUT, D, E, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``out[t] = sum_s slots[t, s]`` in slot order (deterministic), stored in ``OUT``'s dtype;
+    a dropped slot (id ``>= E``: no expert wrote its row) adds nothing."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = cols < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for s in range(TOP_K):
-        acc += tl.load(SLOTS + (t * TOP_K + s) * D + cols, mask=ok, other=0.0)
+        kept = tl.load(IDS + t * TOP_K + s) < E
+        acc += tl.load(SLOTS + (t * TOP_K + s) * D + cols, mask=ok & kept, other=0.0)
     tl.store(OUT + t * D + cols, round_to(acc, OUT.dtype.element_ty), mask=ok)
 
 
@@ -328,14 +412,16 @@ _slot_sum_tuned = triton.jit(_slot_sum_kernel)  # no configs to tune: "tuned" is
 _slot_sum_untuned = untuned(_slot_sum_kernel)
 
 
-def _slot_sum(slots: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """The ``(T * top_k, D)`` float32 rows in ``(token, slot)`` order summed per token: one read
-    of the slots, one write of the result in ``dtype``."""
-    D = slots.shape[1]
+def _slot_sum(slots: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
+    """The ``(T * top_k, D)`` float32 rows in ``(token, slot)`` order summed per token (dropped
+    slots left out): one read of the slots, one write of the result in ``dtype``."""
+    D, top_k = slots.shape[1], routing.experts.shape[1]
+    E = routing.offsets.numel() - 1
     out = torch.empty((slots.shape[0] // top_k, D), dtype=dtype, device=slots.device)
     block_d = min(1024, triton.next_power_of_2(max(D, 16)))
     kernel = _slot_sum_tuned if slots.shape[0] >= TUNE_FROM_ROWS else _slot_sum_untuned
-    kernel[(out.shape[0], triton.cdiv(D, block_d))](slots, out, D, TOP_K=top_k, BLOCK_D=block_d)
+    grid = (out.shape[0], triton.cdiv(D, block_d))
+    kernel[grid](slots, routing.experts.contiguous(), out, D, E, TOP_K=top_k, BLOCK_D=block_d)
     return out
 
 
@@ -352,7 +438,7 @@ def _strides(w: torch.Tensor, transpose: bool = False) -> tuple[int, int, int]:
 
 def _mm(
     a, idx, w, tables, n_out: int, k_in: int, *, transpose=False, w2=None, w3=None, a2=None,
-    mode=PLAIN, dst=None, scale=None, block_m=BLOCK_M, u=None,
+    mode=PLAIN, dst=None, scale=None, block_m=BLOCK_M, u=None, b1=None, b2=None, form=None,
 ):  # fmt: skip
     """Grouped ``a @ W[e]^T`` (``a @ W[e]`` with ``transpose``) with the ``mode``'s fusion.
 
@@ -363,6 +449,10 @@ def _mm(
     down weight): ``(h, d_gate, d_up)`` in the product dtype and the ``<h, u>`` partials, float32
     ``(column tiles, rows)``; given ``u`` (float32 rows of ``g W_down[e]`` in row order,
     computed by a launch of their own), it is read instead of computed.
+
+    ``form`` (an :class:`Activation`, None for the default SwiGLU) sets the activation of the
+    ``SWIGLU`` modes; without a gate ``w`` is the up projection's weight and ``w2`` is unused.
+    ``b1`` is the gate's bias (the down projection's in ``PLAIN``), ``b2`` the up projection's.
     """
     tile_expert, tile_row, _, ends = tables
     rows = idx.numel() if idx is not None else a.shape[0]
@@ -372,8 +462,9 @@ def _mm(
     out = torch.empty((rows, n_out), dtype=compute if stores_products else torch.float32,
                       device=a.device)  # fmt: skip
     out2, out3, dwp = out, out, out
+    gated = form is None or form.gated
     if mode == SWIGLU_BWD.value:
-        out2, out3 = torch.empty_like(out), torch.empty_like(out)
+        out2, out3 = (torch.empty_like(out) if gated else out), torch.empty_like(out)
         # zeros: the autotuner's tile width decides how many of these rows are written
         dwp = torch.zeros((triton.cdiv(n_out, MIN_BLOCK_N), rows), dtype=torch.float32,
                           device=a.device)  # fmt: skip
@@ -386,16 +477,21 @@ def _mm(
     def grid(meta):
         return (tile_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))
 
+    b1_, b2_ = (out if b is None else b for b in (b1, b2))
+    act = form or Activation()
     args = (
-        a, a2, a if idx is None else idx, w, w2, w3,
+        a, a2, a if idx is None else idx, w, w2, w3, b1_, b2_,
         out, out2, out3, dwp, out if dst is None else dst, out if scale is None else scale,
         tile_expert, tile_row, ends, rows, n_out, k_in, _bucket(n_out), _bucket(k_in), layout,
-        a.stride(0), a2.stride(0), *ws, *ws2, *ws3,
+        a.stride(0), a2.stride(0), *ws, *ws2, *ws3, *b1_.stride()[:2], *b2_.stride()[:2],
+        act.alpha, act.limit or 0.0, act.up_offset,
     )  # fmt: skip
     meta = {"GATHER": idx is not None, "MODE": mode, "SCATTER": dst is not None,
             "SCALED": scale is not None, "DTYPE": _TL_DTYPES[compute],
             "PRECISION": dot_precision(compute), "BLOCK_M": block_m,
-            "U_GIVEN": u is not None}  # fmt: skip
+            "U_GIVEN": u is not None, "FORM": form is not None,
+            "ACT": ACTIVATIONS[act.name], "CLAMP": act.limit is not None, "GATED": gated,
+            "BIAS1": b1 is not None, "BIAS2": b2 is not None}  # fmt: skip
     kernels = (_grouped_mm_tuned, _grouped_mm_untuned)
     launch(kernels, grid, args, meta, tuned=rows >= TUNE_FROM_ROWS)
     if mode == SWIGLU_BWD.value:
@@ -441,27 +537,33 @@ def _block_m(routing: Routing, x: torch.Tensor, *weights: torch.Tensor) -> int:
     return WIDE_BLOCK_M if wide and not mma_operands_in_registers() else BLOCK_M
 
 
-def experts_forward(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
+def experts_forward(x, routing: Routing, ew: ExpertWeights) -> torch.Tensor:
     """The experts and the combine for a routing: ``(T, D)`` in ``x.dtype``."""
-    D, F_ = x.shape[1], w_gate.shape[1]
-    top_k = routing.weights.shape[1]
-    block_m = _block_m(routing, x, w_gate, w_up, w_down)
+    D, F_ = x.shape[1], ew.w_up.shape[1]
+    form = None if ew.activation.is_swiglu else ew.activation
+    first = ew.w_up if form is not None and not form.gated else ew.w_gate
+    block_m = _block_m(routing, x, *(w for w in ew.tensors[:3] if w is not None))
     tables = row_tiles(routing, block_m)
     x = x.contiguous()
-    h = _mm(x, routing.token, w_gate, tables, F_, D, w2=w_up, mode=SWIGLU, block_m=block_m)
+    h = _mm(x, routing.token, first, tables, F_, D, w2=ew.w_up, mode=SWIGLU, block_m=block_m,
+            b1=ew.b_gate, b2=ew.b_up, form=form)  # fmt: skip
     # the combine in the epilogue: w_ts * y_ts stored at its (token, slot) row
-    slots = _mm(h, None, w_down, tables, D, F_, dst=routing.order, scale=row_weights(routing),
-                block_m=block_m)  # fmt: skip
-    return _slot_sum(slots, top_k, x.dtype)
+    slots = _mm(h, None, ew.w_down, tables, D, F_, dst=routing.order, scale=row_weights(routing),
+                block_m=block_m, b1=ew.b_down)  # fmt: skip
+    return _slot_sum(slots, routing, x.dtype)
 
 
-def experts_backward(g, x, routing: Routing, w_gate, w_up, w_down) -> tuple[torch.Tensor, ...]:
-    """``(dx, dL/dw_ts (T, k) float32, dw_gate, dw_up, dw_down)`` for a routing; ``dx`` in
-    ``x.dtype``, each weight gradient in its weight's dtype."""
+def experts_backward(g, x, routing: Routing, ew: ExpertWeights) -> tuple[torch.Tensor, ...]:
+    """``(dx, dL/dw_ts (T, k) float32, dw_gate, dw_up, dw_down, db_gate, db_up, db_down)`` for a
+    routing (None for a tensor not given); ``dx`` in ``x.dtype``, each weight and bias gradient
+    in its own dtype."""
     D = x.shape[1]
-    E, F_, _ = w_gate.shape
-    top_k = routing.weights.shape[1]
-    block_m = _block_m(routing, x, w_gate, w_up, w_down)
+    E, F_, _ = ew.w_up.shape
+    form = None if ew.activation.is_swiglu else ew.activation
+    gated = ew.w_gate is not None
+    first = ew.w_gate if gated else ew.w_up
+    weights = [w for w in ew.tensors[:3] if w is not None]
+    block_m = _block_m(routing, x, *weights)
     tables = row_tiles(routing, block_m)
     x, g, idx = x.contiguous(), g.contiguous(), routing.token
     slot_w = row_weights(routing)
@@ -471,25 +573,42 @@ def experts_backward(g, x, routing: Routing, w_gate, w_up, w_down) -> tuple[torc
     # three accumulators (64-wide columns) would otherwise wait for from L2.
     u = None
     if block_m == WIDE_BLOCK_M:
-        u = _mm(g, idx, w_down, tables, F_, D, transpose=True, block_m=block_m)
+        u = _mm(g, idx, ew.w_down, tables, F_, D, transpose=True, block_m=block_m)
     h, d_gate_rows, d_up_rows, parts = _mm(
-        x, idx, w_gate, tables, F_, D, w2=w_up, w3=w_down, a2=g, mode=SWIGLU_BWD, scale=slot_w,
-        block_m=block_m, u=u,
+        x, idx, first, tables, F_, D, w2=ew.w_up, w3=ew.w_down, a2=g, mode=SWIGLU_BWD,
+        scale=slot_w, block_m=block_m, u=u, b1=ew.b_gate, b2=ew.b_up, form=form,
     )  # fmt: skip
     dweights = torch.empty(routing.order.numel(), dtype=torch.float32, device=x.device)
-    dweights[routing.order] = parts.sum(0)
+    dot = parts.sum(0)
+    if ew.b_down is not None:  # <y, g> = <h, u> + <b_down[e], g>
+        expert = routing.experts.flatten()[routing.order].clamp(max=E - 1)
+        dot += (g.float()[idx] * ew.b_down.float()[expert]).sum(-1).masked_fill(
+            ~kept_rows(routing).squeeze(-1), 0
+        )
+    dweights[routing.order] = dot
     # dW_down[e] = (w g)_e^T h_e: the rows of g gathered and scaled as they load
-    d_down = _weight_grad(g, idx, h, None, tables, E, w_down.dtype, scale_a=slot_w)
-    d_gate = _weight_grad(d_gate_rows, None, x, idx, tables, E, w_gate.dtype)
-    d_up = _weight_grad(d_up_rows, None, x, idx, tables, E, w_up.dtype)
+    d_down = _weight_grad(g, idx, h, None, tables, E, ew.w_down.dtype, scale_a=slot_w)
+    d_up = _weight_grad(d_up_rows, None, x, idx, tables, E, ew.w_up.dtype)
+    d_gate = _weight_grad(d_gate_rows, None, x, idx, tables, E, ew.w_gate.dtype) if gated else None
+    # the biases' gradients: each expert's rows summed (a weight gradient against ones)
+    ones = torch.ones((idx.numel(), 1), dtype=x.dtype, device=x.device)
+    db_gate, db_up, db_down = (
+        None if b is None else _weight_grad(a, a_idx, ones, None, tables, E, b.dtype, scale_a=sc)[..., 0]
+        for b, a, a_idx, sc in ((ew.b_gate, d_gate_rows, None, None), (ew.b_up, d_up_rows, None, None),
+                                (ew.b_down, g, idx, slot_w))
+    )  # fmt: skip
     # dx rows = dhg W_gate[e] + dhu W_up[e] in one pass (K = F, N = D), each stored at its
     # (token, slot) row: the dispatch backward is then the slot sum, with no weight factor
-    dx_slots = _mm(
-        d_gate_rows, None, w_gate, tables, D, F_, transpose=True, w2=w_up, a2=d_up_rows,
-        mode=SUM2, dst=routing.order, block_m=block_m,
-    )  # fmt: skip
-    dx = _slot_sum(dx_slots, top_k, x.dtype)
-    return dx, dweights.view_as(routing.weights), d_gate, d_up, d_down
+    if gated:
+        dx_slots = _mm(
+            d_gate_rows, None, ew.w_gate, tables, D, F_, transpose=True, w2=ew.w_up,
+            a2=d_up_rows, mode=SUM2, dst=routing.order, block_m=block_m,
+        )  # fmt: skip
+    else:
+        dx_slots = _mm(d_up_rows, None, ew.w_up, tables, D, F_, transpose=True,
+                       dst=routing.order, block_m=block_m)  # fmt: skip
+    dx = _slot_sum(dx_slots, routing, x.dtype)
+    return dx, dweights.view_as(routing.weights), d_gate, d_up, d_down, db_gate, db_up, db_down
 
 
 def _routing(top_k_index, top_k_weights, num_experts: int) -> Routing:
@@ -497,13 +616,15 @@ def _routing(top_k_index, top_k_weights, num_experts: int) -> Routing:
 
 
 @serialised
-def forward(x, top_k_index, top_k_weights, w_gate, w_up, w_down):
-    routing = _routing(top_k_index, top_k_weights, w_gate.shape[0])
-    return experts_forward(x, routing, w_gate, w_up, w_down)
+def forward(x, top_k_index, top_k_weights, *weights):
+    ew = ExpertWeights.of(*weights)
+    routing = _routing(top_k_index, top_k_weights, ew.w_up.shape[0])
+    return experts_forward(x, routing, ew)
 
 
 @serialised
-def backward(g, x, top_k_index, top_k_weights, w_gate, w_up, w_down):
-    routing = _routing(top_k_index, top_k_weights, w_gate.shape[0])
-    dx, dweights, *dws = experts_backward(g, x, routing, w_gate, w_up, w_down)
+def backward(g, x, top_k_index, top_k_weights, *weights):
+    ew = ExpertWeights.of(*weights)
+    routing = _routing(top_k_index, top_k_weights, ew.w_up.shape[0])
+    dx, dweights, *dws = experts_backward(g, x, routing, ew)
     return dx, dweights.to(top_k_weights.dtype), *dws
