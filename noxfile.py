@@ -34,9 +34,10 @@ def tests(session: nox.Session) -> None:
     session.run("python", "tests/gpu/run.py", "--dry-run", "--out", f"{session.create_tmp()}/gpu")
     # The documented command a third-party backend certifies itself with.
     session.run("pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=example", "-q")
-    # The Triton kernels on CPU tensors through Triton's interpreter (no GPU here).
+    # The Triton kernels on CPU tensors through Triton's interpreter (no GPU here), one process
+    # per core: the interpreter is single-threaded Python.
     session.run(
-        "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=triton", "-q",
+        "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=triton", "-q", "-n", "auto",
         env={"TRITON_INTERPRET": "1"},
     )  # fmt: skip
     # (The numba backend's CPU kernels ran natively, at full size, in the first run.)
@@ -45,7 +46,7 @@ def tests(session: nox.Session) -> None:
     # causal_dot_product alone would take over 10 minutes, so they run only on a real GPU
     # (the GPU check, tests/gpu/run.py, runs them on CUDA); everything else runs here.
     session.run(
-        "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=numba", "-q",
+        "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=numba", "-q", "-n", "auto",
         "-k", "not test_long_sequence", env={"NUMBA_ENABLE_CUDASIM": "1"},
     )  # fmt: skip
 

@@ -177,9 +177,9 @@ TUNED_PATH = textwrap.dedent(
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
             inputs = spec.example("cpu", dtype)
-            for name in spec.differentiable:
-                inputs[name].requires_grad_()
-            wrt = [inputs[name] for name in spec.differentiable]
+            wrt = [inputs[name] for name in spec.differentiable_given(inputs)]
+            for t in wrt:
+                t.requires_grad_()
             got = {}
             for backend in ("triton", "reference"):
                 with cakeops.use_backend(backend):
@@ -203,6 +203,19 @@ TUNED_PATH = textwrap.dedent(
             got[backend] = [out, *torch.autograd.grad(out, [x, weights, *ws], torch.ones_like(out))]
     for mine, ref in zip(got["triton"], got["reference"]):
         assert_matches(mine, ref, "routed_experts")
+    # the other forms of expert on the same tiles: biases and tanh-GELU, and no gate with ReLU²
+    b = [(torch.randn(s) * 0.2).bfloat16().requires_grad_() for s in ((E, F), (E, F), (E, D))]
+    for gate, options in ((ws[0], {"activation": "gelu_tanh", "b_gate": b[0], "b_up": b[1],
+                                   "b_down": b[2]}), (None, {"activation": "relu2"})):
+        leaves = [x, weights, *(w for w in (gate, *ws[1:]) if w is not None),
+                  *(v for v in options.values() if isinstance(v, torch.Tensor))]
+        got = {}
+        for backend in ("triton", "reference"):
+            with cakeops.use_backend(backend):
+                out = cakeops.routed_experts(x, index, weights, gate, *ws[1:], **options)
+                got[backend] = [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
+        for mine, ref in zip(got["triton"], got["reference"]):
+            assert_matches(mine, ref, "routed_experts " + options["activation"])
     print("ok")
     """
 )

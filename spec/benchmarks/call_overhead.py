@@ -27,10 +27,10 @@ def microseconds(name: str) -> tuple[str, dict[str, float]]:
     kernels = backend.kernels(name)
     values = tuple(inputs.values())
     leaves = tuple(
-        v.detach().requires_grad_() if n in spec.differentiable else v
+        v.detach().requires_grad_() if n in spec.differentiable and v is not None else v
         for n, v in zip(spec.names, values, strict=True)
     )
-    wanted = tuple(leaves[spec.names.index(n)] for n in spec.differentiable)
+    wanted = tuple(leaves[spec.names.index(n)] for n in spec.differentiable_given(inputs))
     g = torch.randn_like(spec.output_like(inputs))
 
     def op_forward():

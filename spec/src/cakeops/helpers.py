@@ -14,9 +14,8 @@ written once here (the conformance guide names this module).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import math
+from typing import NamedTuple
 
 import torch
 

@@ -311,6 +311,10 @@ class OpSpec:
     def name(self) -> str:
         return self.inputs.op
 
+    def differentiable_given(self, inputs: Mapping[str, Any]) -> tuple[str, ...]:
+        """The differentiable tensors a call gives (an optional tensor may be None)."""
+        return tuple(n for n in self.differentiable if inputs[n] is not None)
+
     @property
     def saved(self) -> tuple[str, ...]:
         """The saved-tensor contract: exactly the tensor inputs."""

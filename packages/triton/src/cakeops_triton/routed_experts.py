@@ -294,13 +294,15 @@ def _grouped_mm(
     out = rows64[:, None] * N + cols[None, :]
     if U_GIVEN:  # u computed by a launch of its own: A2 holds its float32 rows, in row order
         acc3 = tl.load(A2 + rows64[:, None] * stride_a2 + cols[None, :], mask=ok, other=0.0)
-    if MODE == SWIGLU or MODE == SWIGLU_BWD:  # the biases; the up projection in acc2
+    if MODE == SWIGLU or MODE == SWIGLU_BWD:  # noqa: SIM109 (the biases; up in acc2)
         if not GATED:
             acc2 = acc
         if BIAS1:  # the gate's
             acc += tl.load(B1 + e * stride_b1e + cols * stride_b1n, mask=col_ok, other=0.0)[None, :]
         if BIAS2:  # the up projection's
-            acc2 += tl.load(B2 + e * stride_b2e + cols * stride_b2n, mask=col_ok, other=0.0)[None, :]
+            acc2 += tl.load(B2 + e * stride_b2e + cols * stride_b2n, mask=col_ok, other=0.0)[
+                None, :
+            ]
     if MODE == SWIGLU:
         if FORM:
             h, _, _ = _expert_form(acc, acc2, ALPHA, LIMIT, OFFSET, ACT, CLAMP, GATED)
@@ -582,8 +584,10 @@ def experts_backward(g, x, routing: Routing, ew: ExpertWeights) -> tuple[torch.T
     dot = parts.sum(0)
     if ew.b_down is not None:  # <y, g> = <h, u> + <b_down[e], g>
         expert = routing.experts.flatten()[routing.order].clamp(max=E - 1)
-        dot += (g.float()[idx] * ew.b_down.float()[expert]).sum(-1).masked_fill(
-            ~kept_rows(routing).squeeze(-1), 0
+        dot += (
+            (g.float()[idx] * ew.b_down.float()[expert])
+            .sum(-1)
+            .masked_fill(~kept_rows(routing).squeeze(-1), 0)
         )
     dweights[routing.order] = dot
     # dW_down[e] = (w g)_e^T h_e: the rows of g gathered and scaled as they load
@@ -592,11 +596,14 @@ def experts_backward(g, x, routing: Routing, ew: ExpertWeights) -> tuple[torch.T
     d_gate = _weight_grad(d_gate_rows, None, x, idx, tables, E, ew.w_gate.dtype) if gated else None
     # the biases' gradients: each expert's rows summed (a weight gradient against ones)
     ones = torch.ones((idx.numel(), 1), dtype=x.dtype, device=x.device)
-    db_gate, db_up, db_down = (
-        None if b is None else _weight_grad(a, a_idx, ones, None, tables, E, b.dtype, scale_a=sc)[..., 0]
-        for b, a, a_idx, sc in ((ew.b_gate, d_gate_rows, None, None), (ew.b_up, d_up_rows, None, None),
-                                (ew.b_down, g, idx, slot_w))
-    )  # fmt: skip
+
+    def bias_grad(b, rows, rows_idx=None, scale=None):
+        if b is None:
+            return None
+        return _weight_grad(rows, rows_idx, ones, None, tables, E, b.dtype, scale_a=scale)[..., 0]
+
+    db_gate, db_up = bias_grad(ew.b_gate, d_gate_rows), bias_grad(ew.b_up, d_up_rows)
+    db_down = bias_grad(ew.b_down, g, idx, slot_w)
     # dx rows = dhg W_gate[e] + dhu W_up[e] in one pass (K = F, N = D), each stored at its
     # (token, slot) row: the dispatch backward is then the slot sum, with no weight factor
     if gated:

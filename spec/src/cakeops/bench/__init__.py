@@ -63,7 +63,7 @@ def step_of(op: str, inputs, forward: Callable[[], Any]) -> Callable[[], Any]:
     from cakeops.ops import SPECS
 
     spec = SPECS[op]
-    wrt = tuple(inputs[name] for name in spec.differentiable)
+    wrt = tuple(inputs[name] for name in spec.differentiable_given(inputs))
     g = torch.randn_like(spec.output_like(inputs))
 
     def step():
@@ -80,7 +80,7 @@ def example_run(op: str, device: torch.device) -> list[dict[str, Any]]:
 
     spec = SPECS[op]
     inputs = spec.example(device)
-    for name in spec.differentiable:
+    for name in spec.differentiable_given(inputs):
         inputs[name].requires_grad_()
     backend = explain_inputs(op, spec.validate(tuple(inputs.values()))).backend or "torch"
     contenders = {

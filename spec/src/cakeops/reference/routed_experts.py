@@ -72,7 +72,9 @@ def grads_by_autograd(fn, g, inputs, fixed):
         raise RuntimeError("reference backward failed (see the thread's traceback)")
     grads = iter(result)
     return tuple(
-        None if t is None else (torch.zeros_like(t) if (d := next(grads)) is None else d.to(t.dtype))
+        None
+        if t is None
+        else (torch.zeros_like(t) if (d := next(grads)) is None else d.to(t.dtype))
         for t in inputs
     )
 

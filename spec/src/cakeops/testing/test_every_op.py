@@ -32,7 +32,7 @@ def example(spec: OpSpec, device: torch.device, dtype: torch.dtype = torch.float
 
 
 def _as_function(spec: OpSpec, inputs):
-    names = [n for n in spec.differentiable if inputs[n] is not None]
+    names = spec.differentiable_given(inputs)
     tensors = tuple(inputs[n].detach().clone().requires_grad_() for n in names)
     fixed = {k: v for k, v in inputs.items() if k not in names}
 
@@ -89,7 +89,7 @@ class Contract:
         first, *rest = (t.detach() for t in tensors)
         with pytest.raises(NotImplementedError, match="forward-mode AD"):
             torch.func.jvp(lambda a: op(a, *rest), (first,), (torch.ones_like(first),))
-        last = [n for n in self.spec.differentiable if inputs[n] is not None][-1]
+        last = self.spec.differentiable_given(inputs)[-1]
         with fwAD.dual_level(), pytest.raises(NotImplementedError, match=f"argument '{last}'"):
             plain = (first, *rest)
             op(*plain[:-1], fwAD.make_dual(plain[-1], torch.ones_like(plain[-1])))

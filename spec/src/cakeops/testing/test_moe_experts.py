@@ -94,15 +94,16 @@ def check_form(form, dtype, device):
     from cakeops.testing import test_routed_experts as routed
 
     options, make = routed.FORMS[form]
-    (_, logits, *_), _ = make_inputs(16, 12, 20, 4, dtype, device)
-    tensors, g = routed.make_inputs(16, 12, 20, 4, 2, dtype, device, **make)
+    T, D, F, E, k = routed.FORM_SHAPE
+    (_, logits, *_), _ = make_inputs(T, D, F, E, dtype, device)
+    tensors, g = routed.make_inputs(T, D, F, E, k, dtype, device, **make)
     x, _, _, w_gate, w_up, w_down, *rest = tensors
     biases = rest[0] if rest else {}
     leaves = {"x": x, "router_logits": logits, "w_gate": w_gate, "w_up": w_up, "w_down": w_down,
               **biases}  # fmt: skip
     leaves = {k: v for k, v in leaves.items() if v is not None}
     names = list(leaves)
-    params = {"top_k": 2, **options}
+    params = {"top_k": k, **options}
 
     def op(*values):
         given = dict(zip(names, values, strict=True))
@@ -112,7 +113,7 @@ def check_form(form, dtype, device):
     def math(*values):
         given = dict(zip(names, values, strict=True))
         main = [given.pop(k, None) for k in ("x", "router_logits", "w_gate", "w_up", "w_down")]
-        return ref.routed.math(*main[:1], *ref.route(main[1], 2, True, 1.0), *main[2:], **given,
+        return ref.routed.math(*main[:1], *ref.route(main[1], k, True, 1.0), *main[2:], **given,
                                **options)  # fmt: skip
 
     got = run_with_grads(op, list(leaves.values()), g)

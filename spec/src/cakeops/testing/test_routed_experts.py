@@ -34,6 +34,8 @@ FORMS = {
     "no-gate-relu2": ({"activation": "relu2"}, {"gated": False}),  # Nemotron-H
     "no-gate-biases": ({"activation": "gelu"}, {"gated": False, "biases": "up-down"}),
 }  # fmt: skip
+#: (T, D, F, E, top_k) of the forms' checks: small (the simulator and interpreter run them)
+FORM_SHAPE = (10, 8, 12, 4, 2)
 
 #: (name, T, D, F, E, top_k)
 CASES = [
@@ -112,7 +114,7 @@ def _split(tensors):
 def run(tensors, g, **kwargs):
     """Output and the gradients of every differentiable tensor given (``x``,
     ``top_k_weights``, the weights, the biases), in :func:`_split`'s order."""
-    x, index, leaves, _ = _split(tensors)
+    _, index, leaves, _ = _split(tensors)
     names = list(leaves)
 
     def op(*values):
@@ -155,7 +157,7 @@ class TestRoutedExperts:
         """Every activation, biases, no gate, transposed and interleaved weights (read through
         their strides): output and every gradient against the reference."""
         options, make = FORMS[form]
-        tensors, g = make_inputs(16, 12, 20, 4, 2, dtype, device, **make)
+        tensors, g = make_inputs(*FORM_SHAPE, dtype, device, **make)
         got = run(tensors, g, **options)
         check_against_reference(tensors, g, got, **options)
 
@@ -165,14 +167,14 @@ class TestRoutedExperts:
         """relu and the limits (GPT-OSS, DeepSeek-V4): their derivative jumps, so these run in
         float32 and float64 (see :data:`FORMS`)."""
         options, make = FORMS[form]
-        tensors, g = make_inputs(16, 12, 20, 4, 2, dtype, device, **make)
+        tensors, g = make_inputs(*FORM_SHAPE, dtype, device, **make)
         got = run(tensors, g, **options)
         check_against_reference(tensors, g, got, **options)
 
     def test_dropped_slots(self, backend, dtype, device):
         """Ids ``>= E`` (transformers' expert parallelism: experts on another rank) add nothing
         and get zero gradients; the rest is the op on the slots that are kept."""
-        tensors, g = make_inputs(16, 12, 20, 4, 2, dtype, device)
+        tensors, g = make_inputs(*FORM_SHAPE, dtype, device)
         x, index, weights, *w = tensors
         dropped = index.clone()
         dropped[::3, 1] = 4  # E: the first id past the local experts
