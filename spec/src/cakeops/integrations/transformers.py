@@ -15,14 +15,164 @@ renamed.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from cakeops.ops.rmsnorm_silu_gate import rmsnorm_silu_gate
-from cakeops.ops.routed_experts import routed_experts
+from cakeops.ops.routed_experts import ACTIVATIONS, routed_experts
 
 NAME = "cakeops"
+#: Attribute names the families use for a clamped SwiGLU's limit and sigmoid slope.
+_LIMITS = ("limit", "swiglu_limit")
+_ALPHAS = ("alpha", "swiglu_alpha")
+
+
+class Unsupported(NotImplementedError):
+    """An experts module cakeops cannot run, with the reasons."""
+
+
+def _probe(width: int = 16) -> torch.Tensor:
+    """Float64 pre-activations from -12 to 12 (the clamps of every family bite inside that
+    range), ``(4, width)`` with ``width`` even."""
+    return torch.linspace(-12, 12, 4 * width, dtype=torch.float64).view(4, width)
+
+
+def _matches(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.shape == want.shape and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def _activation_of(act: Any) -> dict[str, Any] | None:
+    """The op's ``activation`` (and ``alpha``) computing what ``act`` computes, found by
+    running ``act`` on a probe: transformers' activation classes, torch's functions and modules
+    alike; None when none of the op's does."""
+    from cakeops.reference.routed_experts import ACT
+
+    if act is None:
+        return None
+    probe = _probe()
+    try:
+        with torch.no_grad():
+            want = act(probe.clone())
+    except Exception:  # an activation that takes another signature: not one of ours
+        return None
+    candidates = [(name, 1.0) for name in ACT] + [("silu", 1.702)]  # quick_gelu: silu(1.702 x)
+    for name, alpha in candidates:
+        if isinstance(want, torch.Tensor) and _matches(want, ACT[name](probe, alpha)):
+            return {"activation": name} | ({"alpha": alpha} if alpha != 1.0 else {})
+    return None
+
+
+def _gate_options(module: torch.nn.Module, activation: dict[str, Any]) -> dict[str, Any] | None:
+    """The op's options computing the module's ``_apply_gate`` (its own, or transformers'
+    default ``act(gate) * up``), checked on a probe; None when none of them does. A family's
+    own gate is read from its attributes (``limit``/``swiglu_limit``, ``alpha``/
+    ``swiglu_alpha``) and tried with and without GPT-OSS's ``+ 1`` on the up projection."""
+    probe = _probe()
+    F = probe.shape[1] // 2
+    interleaved = not getattr(module, "is_concatenated", True)
+    gate, up = (probe[:, ::2], probe[:, 1::2]) if interleaved else (probe[:, :F], probe[:, F:])
+    try:
+        with torch.no_grad():
+            want = module._apply_gate(probe.clone())
+    except Exception:
+        return None
+    limit = next((float(getattr(module, a)) for a in _LIMITS if hasattr(module, a)), None)
+    alpha = next((float(getattr(module, a)) for a in _ALPHAS if hasattr(module, a)), None)
+    base = dict(activation)
+    tries = [base]
+    if limit is not None or alpha is not None:
+        clamped = {"activation": "silu"} if alpha is not None else dict(base)
+        if alpha is not None:
+            clamped["alpha"] = alpha
+        if limit is not None:
+            clamped["limit"] = limit
+        tries += [clamped, {**clamped, "up_offset": 1.0}]
+    for options in tries:
+        if _matches(want, _gated(gate, up, **options)):
+            return options
+    return None
+
+
+def _gated(gate, up, activation="silu", alpha=1.0, limit=None, up_offset=0.0):
+    """The op's ``h`` on float64 gate and up pre-activations (the spec's formula)."""
+    from cakeops.reference.routed_experts import ACT
+
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return ACT[activation](gate, alpha) * (up + up_offset)
+
+
+def experts_options(module: torch.nn.Module) -> dict[str, Any]:
+    """The keyword options of :func:`cakeops.routed_experts` that compute this experts module
+    (activation, ``alpha``, ``limit``, ``up_offset``), found once and kept on the module;
+    raises :class:`Unsupported` with every reason it cannot."""
+    cached = module.__dict__.get("_cakeops_options")
+    if cached is not None:
+        return cached
+    reasons = []
+    if getattr(module, "has_post_expert_norm", False):
+        norm = type(getattr(module, "post_expert_norm", None)).__name__
+        reasons.append(f"a norm after each expert ({norm}), before the combine")
+    act = getattr(module, "act_fn", None)
+    activation = _activation_of(act)
+    gated = getattr(module, "has_gate", True)
+    if gated:
+        options = _gate_options(module, activation or {"activation": "silu"})
+        if options is None:
+            doc = (type(act).__doc__ or "").strip().split("\n")[0]
+            what = f"{type(act).__name__}: {doc}" if act is not None and doc else "its own"
+            reasons.append(
+                f"its gate ({type(module).__name__}._apply_gate, {what.rstrip('.')}) is none "
+                f"of cakeops' forms (act(min(gate, limit)) * (clamp(up, ±limit) + offset), act "
+                f"in {', '.join(ACTIVATIONS)})"
+            )
+    else:
+        options = activation
+        if options is None:
+            reasons.append(f"its activation ({type(act).__name__}) is not in {ACTIVATIONS}")
+    if reasons:
+        raise Unsupported(
+            f"experts_implementation='cakeops' does not support {type(module).__name__}: "
+            f"{'; '.join(reasons)}; use 'eager' or 'grouped_mm' for this model"
+        )
+    module.__dict__["_cakeops_options"] = options
+    return options
+
+
+def _weights(self: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """The module's weights and biases as the op reads them: views, never copies.
+
+    Hugging Face keeps ``gate_up_proj (E, 2F, D)`` (``(E, D, 2F)`` transposed), gate then up
+    (or interleaved: gate, up, gate, ...), ``up_proj`` without a gate, ``down_proj (E, D, F)``
+    (``(E, F, D)`` transposed) and the biases beside them."""
+    transposed = getattr(self, "is_transposed", False)
+    down = self.down_proj.transpose(1, 2) if transposed else self.down_proj
+    F = down.shape[-1]
+
+    def split(t: torch.Tensor | None, dim: int):
+        if t is None:
+            return None, None
+        if not getattr(self, "is_concatenated", True):
+            return t[(slice(None),) * dim + (slice(0, None, 2),)], t[
+                (slice(None),) * dim + (slice(1, None, 2),)
+            ]
+        return t.narrow(dim, 0, F), t.narrow(dim, F, F)
+
+    has_bias = getattr(self, "has_bias", False)
+    out: dict[str, torch.Tensor | None] = {"w_down": down}
+    if getattr(self, "has_gate", True):
+        gate, up = split(self.gate_up_proj, 2 if transposed else 1)
+        if transposed:
+            gate, up = gate.transpose(1, 2), up.transpose(1, 2)
+        out["b_gate"], out["b_up"] = split(self.gate_up_proj_bias if has_bias else None, 1)
+    else:
+        gate, up = None, self.up_proj.transpose(1, 2) if transposed else self.up_proj
+        out["b_up"] = self.up_proj_bias if has_bias else None
+    out["w_gate"], out["w_up"] = gate, up
+    out["b_down"] = self.down_proj_bias if has_bias else None
+    return out
 
 
 def experts_forward(
@@ -31,45 +181,53 @@ def experts_forward(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """An ``ExpertsInterface`` function: the experts module's SwiGLU experts and combine on
-    :func:`cakeops.routed_experts`. Refuses layouts it does not implement, with the reason."""
-    unsupported = [
-        reason
-        for reason, present in (
-            ("expert biases", getattr(self, "has_bias", False)),
-            ("experts without a gate", not getattr(self, "has_gate", True)),
-            ("transposed expert weights", getattr(self, "is_transposed", False)),
-            ("interleaved gate/up weights", not getattr(self, "is_concatenated", True)),
-            ("a norm after each expert", getattr(self, "has_post_expert_norm", False)),
-            ("expert parallelism", getattr(self, "_is_expert_parallel", False)),
-            ("an activation other than SiLU", not _is_silu(getattr(self, "act_fn", None))),
-        )
-        if present
-    ]
-    if unsupported:
-        raise NotImplementedError(
-            f"experts_implementation='cakeops' does not support {type(self).__name__} with "
-            f"{', '.join(unsupported)}; use 'eager' or 'grouped_mm' for this model"
-        )
-    F = self.down_proj.shape[-1]
-    gate_up = self.gate_up_proj
+    """An ``ExpertsInterface`` function: the experts module's experts and combine on
+    :func:`cakeops.routed_experts`, whatever its form (activation, clamped gate, biases,
+    transposed or interleaved weights, no gate). Ids past the local experts (transformers'
+    expert parallelism) are dropped slots. Refuses a module it cannot run, with the reasons."""
+    options = experts_options(self)
+    w = _weights(self)
     return routed_experts(
-        hidden_states, top_k_index, top_k_weights, gate_up[:, :F], gate_up[:, F:], self.down_proj
-    )
+        hidden_states, top_k_index, top_k_weights, w.pop("w_gate"), w.pop("w_up"),
+        w.pop("w_down"), **w, **options,
+    )  # fmt: skip
 
 
-def _is_silu(act: Any) -> bool:
-    """torch's SiLU or transformers' ``ACT2FN["silu"]`` (a ``SiLUActivation``)."""
-    if act is torch.nn.functional.silu or isinstance(act, torch.nn.SiLU):
-        return True
-    return type(act).__name__ == "SiLUActivation"
+def check_model(model: torch.nn.Module) -> None:
+    """Raise :class:`Unsupported` if an experts module of ``model`` cannot run on cakeops
+    (each class named once, with its reasons): the refusal comes when the model is built."""
+    problems: dict[str, str] = {}
+    for module in model.modules():
+        if hasattr(module, "has_gate") and hasattr(module, "down_proj"):
+            try:
+                experts_options(module)
+            except Unsupported as exc:
+                problems.setdefault(type(module).__name__, str(exc))
+    if problems:
+        raise Unsupported("\n".join(problems.values()))
 
 
 def register() -> None:
-    """Add ``"cakeops"`` to transformers' ``ExpertsInterface`` (idempotent)."""
+    """Add ``"cakeops"`` to transformers' ``ExpertsInterface`` and have a model built with it
+    (``from_config``/``from_pretrained(..., experts_implementation="cakeops")``) check its
+    experts at the end of its construction (idempotent)."""
+    from transformers import PreTrainedModel
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(NAME, experts_forward)
+    post_init = PreTrainedModel.post_init
+    if getattr(post_init, "_cakeops_checks", False):
+        return
+
+    @functools.wraps(post_init)
+    def post_init_then_check(self, *args, **kwargs):
+        result = post_init(self, *args, **kwargs)
+        if getattr(self.config, "_experts_implementation", None) == NAME:
+            check_model(self)
+        return result
+
+    post_init_then_check._cakeops_checks = True  # type: ignore[attr-defined]
+    PreTrainedModel.post_init = post_init_then_check
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,6 +271,7 @@ def apply_cakeops(model: torch.nn.Module) -> torch.nn.Module:
     RMSNorms on :func:`cakeops.rmsnorm_silu_gate`, in place; returns the model. Parameters,
     buffers and state-dict names stay as they are."""
     register()
+    check_model(model)
     if (
         hasattr(model, "set_experts_implementation")
         and getattr(model, "_can_set_experts_implementation", lambda: True)()

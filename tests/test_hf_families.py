@@ -1,0 +1,213 @@
+"""Every Hugging Face family whose experts use transformers' ``ExpertsInterface``, with
+``experts_implementation="cakeops"`` against the eager experts (``tests/hf_families.py`` finds
+the families and builds them tiny): the model's loss and every parameter's gradient where the
+model builds from a generic tiny config, else the experts module's output and every gradient.
+A family cakeops cannot run is refused when the model is built, with the reason. The docs'
+table is generated from these checks: ``python tests/test_hf_families.py``.
+
+Both sides are float32, each within the spec's float32 tolerance of the exact values, so they
+are compared within twice that.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+import cakeops
+from cakeops.integrations.transformers import (
+    Unsupported,
+    apply_cakeops,
+    check_model,
+    experts_options,
+)
+
+sys.path.insert(0, str(Path(__file__).parent))
+import hf_families as H  # noqa: E402
+
+TOLERANCE = 2 * cakeops.tolerance(torch.float32)
+#: A gradient this small against the largest one is float32 rounding noise around zero.
+NOISE = 1e-6
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = [f.name for f in H.families()]
+
+
+@functools.cache
+def _refusal(fam: H.Family) -> str | None:
+    """Why cakeops refuses the family's experts (None: it runs them)."""
+    for experts in fam.experts:
+        try:
+            experts_options(H.build_experts(experts))
+        except Unsupported as exc:
+            return str(exc).split(": ", 1)[1].rsplit("; use ", 1)[0]
+    return None
+
+
+def _grads_of_model(model, ids):
+    model.zero_grad(set_to_none=True)
+    model.eval()  # no dropout, no router sampling (PhiMoE's sparsemixer samples in training)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return [loss.detach()], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _grads_of_experts(module, inputs):
+    x, index, weights = (t.clone() for t in inputs)
+    x.requires_grad_()
+    weights.requires_grad_()
+    out = module(x, index, weights)
+    params = dict(module.named_parameters())
+    grads = torch.autograd.grad(out, [x, weights, *params.values()], torch.ones_like(out))
+    names = ["hidden_states", "top_k_weights", *params]
+    return [out.detach()], dict(zip(names, grads, strict=True))
+
+
+def _assert_close(eager, mine, exact=None):
+    """cakeops' values within ``TOLERANCE`` of the eager experts'. Where a model's own
+    conditioning spreads two float32 runs further apart (``exact``: the float64 eager run, for
+    DeepSeek-V4's hyper-connections), cakeops must be within the float32 tolerance of the exact
+    value or of the same order as the eager experts' own float32 error (twice it at most: two
+    float32 runs of an ill-conditioned model each wander from the exact value)."""
+    (want, want_grads), (got, got_grads) = eager, mine
+    assert want_grads.keys() == got_grads.keys()
+    largest = max(g.norm().item() for g in want_grads.values())
+    pairs = [("loss", a, b) for a, b in zip(got, want, strict=True)]
+    for name, grad in want_grads.items():
+        if grad.norm() <= NOISE * largest:
+            # zero by the math (DeepSeek-V4's hash-routed layers): rounding noise on both sides,
+            # which must stay noise
+            assert got_grads[name].norm() <= NOISE * largest, name
+            continue
+        pairs.append((name, got_grads[name], grad))
+    for name, a, b in pairs:
+        err = cakeops.relative_error(a, b)
+        if err <= TOLERANCE:
+            continue
+        assert exact is not None, f"{name}: relative error {err:.2e}"
+        values, grads = exact()
+        truth = values[0] if name == "loss" else grads[name]
+        mine_err, eager_err = cakeops.relative_error(a, truth), cakeops.relative_error(b, truth)
+        assert mine_err <= max(cakeops.tolerance(torch.float32), 2 * eager_err), (
+            f"{name}: relative error {mine_err:.2e} against float64, eager's {eager_err:.2e}"
+        )
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if _refusal(H.family(n)) is None])
+def test_family_matches_the_eager_experts(name):
+    fam = H.family(name)
+    if H.level(name) == "model":
+        model = H.build_model(fam)
+        model.set_experts_implementation("eager")
+        mine = apply_cakeops(copy.deepcopy(model))
+        with cakeops.use_backend("nope", op="routed_experts"), pytest.raises(cakeops.BackendError):
+            mine(H.tokens())  # proof that the experts run on cakeops
+        exact = functools.cache(lambda: _grads_of_model(copy.deepcopy(model).double(), H.tokens()))
+        _assert_close(_grads_of_model(model, H.tokens()), _grads_of_model(mine, H.tokens()), exact)
+        return
+    for experts in fam.experts:
+        module = H.build_experts(experts)
+        inputs = H.experts_inputs(module)
+        mine = copy.deepcopy(module)
+        mine.config._experts_implementation = "cakeops"
+        _assert_close(_grads_of_experts(module, inputs), _grads_of_experts(mine, inputs))
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if _refusal(H.family(n)) is not None])
+def test_refused_family_is_refused_when_built(name):
+    """Not at the first forward: ``from_config(..., experts_implementation="cakeops")`` (or,
+    for a family without a causal LM, the check on its experts module) raises with the
+    reason."""
+    fam = H.family(name)
+    if H.level(name) == "model":
+        config = H.tiny(fam.causal.config_class())
+        with pytest.raises(Unsupported, match="does not support"):
+            fam.causal._from_config(config, experts_implementation="cakeops")
+        return
+    module = H.build_experts(fam.experts[0])
+    with pytest.raises(Unsupported, match="does not support"):
+        check_model(torch.nn.Sequential(module))
+
+
+def test_expert_parallel_sentinels_are_dropped_slots():
+    """transformers' expert parallelism sends ids past the local experts with zero weights:
+    with cakeops they add nothing, as with the eager experts."""
+    module = H.build_experts(H.family("qwen3_moe").experts[0])
+    module._is_expert_parallel = True
+    x, index, weights = H.experts_inputs(module)
+    index[::2, 1] = module.num_experts  # the sentinel: experts on another rank
+    weights = weights.masked_fill(index >= module.num_experts, 0.0)
+    mine = copy.deepcopy(module)
+    mine.config._experts_implementation = "cakeops"
+    eager = copy.deepcopy(module)
+    eager.config._experts_implementation = "batched_mm"  # eager's loop has no sentinel branch
+    _assert_close(
+        _grads_of_experts(eager, (x, index, weights)), _grads_of_experts(mine, (x, index, weights))
+    )
+
+
+def families_table() -> str:
+    """The docs' table of every family: how cakeops runs its experts, or why not."""
+    rows = [
+        "| family | experts | cakeops runs it as | checked on | status |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for fam in H.families():
+        classes = ", ".join(f"`{c.__name__}`" for c in fam.experts)
+        reason = _refusal(fam)
+        if reason is not None:
+            rows.append(f"| {fam.name} | {classes} | - | - | refused: {reason} |")
+            continue
+        forms = []
+        for experts in fam.experts:
+            module = H.build_experts(experts)
+            options = experts_options(module)
+            form = ", ".join(f"{k}={v}" for k, v in options.items() if k != "activation")
+            extras = [flag for flag, on in (
+                ("biases", getattr(module, "has_bias", False)),
+                ("no gate", not getattr(module, "has_gate", True)),
+                ("transposed", getattr(module, "is_transposed", False)),
+                ("interleaved", not getattr(module, "is_concatenated", True)),
+            ) if on]  # fmt: skip
+            forms.append(" ".join([options["activation"], *([form] if form else []), *extras]))
+        how = "; ".join(dict.fromkeys(forms))
+        rows.append(f"| {fam.name} | {classes} | {how} | {H.level(fam.name)} | works |")
+    return "\n".join(rows)
+
+
+def summary() -> str:
+    works = sum(_refusal(f) is None for f in H.families())
+    return (
+        f"With transformers {tf.__version__}, cakeops runs the experts of {works} of the "
+        f"{len(H.families())} families that use the `ExpertsInterface`."
+    )
+
+
+BLOCKS = {"docs/content/transformers.md": "hf-families", "README.md": "hf-families-summary"}
+
+
+def _block(name: str) -> str:
+    return families_table() + "\n\n" + summary() if name == "hf-families" else summary()
+
+
+@pytest.mark.parametrize("page", list(BLOCKS))
+def test_families_table_is_current(page):
+    """Regenerate with ``python tests/test_hf_families.py``."""
+    name = BLOCKS[page]
+    text = (ROOT / page).read_text()
+    block = text.split(f"<!-- {name}:start -->\n")[1].split(f"<!-- {name}:end -->")[0]
+    assert block.strip() == _block(name), f"{page}: run python tests/test_hf_families.py"
+
+
+if __name__ == "__main__":
+    for page, name in BLOCKS.items():
+        path = ROOT / page
+        head, rest = path.read_text().split(f"<!-- {name}:start -->\n")
+        tail = rest.split(f"<!-- {name}:end -->")[1]
+        path.write_text(f"{head}<!-- {name}:start -->\n{_block(name)}\n<!-- {name}:end -->{tail}")
+        print(f"wrote {page}")
