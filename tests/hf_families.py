@@ -9,6 +9,7 @@ weights, weights and biases). Used by ``tests/test_hf_families.py`` and the docs
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -77,10 +78,9 @@ def tiny(config: tf.PretrainedConfig) -> tf.PretrainedConfig:
     head_dim = {} if _has(config, "qk_rope_head_dim") else {"head_dim": 8}
     for key, value in {**TINY, **head_dim}.items():
         if _has(config, key):
-            try:
+            # a validated field of another type, a per-layer attribute: left as it is
+            with contextlib.suppress(Exception):
                 setattr(config, key, value)
-            except Exception:  # a validated field of another type, a per-layer attribute
-                pass
     kinds = getattr(config, "layer_types", None)
     if isinstance(kinds, list) and kinds:
         distinct = list(dict.fromkeys(kinds))[:2]

@@ -29,7 +29,7 @@ from cakeops.integrations.transformers import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-import hf_families as H  # noqa: E402
+import hf_families as H
 
 TOLERANCE = 2 * cakeops.tolerance(torch.float32)
 #: A gradient this small against the largest one is float32 rounding noise around zero.
