@@ -1,0 +1,154 @@
+"""Expert parallelism (``cakeops.distributed.routed_experts``) with gloo on the CPU, 2 and 4
+processes: output and every gradient equal to the single-process op on the gathered problem;
+composed with FSDP2 on a small model's other parameters."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import cakeops
+from cakeops import distributed as cd
+from cakeops.testing import assert_matches
+
+T, D, FF, E, K = 6, 8, 12, 8, 2  # tokens per rank, hidden, intermediate, experts, top-k
+GRADS = ("out", "x", "top_k_weights", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+#: form -> the op's options (the biases, when given, are part of the problem)
+FORMS = {"swiglu": {}, "gpt-oss": {"alpha": 1.702, "limit": 0.8, "up_offset": 1.0}}
+
+
+def problem(world: int, biases: bool):
+    """The gathered problem: every rank's tokens, every expert, some dropped slots."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(world * T, D, generator=g)
+    index = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(world * T)])
+    index[::5, 1] = E + 3  # dropped slots (ids >= E)
+    weights = torch.softmax(torch.randn(world * T, K, generator=g), -1)
+    shapes = [(E, FF, D), (E, FF, D), (E, D, FF)] + ([(E, FF), (E, FF), (E, D)] if biases else [])
+    experts = [torch.randn(s, generator=g) * 0.3 for s in shapes]
+    return x, index, weights, experts, torch.randn(world * T, D, generator=g)
+
+
+def _call(op, x, index, weights, experts, options):
+    w_gate, w_up, w_down, *b = experts
+    biases = dict(zip(("b_gate", "b_up", "b_down"), b, strict=False))
+    return op(x, index, weights, w_gate, w_up, w_down, **biases, **options)
+
+
+def _leave():
+    """Leave the worker without the interpreter's teardown (see test_distributed.py)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _worker(rank: int, world: int, init: str, out: str, form: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    x, index, weights, experts, g = problem(world, form != "swiglu")
+    mine, block = slice(rank * T, (rank + 1) * T), E // world
+    leaves = [x[mine], weights[mine], *(t[rank * block : (rank + 1) * block] for t in experts)]
+    leaves = [t.clone().requires_grad_() for t in leaves]
+    y = _call(cd.routed_experts, leaves[0], index[mine], leaves[1], leaves[2:], FORMS[form])
+    y.backward(g[mine])
+    torch.save([y.detach(), *(t.grad for t in leaves)], f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+    _leave()
+
+
+@pytest.mark.parametrize("world, form", [(2, "swiglu"), (4, "gpt-oss")])
+def test_matches_the_single_process_op(tmp_path, world, form):
+    """Each rank's output and ``x``/``top_k_weights`` gradients are its rows of the gathered
+    op's; its expert weights' and biases' gradients are its block of the gathered op's."""
+    out = str(tmp_path / "rank")
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), out, form), nprocs=world, join=True)
+    parts = [torch.load(f"{out}.{r}") for r in range(world)]
+    got = [torch.cat(values) for values in zip(*parts, strict=True)]
+    x, index, weights, experts, g = problem(world, form != "swiglu")
+    leaves = [t.double().requires_grad_() for t in (x, weights, *experts)]
+    ref = _call(cakeops.routed_experts, leaves[0], index, leaves[1], leaves[2:], FORMS[form])
+    want = [ref, *torch.autograd.grad(ref, leaves, g.double())]
+    assert len(got) == len(want)
+    for name, a, b in zip(GRADS, got, want, strict=False):
+        assert_matches(a, b, name, torch.float32)
+
+
+class Model(torch.nn.Module):
+    """A projection, a router and the experts (this rank's block under expert parallelism),
+    then an output projection."""
+
+    def __init__(self, world: int = 1, rank: int = 0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(D, D)
+        self.router = torch.nn.Linear(D, E, bias=False)
+        self.out = torch.nn.Linear(D, D)
+        block = slice(rank * E // world, (rank + 1) * E // world)
+        full = [torch.randn(s) * 0.3 for s in ((E, FF, D), (E, FF, D), (E, D, FF))]
+        self.experts = torch.nn.ParameterList([torch.nn.Parameter(w[block]) for w in full])
+        self.world = world
+
+    def forward(self, x):
+        h = self.inp(x)
+        weights, index = torch.topk(torch.softmax(self.router(h), -1), K, dim=-1)
+        op = cakeops.routed_experts if self.world == 1 else cd.routed_experts
+        return self.out(h + op(h, index, weights, *self.experts))
+
+
+def _fsdp_worker(rank: int, world: int, init: str, out: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = Model(world, rank)
+    for part in (model.inp, model.router, model.out):  # FSDP2 on everything but the experts
+        fully_shard(part)
+    x, target = _data(world)
+    mine = slice(rank * T, (rank + 1) * T)
+    F.mse_loss(model(x[mine]), target[mine]).backward()
+    cd.scale_expert_grads(model.experts.parameters())
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+             for n, p in model.named_parameters()}  # fmt: skip
+    torch.save(grads, f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+    _leave()
+
+
+def _data(world: int):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(world * T, D, generator=g), torch.randn(world * T, D, generator=g)
+
+
+def test_composes_with_fsdp2(tmp_path):
+    """FSDP2 shards and averages the other parameters; the experts are sharded by expert
+    parallelism, their gradients averaged by ``scale_expert_grads``: every gradient equals
+    the one process's on the whole batch."""
+    world, out = 2, str(tmp_path / "rank")
+    mp.spawn(_fsdp_worker, args=(world, str(tmp_path / "init"), out), nprocs=world, join=True)
+    parts = [torch.load(f"{out}.{r}") for r in range(world)]
+    model = Model()
+    x, target = _data(world)
+    F.mse_loss(model(x), target).backward()
+    for name, p in model.named_parameters():
+        if name.startswith("experts."):
+            got = torch.cat([part[name] for part in parts])
+        else:
+            got = parts[0][name]
+            assert torch.equal(got, parts[1][name]), name
+        assert_matches(got, p.grad.double(), name, torch.float32)
+
+
+def test_refuses_without_a_process_group():
+    x = torch.randn(4, D)
+    index = torch.zeros(4, K, dtype=torch.long)
+    w = [torch.randn(1, FF, D), torch.randn(1, FF, D), torch.randn(1, D, FF)]
+    with pytest.raises(RuntimeError, match="not initialised"):
+        cd.routed_experts(x, index, torch.ones(4, K), *w)
