@@ -25,7 +25,7 @@ def install(session: nox.Session, *extra: str) -> None:
 def tests(session: nox.Session) -> None:
     """The whole suite: conformance on every in-tree backend, dispatch, CLI, packaging."""
     install(session, EXAMPLE_BACKEND, "pytest", "pytest-xdist", "pytest-timeout", "hatchling",
-            "numpy", "matplotlib", "transformers")  # fmt: skip
+            "numpy", "matplotlib", "transformers", "accelerate")  # fmt: skip
     session.run("pytest", *session.posargs)
     # Every op through the CPU benchmarks, small (integer inputs, peers, tables).
     session.run("cakeops", "bench", "--quick")
