@@ -209,3 +209,22 @@ def test_transformers_expert_parallelism(tmp_path):
         assert grads.keys() == grads_c.keys() and grads
         for name, grad in grads.items():
             assert_matches(grads_c[name], grad.double(), name, torch.float32)
+
+
+def test_benchmark_reports_both_configurations(tmp_path):
+    """``python -m cakeops.bench.expert_parallel --quick``: both configurations, bytes sent by
+    the expert-parallel ranks only, the exact count from the routing."""
+    from cakeops.bench import expert_parallel as bench
+
+    rows = bench.run(quick=True)
+    one, ep = rows
+    assert one["sent"] == 0 and ep["sent"] > 0 and ep["time_s"] > 0 and one["time_s"] > 0
+    T, D, _, E, _ = next(iter(bench.QUICK_CASES.values()))
+    _, index, *_ = bench.problem(*next(iter(bench.QUICK_CASES.values())))
+    home = torch.arange(T).unsqueeze(1) // (T // 2)
+    away = int(((index // (E // 2)) != home)[: T // 2].sum())  # rank 0's rows for rank 1
+    received = int(((index // (E // 2)) == 0)[T // 2 :].sum())
+    assert max(bench._exchanged_bytes(index, r, 2, D, E // 2) for r in range(2)) == ep["sent"]
+    assert bench._exchanged_bytes(index, 0, 2, D, E // 2) == (away + received) * 8 * D + away * 8
+    text = bench.markdown(rows, quick=True)
+    assert "2 processes x 1 thread" in text and "python -m cakeops.bench.expert_parallel" in text
