@@ -63,6 +63,10 @@ def calls(dtypes=DTYPES) -> Iterator[Call]:
             out += [Call("moe_experts", dtype, (16, 12, 20, 4, 2), "float32-weights")]
         out += [Call("routed_experts", dtype, c) for c in routed]
         out += [Call("routed_experts", dtype, (16, 12, 20, 4, 2), "packed")]
+        # every form of expert the suite checks (those with a kink in float32 only, as there)
+        out += [Call("routed_experts", dtype, suite_routed.FORM_SHAPE, f"form:{name}")
+                for name, (_, make) in suite_routed.FORMS.items()
+                if dtype == torch.float32 or not make.get("kink")]  # fmt: skip
     full = bench_gpu.FULL
     bench = {
         "rmsnorm_silu_gate": [(tuple(full["rmsnorm_silu_gate"]), None, True)],
@@ -105,6 +109,11 @@ def sweep_calls(dtypes=(torch.bfloat16, torch.float16)) -> Iterator[Call]:
             out += [Call("moe_experts", dtype, (4096, D, F, 8, 2))]
             out += [Call("moe_experts", dtype, (4096, D, F, 8, 2), "float32-weights")]
             out += [Call("routed_experts", dtype, (4096, D, F, 8, 2), "packed")]
+        # GPT-OSS's form (clamped SwiGLU, biases, interleaved transposed weights) and the
+        # gateless ReLU² of Nemotron-H: their epilogues hold more live tiles
+        for D, F in EXPERT_SIZES[::2]:
+            out += [Call("routed_experts", dtype, (4096, D, F, 8, 2), "form:gpt-oss")]
+            out += [Call("routed_experts", dtype, (4096, D, F, 8, 2), "form:no-gate-relu2")]
         yield from _unique(out)
 
 
@@ -132,6 +141,8 @@ def inputs(call: Call) -> tuple[tuple, tuple]:
             q, k, v = empty(N, H, L, E), empty(N, H, L, E), empty(N, H, L, M)
         return (q, k, v), (empty(N, H, L, M), q, k, v)
     T, D, F, E, top_k = call.shape
+    if call.variant.startswith("form:"):
+        return _form_inputs(call, empty)
     wdt = torch.float32 if call.variant == "float32-weights" else dt
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(T, E, generator=gen)
@@ -146,3 +157,32 @@ def inputs(call: Call) -> tuple[tuple, tuple]:
         args = (x, index, weights.to(dt), *ws)
         return args, (empty(T, D), *args)
     return (x, logits, *ws, top_k, True, 1.0), (empty(T, D), x, logits, *ws, top_k, True, 1.0)
+
+
+def _form_inputs(call: Call, empty) -> tuple[tuple, tuple]:
+    """``routed_experts``' kernel arguments for one of the suite's forms of expert
+    (``suite_routed.FORMS``): the weights in the form's layout, its biases and options."""
+    T, D, F, E, top_k = call.shape
+    options, make = suite_routed.FORMS[call.variant.removeprefix("form:")]
+    layout = make.get("layout", "")
+    if layout == "interleaved-transposed":
+        gate_up = empty(E, D, 2 * F)
+        w_gate, w_up = gate_up[..., ::2].transpose(1, 2), gate_up[..., 1::2].transpose(1, 2)
+    elif layout == "transposed":
+        w_gate, w_up = (empty(E, D, F).transpose(1, 2) for _ in range(2))
+    elif layout == "interleaved":
+        gate_up = empty(E, 2 * F, D)
+        w_gate, w_up = gate_up[:, ::2], gate_up[:, 1::2]
+    else:
+        w_gate, w_up = empty(E, F, D), empty(E, F, D)
+    w_down = empty(E, F, D).transpose(1, 2) if layout.endswith("transposed") else empty(E, D, F)
+    gated = make.get("gated", True)
+    biases = make.get("biases", False)
+    b_gate = empty(E, 2 * F)[:, ::2] if biases is True and gated else None
+    b_up, b_down = (empty(E, F), empty(E, D)) if biases else (None, None)
+    full = {"activation": "silu", "alpha": 1.0, "limit": None, "up_offset": 0.0, **options}
+    gen = torch.Generator().manual_seed(0)
+    weights, index = torch.softmax(torch.randn(T, E, generator=gen), -1).topk(top_k, dim=-1)
+    args = (empty(T, D), index, weights.to(call.dtype), w_gate if gated else None, w_up, w_down,
+            b_gate, b_up, b_down, *full.values())  # fmt: skip
+    return args, (empty(T, D), *args)

@@ -41,6 +41,7 @@ OP = "routed_experts"
 INDEX_DTYPES = (torch.int32, torch.int64)
 #: The activations ``act`` the experts take (``silu`` with its slope ``alpha``).
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
+_WEIGHTS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
 #: The keyword-only arguments both expert ops share, in order, after their own.
 EXPERT_OPTIONS = ("b_gate", "b_up", "b_down", "activation", "alpha", "limit", "up_offset")
 
@@ -114,20 +115,19 @@ def check_weights(op: str, a: OpInputs, E: int | None, where_e: str) -> tuple[in
     ``where_e`` says where it comes from), then the activation's options; returns ``(E, F)``.
     Shared with ``moe_experts``."""
     x, w_up = a.x, a.w_up
-    weights = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
-    for name in weights:
-        w = a[name]
-        if w is not None and w.dtype not in (x.dtype, torch.float32):
+    given = [(n, w) for n in _WEIGHTS if (w := getattr(a, n)) is not None]
+    for name, w in given:
+        if w.dtype not in (x.dtype, torch.float32):
             raise TypeError(
                 f"{op}: argument '{name}' expected dtype {_spec.dtype_name(x.dtype)} (the dtype of "
                 f"x) or float32 (master weights), got {_spec.dtype_name(w.dtype)}"
             )
-    for name in weights:
-        if name != "w_up" and a[name] is not None:
-            _spec.check_dtype_like(op, name, a[name], "w_up", w_up)
+    for name, w in given:
+        if w.dtype != w_up.dtype:
+            _spec.check_dtype_like(op, name, w, "w_up", w_up)
     # E and F from the first projection: the gate's, or the up's without a gate
     first = "w_up" if a.w_gate is None else "w_gate"
-    w = a[first]
+    w = getattr(a, first)
     D = x.shape[1]
     ok = w.dim() == 3 and w.shape[2] == D and w.shape[0] == (E or w.shape[0])
     if not ok or w.shape[0] < 1:
@@ -136,14 +136,13 @@ def check_weights(op: str, a: OpInputs, E: int | None, where_e: str) -> tuple[in
             f"got {tuple(w.shape)}"
         )
     E, F = w.shape[:2]
-    expected = {"w_up": (E, F, D), "w_down": (E, D, F), "b_gate": (E, F), "b_up": (E, F),
-                "b_down": (E, D)}  # fmt: skip
-    for name, shape in expected.items():
-        w = a[name]
-        if w is not None and w.shape != shape:
+    expected = {"w_gate": (E, F, D), "w_up": (E, F, D), "w_down": (E, D, F), "b_gate": (E, F),
+                "b_up": (E, F), "b_down": (E, D)}  # fmt: skip
+    for name, w in given:
+        if w.shape != expected[name]:
             raise ValueError(
-                f"{op}: argument '{name}' expected shape {shape} (E, F of {first}, D of x), "
-                f"got {tuple(w.shape)}"
+                f"{op}: argument '{name}' expected shape {expected[name]} (E, F of {first}, D "
+                f"of x), got {tuple(w.shape)}"
             )
     _check_activation(op, a)
     return E, F
@@ -152,6 +151,9 @@ def check_weights(op: str, a: OpInputs, E: int | None, where_e: str) -> tuple[in
 def _check_activation(op: str, a: OpInputs) -> None:
     """The activation's options: a known name, ``alpha`` for SiLU only, a positive ``limit``,
     and the gate's options only with a gate."""
+    default = a.activation == "silu" and a.alpha == 1.0 and a.limit is None and a.up_offset == 0
+    if default and (a.w_gate is not None or a.b_gate is None):
+        return  # the common case, checked in a few comparisons
     if a.activation not in ACTIVATIONS:
         raise ValueError(
             f"{op}: argument 'activation' expected one of {', '.join(ACTIVATIONS)}, "
