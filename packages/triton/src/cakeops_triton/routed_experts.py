@@ -25,7 +25,12 @@ float32 (``x`` widened as it loads), so that every gradient is as accurate as it
   optionally gathered and scaled by a per-row factor as they load.
 
 ``_slot_sum_kernel`` then sums each token's ``top_k`` slots in slot order (deterministic, no
-atomics: one read of the float32 slots, one write in ``x``'s dtype). What is left to PyTorch is
+atomics: one read of the float32 slots, one write in ``x``'s dtype; dropped slots, ids ``>= E``,
+left out), and ``_grouped_row_sum`` each expert's rows for the biases' gradients.
+
+Forms of expert other than the default SwiGLU (``FORM``): the activation (``ACT``), its clamp
+(``CLAMP``), GPT-OSS's offset, and the biases (``BIAS1``, ``BIAS2``) are applied in the same
+epilogues; without a gate (``GATED`` false) the first product is the up projection's. What is left to PyTorch is
 the sort by expert and the sum of the routing-weight partials over column tiles.
 """
 
@@ -374,6 +379,34 @@ def _grouped_weight_grad(
     tl.store(DW + out, round_to(acc, DW.dtype.element_ty), mask=(p < P)[:, None] & (q < Q)[None, :])
 
 
+def _grouped_row_sum(
+    A, IDX, SCALE, OUT, STARTS, ENDS, stride_a, N,
+    GATHER: tl.constexpr, SCALED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``out[e] = sum over the rows r of e, in order, of A[r]`` (``A``'s rows optionally
+    gathered and scaled as they load): the biases' gradients, float32 sums stored in ``OUT``'s
+    dtype; an expert with no rows stores exact zeros."""
+    e = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    start = tl.load(STARTS + e)
+    end = tl.load(ENDS + e)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        ok = rows < end
+        if GATHER:
+            src = tl.load(IDX + rows, mask=ok, other=0).to(tl.int64)
+        else:
+            src = rows.to(tl.int64)
+        a = tl.load(A + src[:, None] * stride_a + cols[None, :], mask=ok[:, None] & col_ok[None, :],
+                    other=0.0).to(tl.float32)  # fmt: skip
+        if SCALED:
+            a = a * tl.load(SCALE + rows, mask=ok, other=0.0)[:, None]
+        acc += tl.sum(a, axis=0)
+    tl.store(OUT + e * N + cols, round_to(acc, OUT.dtype.element_ty), mask=col_ok)
+
+
 def _slot_sum_kernel(SLOTS, IDS, OUT, D, E, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
     """``out[t] = sum_s slots[t, s]`` in slot order (deterministic), stored in ``OUT``'s dtype;
     a dropped slot (id ``>= E``: no expert wrote its row) adds nothing."""
@@ -412,6 +445,8 @@ _grouped_weight_grad_tuned = triton.autotune(
 _grouped_weight_grad_untuned = untuned(_grouped_weight_grad)
 _slot_sum_tuned = triton.jit(_slot_sum_kernel)  # no configs to tune: "tuned" is specialised
 _slot_sum_untuned = untuned(_slot_sum_kernel)
+_row_sum_tuned = triton.jit(_grouped_row_sum)
+_row_sum_untuned = untuned(_grouped_row_sum)
 
 
 def _slot_sum(slots: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
@@ -527,6 +562,22 @@ def _weight_grad(
     return dw
 
 
+def _row_sum(a, idx, tables, num_experts: int, dtype: torch.dtype, scale=None) -> torch.Tensor:
+    """Each expert's rows of ``a`` summed (``a``'s rows gathered through ``idx`` and times
+    ``scale`` when given), ``(E, N)`` in ``dtype``: a bias's gradient. One fixed 32 x 128 tile
+    of float32 a program (32 registers a thread at 4 warps: no spill at any width)."""
+    _, _, starts, ends = tables
+    N = a.shape[1]
+    out = torch.empty((num_experts, N), dtype=dtype, device=a.device)
+    kernel = _row_sum_tuned if a.shape[0] >= TUNE_FROM_ROWS else _row_sum_untuned
+    kernel[(num_experts, triton.cdiv(N, 128))](
+        a, a if idx is None else idx, a if scale is None else scale, out, starts, ends,
+        a.stride(0), N, GATHER=idx is not None, SCALED=scale is not None, BLOCK_R=32,
+        BLOCK_N=128, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 def _block_m(routing: Routing, x: torch.Tensor, *weights: torch.Tensor) -> int:
     """Rows per tile: ``WIDE_BLOCK_M`` for tuned problems whose products are 16-bit on wgmma
     with a layout of 16-element strides (operands in shared memory, loaded as vectors, leave
@@ -594,16 +645,13 @@ def experts_backward(g, x, routing: Routing, ew: ExpertWeights) -> tuple[torch.T
     d_down = _weight_grad(g, idx, h, None, tables, E, ew.w_down.dtype, scale_a=slot_w)
     d_up = _weight_grad(d_up_rows, None, x, idx, tables, E, ew.w_up.dtype)
     d_gate = _weight_grad(d_gate_rows, None, x, idx, tables, E, ew.w_gate.dtype) if gated else None
-    # the biases' gradients: each expert's rows summed (a weight gradient against ones)
-    ones = torch.ones((idx.numel(), 1), dtype=x.dtype, device=x.device)
-
-    def bias_grad(b, rows, rows_idx=None, scale=None):
-        if b is None:
-            return None
-        return _weight_grad(rows, rows_idx, ones, None, tables, E, b.dtype, scale_a=scale)[..., 0]
-
-    db_gate, db_up = bias_grad(ew.b_gate, d_gate_rows), bias_grad(ew.b_up, d_up_rows)
-    db_down = bias_grad(ew.b_down, g, idx, slot_w)
+    # the biases' gradients: each expert's rows summed
+    db_gate, db_up, db_down = (
+        None if b is None else _row_sum(rows, rows_idx, tables, E, b.dtype, scale)
+        for b, rows, rows_idx, scale in ((ew.b_gate, d_gate_rows, None, None),
+                                         (ew.b_up, d_up_rows, None, None),
+                                         (ew.b_down, g, idx, slot_w))
+    )  # fmt: skip
     # dx rows = dhg W_gate[e] + dhu W_up[e] in one pass (K = F, N = D), each stored at its
     # (token, slot) row: the dispatch backward is then the slot sum, with no weight factor
     if gated:
