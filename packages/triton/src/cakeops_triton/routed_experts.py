@@ -30,8 +30,9 @@ left out), and ``_grouped_row_sum`` each expert's rows for the biases' gradients
 
 Forms of expert other than the default SwiGLU (``FORM``): the activation (``ACT``), its clamp
 (``CLAMP``), GPT-OSS's offset, and the biases (``BIAS1``, ``BIAS2``) are applied in the same
-epilogues; without a gate (``GATED`` false) the first product is the up projection's. What is left to PyTorch is
-the sort by expert and the sum of the routing-weight partials over column tiles.
+epilogues; without a gate (``GATED`` false) the first product is the up projection's. What is
+left to PyTorch is the sort by expert and the sum of the routing-weight partials over column
+tiles.
 """
 
 from __future__ import annotations
@@ -341,6 +342,14 @@ def _grouped_mm(
         tl.store(OUT + out, acc, mask=ok)
 
 
+@triton.jit
+def _source_rows(IDX, rows, ok, GATHER: tl.constexpr):
+    """The rows to read for sorted ``rows``: gathered through ``IDX``, or the rows themselves."""
+    if GATHER:
+        return tl.load(IDX + rows, mask=ok, other=0).to(tl.int64)
+    return rows.to(tl.int64)
+
+
 def _grouped_weight_grad(
     A, IDX_A, SCALE_A, B, IDX_B, DW, STARTS, ENDS,
     stride_a, stride_b, P, Q, P_BUCKET, Q_BUCKET,
@@ -357,14 +366,8 @@ def _grouped_weight_grad(
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         ok = rows < end
-        if GATHER_A:
-            ra = tl.load(IDX_A + rows, mask=ok, other=0).to(tl.int64)
-        else:
-            ra = rows.to(tl.int64)
-        if GATHER_B:
-            rb = tl.load(IDX_B + rows, mask=ok, other=0).to(tl.int64)
-        else:
-            rb = rows.to(tl.int64)
+        ra = _source_rows(IDX_A, rows, ok, GATHER_A)
+        rb = _source_rows(IDX_B, rows, ok, GATHER_B)
         a = tl.load(
             A + ra[:, None] * stride_a + p[None, :], mask=ok[:, None] & (p < P)[None, :], other=0.0
         ).to(DTYPE)
@@ -395,10 +398,7 @@ def _grouped_row_sum(
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         ok = rows < end
-        if GATHER:
-            src = tl.load(IDX + rows, mask=ok, other=0).to(tl.int64)
-        else:
-            src = rows.to(tl.int64)
+        src = _source_rows(IDX, rows, ok, GATHER)
         a = tl.load(A + src[:, None] * stride_a + cols[None, :], mask=ok[:, None] & col_ok[None, :],
                     other=0.0).to(tl.float32)  # fmt: skip
         if SCALED:
