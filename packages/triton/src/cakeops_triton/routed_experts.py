@@ -29,8 +29,10 @@ atomics: one read of the float32 slots, one write in ``x``'s dtype; dropped slot
 left out), and ``_grouped_row_sum`` each expert's rows for the biases' gradients.
 
 Forms of expert other than the default SwiGLU (``FORM``): the activation (``ACT``), its clamp
-(``CLAMP``), GPT-OSS's offset, and the biases (``BIAS1``, ``BIAS2``) are applied in the same
-epilogues; without a gate (``GATED`` false) the first product is the up projection's. What is
+(``CLAMP``), GPT-OSS's offset, and the biases (``HAS_B1``, ``HAS_B2``) are applied in the same
+epilogues; they are runtime values (one binary serves every form: the suite's dozen forms would
+otherwise compile a dozen), only ``FORM`` and ``GATED`` (without a gate the first product is
+the up projection's) are compile-time. What is
 left to PyTorch is the sort by expert and the sum of the routing-weight partials over column
 tiles.
 """
@@ -183,8 +185,9 @@ def _prune_grad(configs, args, **kwargs):
 
 
 @triton.jit
-def _act(g, ACT: tl.constexpr, ALPHA):
-    """``(act(g), act'(g))`` in float32 (``ACT`` numbers :data:`ACTIVATIONS`)."""
+def _act(g, ACT, ALPHA):
+    """``(act(g), act'(g))`` in float32 (``ACT`` numbers :data:`ACTIVATIONS`, a runtime value:
+    one branch runs)."""
     if ACT == 0:  # silu with its slope: g * sigmoid(alpha g)
         sig = 1.0 / (1.0 + tl.exp(-ALPHA * g))
         a = g * sig
@@ -210,26 +213,21 @@ def _act(g, ACT: tl.constexpr, ALPHA):
 
 
 @triton.jit
-def _expert_form(acc, acc2, ALPHA, LIMIT, OFFSET, ACT: tl.constexpr, CLAMP: tl.constexpr,
-                 GATED: tl.constexpr):  # fmt: skip
+def _expert_form(acc, acc2, ALPHA, LIMIT, OFFSET, ACT, CLAMP, GATED: tl.constexpr):
     """Any form of expert but the default: ``(h, dh/dgate, dh/dup)`` from the gate and up
     pre-activations (biases added; without a gate ``acc2`` is the up projection and
-    ``acc`` unused)."""
+    ``acc`` unused). With ``CLAMP`` the limit applies (a NaN stays NaN, and its gradient is
+    zero, as ``torch.clamp``'s: the gradient passes with the bounds included)."""
     if GATED:
         gate, up = acc, acc2
-        if CLAMP:  # torch.clamp's gradient passes with the bounds included
-            gate_ok = gate <= LIMIT
-            up_ok = (up >= -LIMIT) & (up <= LIMIT)
-            gate = tl.minimum(gate, LIMIT)
-            up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        gate_ok = (gate <= LIMIT) | (CLAMP == 0)
+        up_ok = ((up >= -LIMIT) & (up <= LIMIT)) | (CLAMP == 0)
+        if CLAMP:
+            gate = tl.where(gate > LIMIT, LIMIT, gate)
+            up = tl.where(up > LIMIT, LIMIT, tl.where(up < -LIMIT, -LIMIT, up))
         a, da = _act(gate, ACT, ALPHA)
         up = up + OFFSET
-        d_gate = up * da
-        d_up = a
-        if CLAMP:
-            d_gate = tl.where(gate_ok, d_gate, 0.0)
-            d_up = tl.where(up_ok, d_up, 0.0)
-        return a * up, d_gate, d_up
+        return a * up, tl.where(gate_ok, up * da, 0.0), tl.where(up_ok, a, 0.0)
     else:
         a, da = _act(acc2, ACT, ALPHA)
         return a, da, da
@@ -240,11 +238,10 @@ def _grouped_mm(
     ROWS, N, K, N_BUCKET, K_BUCKET, LAYOUT, stride_a, stride_a2,
     stride_we, stride_wn, stride_wk, stride_we2, stride_wn2, stride_wk2,
     stride_we3, stride_wn3, stride_wk3, stride_b1e, stride_b1n, stride_b2e, stride_b2n,
-    ALPHA, LIMIT, OFFSET,
+    ALPHA, LIMIT, OFFSET, ACT, CLAMP, HAS_B1, HAS_B2,
     GATHER: tl.constexpr, MODE: tl.constexpr, SCATTER: tl.constexpr, SCALED: tl.constexpr,
     DTYPE: tl.constexpr, PRECISION: tl.constexpr, U_GIVEN: tl.constexpr,
-    FORM: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr, GATED: tl.constexpr,
-    BIAS1: tl.constexpr, BIAS2: tl.constexpr,
+    FORM: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -300,15 +297,15 @@ def _grouped_mm(
     out = rows64[:, None] * N + cols[None, :]
     if U_GIVEN:  # u computed by a launch of its own: A2 holds its float32 rows, in row order
         acc3 = tl.load(A2 + rows64[:, None] * stride_a2 + cols[None, :], mask=ok, other=0.0)
-    if MODE == SWIGLU or MODE == SWIGLU_BWD:  # noqa: SIM109 (the biases; up in acc2)
-        if not GATED:
-            acc2 = acc
-        if BIAS1:  # the gate's
-            acc += tl.load(B1 + e * stride_b1e + cols * stride_b1n, mask=col_ok, other=0.0)[None, :]
-        if BIAS2:  # the up projection's
-            acc2 += tl.load(B2 + e * stride_b2e + cols * stride_b2n, mask=col_ok, other=0.0)[
-                None, :
-            ]
+    if FORM:  # noqa: SIM102 (a compile-time test around runtime ones)
+        if MODE == SWIGLU or MODE == SWIGLU_BWD:  # noqa: SIM109 (the biases; up in acc2)
+            if not GATED:
+                acc2 = acc
+            b_off = cols[None, :]
+            if HAS_B1:  # the gate's
+                acc += tl.load(B1 + e * stride_b1e + b_off * stride_b1n, mask=col_ok[None, :])
+            if HAS_B2:  # the up projection's
+                acc2 += tl.load(B2 + e * stride_b2e + b_off * stride_b2n, mask=col_ok[None, :])
     if MODE == SWIGLU:
         if FORM:
             h, _, _ = _expert_form(acc, acc2, ALPHA, LIMIT, OFFSET, ACT, CLAMP, GATED)
@@ -332,8 +329,10 @@ def _grouped_mm(
             tl.store(OUT2 + out, round_to(dh * dh_gate, OUT2.dtype.element_ty), mask=ok)
         tl.store(OUT3 + out, round_to(dh * dh_up, OUT3.dtype.element_ty), mask=ok)
     else:
-        if BIAS1:  # the down projection's bias, before the combine weight
-            acc += tl.load(B1 + e * stride_b1e + cols * stride_b1n, mask=col_ok, other=0.0)[None, :]
+        if FORM:  # noqa: SIM102 (a compile-time test around a runtime one)
+            if HAS_B1:  # the down projection's bias, before the combine weight
+                b_off = cols[None, :]
+                acc += tl.load(B1 + e * stride_b1e + b_off * stride_b1n, mask=col_ok[None, :])
         if SCALED:
             acc *= tl.load(SCALE + rows, mask=row_ok, other=0.0)[:, None]
         if SCATTER:
@@ -421,6 +420,9 @@ def _slot_sum_kernel(SLOTS, IDS, OUT, D, E, TOP_K: tl.constexpr, BLOCK_D: tl.con
 
 
 # Each kernel autotuned (specialised on sizes and strides) and untuned, for small problems.
+# The tuned _grouped_mm does not specialise on row counts or buckets, nor on the form's
+# runtime values (an int 1 would be a compile-time constant: one binary per form).
+_RUNTIME_MM = ["ROWS", "N_BUCKET", "K_BUCKET", "LAYOUT", "ACT", "CLAMP", "HAS_B1", "HAS_B2"]
 _grouped_mm_tuned = triton.autotune(
     configs=_CONFIGS,
     key=[
@@ -435,7 +437,7 @@ _grouped_mm_tuned = triton.autotune(
         "U_GIVEN",
     ],
     prune_configs_by={"early_config_prune": _prune},
-)(triton.jit(do_not_specialize=["ROWS", "N_BUCKET", "K_BUCKET", "LAYOUT"])(_grouped_mm))
+)(triton.jit(do_not_specialize=_RUNTIME_MM)(_grouped_mm))
 _grouped_mm_untuned = untuned(_grouped_mm)
 _grouped_weight_grad_tuned = triton.autotune(
     configs=_GRAD_CONFIGS,
@@ -521,14 +523,13 @@ def _mm(
         out, out2, out3, dwp, out if dst is None else dst, out if scale is None else scale,
         tile_expert, tile_row, ends, rows, n_out, k_in, _bucket(n_out), _bucket(k_in), layout,
         a.stride(0), a2.stride(0), *ws, *ws2, *ws3, *b1_.stride()[:2], *b2_.stride()[:2],
-        act.alpha, act.limit or 0.0, act.up_offset,
+        act.alpha, act.limit or 0.0, act.up_offset, ACTIVATIONS[act.name],
+        int(act.limit is not None), int(b1 is not None), int(b2 is not None),
     )  # fmt: skip
     meta = {"GATHER": idx is not None, "MODE": mode, "SCATTER": dst is not None,
             "SCALED": scale is not None, "DTYPE": _TL_DTYPES[compute],
             "PRECISION": dot_precision(compute), "BLOCK_M": block_m,
-            "U_GIVEN": u is not None, "FORM": form is not None,
-            "ACT": ACTIVATIONS[act.name], "CLAMP": act.limit is not None, "GATED": gated,
-            "BIAS1": b1 is not None, "BIAS2": b2 is not None}  # fmt: skip
+            "U_GIVEN": u is not None, "FORM": form is not None, "GATED": gated}  # fmt: skip
     kernels = (_grouped_mm_tuned, _grouped_mm_untuned)
     launch(kernels, grid, args, meta, tuned=rows >= TUNE_FROM_ROWS)
     if mode == SWIGLU_BWD.value:
@@ -593,7 +594,7 @@ def _block_m(routing: Routing, x: torch.Tensor, *weights: torch.Tensor) -> int:
 def experts_forward(x, routing: Routing, ew: ExpertWeights) -> torch.Tensor:
     """The experts and the combine for a routing: ``(T, D)`` in ``x.dtype``."""
     D, F_ = x.shape[1], ew.w_up.shape[1]
-    form = None if ew.activation.is_swiglu else ew.activation
+    form = None if ew.is_swiglu else ew.activation
     first = ew.w_up if form is not None and not form.gated else ew.w_gate
     block_m = _block_m(routing, x, *(w for w in ew.tensors[:3] if w is not None))
     tables = row_tiles(routing, block_m)
@@ -602,7 +603,8 @@ def experts_forward(x, routing: Routing, ew: ExpertWeights) -> torch.Tensor:
             b1=ew.b_gate, b2=ew.b_up, form=form)  # fmt: skip
     # the combine in the epilogue: w_ts * y_ts stored at its (token, slot) row
     slots = _mm(h, None, ew.w_down, tables, D, F_, dst=routing.order, scale=row_weights(routing),
-                block_m=block_m, b1=ew.b_down)  # fmt: skip
+                block_m=block_m, b1=ew.b_down,
+                form=None if ew.b_down is None else form)  # fmt: skip
     return _slot_sum(slots, routing, x.dtype)
 
 
@@ -612,7 +614,7 @@ def experts_backward(g, x, routing: Routing, ew: ExpertWeights) -> tuple[torch.T
     in its own dtype."""
     D = x.shape[1]
     E, F_, _ = ew.w_up.shape
-    form = None if ew.activation.is_swiglu else ew.activation
+    form = None if ew.is_swiglu else ew.activation
     gated = ew.w_gate is not None
     first = ew.w_gate if gated else ew.w_up
     weights = [w for w in ew.tensors[:3] if w is not None]
