@@ -83,3 +83,40 @@ def test_no_work_gives_zeros_without_a_backend():
     y = SPEC(x=x)
     (dx,) = torch.autograd.grad(y, x, torch.zeros(0))
     assert y.shape == (0,) and dx.shape == (0,)
+
+
+def test_options_at_their_defaults_take_the_short_op():
+    """``routed_experts`` with its options at their defaults (left out or passed) runs
+    ``cakeops::routed_experts_defaults`` (six arguments through the dispatcher); with an option
+    set, the full op; both give the same result when the option is neutral."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "cakeops":
+                self.seen.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    import cakeops
+
+    inputs = cakeops.ops.SPECS["routed_experts"].example()
+    tensors = [inputs[n] for n in ("x", "top_k_index", "top_k_weights", "w_gate", "w_up", "w_down")]
+    zero_bias = torch.zeros(inputs["w_down"].shape[:2])
+    runs = {
+        "left out": ({}, "routed_experts_defaults"),
+        "passed": (
+            {"activation": "silu", "alpha": 1.0, "up_offset": 0.0},
+            "routed_experts_defaults",
+        ),
+        "a bias": ({"b_down": zero_bias}, "routed_experts"),
+    }
+    outs = {}
+    for name, (kwargs, op) in runs.items():
+        with Ops() as mode:
+            outs[name] = cakeops.routed_experts(*tensors, **kwargs)
+        assert mode.seen == [op], name
+    torch.testing.assert_close(outs["a bias"], outs["left out"])

@@ -6,7 +6,9 @@ its fake, the backward op ``cakeops::<op>_backward`` and its fake, ``setup_conte
 backward, the ``torch.autograd.Function`` the public function calls under ``torch.func``
 transforms (elsewhere it calls the custom op, whose autograd is the same), argument type checks
 from the annotations, ``bind`` (what :func:`cakeops.explain` and the CLI validate with), the
-backend choice per call and the checks on what a backend returns.
+backend choice per call and the checks on what a backend returns. An op with many options
+(``OpSpec.leading``) also gets ``cakeops::<op>_defaults``, its leading arguments alone, which a
+call with the options at their defaults takes (the dispatcher's cost grows with the arguments).
 
 The contract every op shares:
 
@@ -266,6 +268,32 @@ def _returns(n: int) -> str:
     return "Tensor" if n == 1 else f"({', '.join(['Tensor'] * n)})"
 
 
+class _Ops(typing.NamedTuple):
+    """An op's forward and backward custom ops over some of its arguments (``names``: all of
+    them, or the leading ones of the short op), and the Function around the backward."""
+
+    names: tuple[str, ...]
+    forward: Any
+    backward: Any
+    backward_function: type
+
+
+def _at_default(value: Any, default: Any) -> bool:
+    """Whether an argument is its default (the same object, or an equal one of the same type:
+    ``1.0`` passed for a default ``1.0``)."""
+    if value is default:
+        return True
+    if default is None or default is dataclasses.MISSING or isinstance(value, torch.Tensor):
+        return False
+    return type(value) is type(default) and value == default
+
+
+def _first(grads: Any, n: int) -> Any:
+    """The first ``n`` of the backward op's gradients (a lone one as itself)."""
+    grads = (grads,) if isinstance(grads, torch.Tensor) else tuple(grads)
+    return _unwrapped(grads[:n])
+
+
 def _absent(like: torch.Tensor) -> torch.Tensor:
     """The backward op's gradient for an optional tensor input that was not given (its schema
     returns tensors only): an empty tensor, turned into ``None`` by the autograd glue."""
@@ -302,6 +330,11 @@ class OpSpec:
     output: Callable[[Any], tuple[Shape, torch.dtype]] = lambda a: (a.selecting.shape, a.dtype)
     no_work: Callable[[Any], bool] = lambda a: a.selecting.numel() == 0
     dtypes: tuple[torch.dtype, ...] = _spec.FLOAT_DTYPES
+    #: When > 0, the op also exists with its first ``leading`` arguments alone, the others at
+    #: their defaults (``cakeops::<op>_defaults``): a call that leaves them at their defaults
+    #: takes it. The dispatcher boxes every argument of a custom op on every call, so a short
+    #: schema keeps the common call as cheap as it was before the options came.
+    leading: int = 0
     #: name, kind, default (``dataclasses.MISSING`` when required), keyword-only
     arguments: tuple[tuple[str, str, Any, bool], ...] = dataclasses.field(init=False)
     #: every argument, in declaration order
@@ -346,8 +379,10 @@ class OpSpec:
         """The inputs from positional ``values`` (declaration order) after the type checks of
         their annotations (cheap: no shapes)."""
         checked = {
-            # an argument left at its default (the very object) is of its type by construction
-            name: value if value is default else _checked_value(self.name, name, kind, value)
+            # an argument at its default is of its type by construction
+            name: value
+            if _at_default(value, default)
+            else _checked_value(self.name, name, kind, value)
             for (name, kind, default, _), value in zip(self.arguments, values, strict=True)
         }
         return self.inputs(**checked)
@@ -384,13 +419,19 @@ class OpSpec:
             raise TypeError(f"{self.name}: {exc}") from None
         inputs = self.typed(tuple(given.values()))
         _spec.check_no_forward_ad(self.name, inputs.tensors)
-        if len(self.arguments) > CUSTOM_OP_AUTOGRAD_UP_TO or (
-            torch._C._are_functorch_transforms_active()
-        ):
-            return self._function.apply(*inputs.values())
+        values = inputs.values()
+        if torch._C._are_functorch_transforms_active():
+            return self._function.apply(*values)
+        short = self._short
+        options = zip(values[self.leading :], self.arguments[self.leading :], strict=True)
+        if short is not None and all(_at_default(v, d) for v, (_, _, d, _) in options):
+            # the options at their defaults: the short op (few arguments, its own autograd)
+            return short.forward(*values[: self.leading])
+        if len(self.arguments) > CUSTOM_OP_AUTOGRAD_UP_TO:
+            return self._function.apply(*values)
         # With few arguments, outside torch.func, the custom op's own autograd does the same
         # job, a fifth cheaper.
-        return self.forward_op(*inputs.values())
+        return self.forward_op(*values)
 
     def positional(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The op with every argument positional too, in declaration order (an autograd
@@ -402,32 +443,59 @@ class OpSpec:
 
     # -- what is built --------------------------------------------------------------------
 
-    def _schema(self, prefix: str, returns: str) -> str:
-        args = ", ".join(f"{kind} {name}" for name, kind, _, _ in self.arguments)
+    def _schema(self, prefix: str, returns: str, n: int | None = None) -> str:
+        args = ", ".join(f"{kind} {name}" for name, kind, _, _ in self.arguments[:n])
         return f"({prefix}{args}) -> {returns}"
 
     def _build(self) -> None:
-        op, n = self.name, len(self.differentiable)
-        forward_op = torch.library.custom_op(
-            f"cakeops::{op}", self._forward, mutates_args=(), schema=self._schema("", "Tensor")
-        )
-        forward_op.register_fake(self._forward_fake)
-        backward_op = torch.library.custom_op(
-            f"cakeops::{op}_backward",
-            self._backward_kernel,
-            mutates_args=(),
-            # one gradient: a Tensor (a schema's 1-tuple is not a tuple)
-            schema=self._schema("Tensor grad_output, ", _returns(n)),
-        )
-        backward_op.register_fake(self._backward_fake)
-        forward_op.register_autograd(self._backward, setup_context=self._setup_context)
+        full = self._ops(self.name, len(self.arguments))
+        short = self._ops(f"{self.name}_defaults", self.leading) if self.leading else None
         for name, value in (
-            ("forward_op", forward_op),
-            ("backward_op", backward_op),
-            ("_function", self._autograd_function()),
-            ("_backward_function", self._double_backward_refused()),
+            ("forward_op", full.forward),
+            ("backward_op", full.backward),
+            ("_full", full),
+            ("_short", short),
+            ("_function", self._autograd_function(full)),
         ):
             object.__setattr__(self, name, value)
+
+    def _ops(self, name: str, n: int) -> _Ops:
+        """The forward and backward custom ops ``cakeops::<name>`` of the first ``n`` arguments
+        (the others at their defaults), the forward's autograd registered."""
+        rest = tuple(default for _, _, default, _ in self.arguments[n:])
+        grads = sum(1 for d in self.differentiable if d in self.names[:n])
+
+        def forward(*values: Any) -> torch.Tensor:
+            return self._forward(*values, *rest)
+
+        def forward_fake(*values: Any) -> torch.Tensor:
+            return self._forward_fake(*values, *rest)
+
+        def backward(g: torch.Tensor, *values: Any) -> Any:
+            return _first(self._backward_kernel(g, *values, *rest), grads)
+
+        def backward_fake(g: torch.Tensor, *values: Any) -> Any:
+            return _first(self._backward_fake(g, *values, *rest), grads)
+
+        forward_op = torch.library.custom_op(
+            f"cakeops::{name}", forward, mutates_args=(), schema=self._schema("", "Tensor", n)
+        )
+        forward_op.register_fake(forward_fake)
+        backward_op = torch.library.custom_op(
+            f"cakeops::{name}_backward",
+            backward,
+            mutates_args=(),
+            # one gradient: a Tensor (a schema's 1-tuple is not a tuple)
+            schema=self._schema("Tensor grad_output, ", _returns(grads), n),
+        )
+        backward_op.register_fake(backward_fake)
+        ops = _Ops(
+            self.names[:n], forward_op, backward_op, self._double_backward_refused(backward_op)
+        )
+        forward_op.register_autograd(
+            functools.partial(self._backward, ops), setup_context=self._setup_context
+        )
+        return ops
 
     def _forward(self, *values: Any) -> torch.Tensor:
         inputs = self.validate(values)
@@ -499,24 +567,24 @@ class OpSpec:
             "" if torch.compiler.is_compiling() else _forward_choice.__dict__.get(self.name, "")
         )
 
-    def _backward(self, ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def _backward(self, ops: _Ops, ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         saved = iter(ctx.saved_tensors)
         values = tuple(next(saved) if p is _SAVED else p for p in ctx.params)
         with forcing(ctx.backend, self.name) if ctx.backend else contextlib.nullcontext():
             if torch.compiler.is_compiling() or not _may_differentiate_backward():
-                grads = self.backward_op(grad, *values)
+                grads = ops.backward(grad, *values)
             else:
-                grads = self._backward_function.apply(grad, *values)
+                grads = ops.backward_function.apply(grad, *values)
         grads = iter((grads,) if isinstance(grads, torch.Tensor) else grads)
         differentiable = self.differentiable
         result = []
-        for name, value in zip(self.names, values, strict=True):
+        for name, value in zip(ops.names, values, strict=True):
             grad = next(grads) if name in differentiable else None
             # an optional tensor not given (None) got the backward op's placeholder
             result.append(None if value is None else grad)
         return tuple(result)
 
-    def _autograd_function(self) -> type:
+    def _autograd_function(self, ops: _Ops) -> type:
         """The ``torch.autograd.Function`` the public function calls under ``torch.func``
         transforms: the custom op forward, the same ``setup_context`` and backward (elsewhere
         the custom op's own registration of those does the same job, with less overhead).
@@ -527,14 +595,14 @@ class OpSpec:
             f"{self.name}_function",
             (torch.autograd.Function,),
             {
-                "forward": staticmethod(_with_signature(lambda *values: self.forward_op(*values))),
+                "forward": staticmethod(_with_signature(lambda *values: ops.forward(*values))),
                 "setup_context": staticmethod(self._setup_context),
-                "backward": staticmethod(self._backward),
+                "backward": staticmethod(functools.partial(self._backward, ops)),
                 "generate_vmap_rule": True,
             },
         )
 
-    def _double_backward_refused(self) -> type:
+    def _double_backward_refused(self, backward_op: Any) -> type:
         """The Function around the backward op: a backward run with ``create_graph=True`` (as
         ``torch.func.grad`` does) works, and a second derivative through it is a clear error
         instead of a silent zero."""
@@ -548,7 +616,7 @@ class OpSpec:
             f"{self.name}_backward_function",
             (torch.autograd.Function,),
             {
-                "forward": staticmethod(_with_signature(lambda *values: self.backward_op(*values))),
+                "forward": staticmethod(_with_signature(lambda *values: backward_op(*values))),
                 "setup_context": staticmethod(lambda ctx, inputs, output: None),
                 "backward": staticmethod(refuse),
                 "generate_vmap_rule": True,

@@ -101,9 +101,9 @@ def _swiglu(hg, hu, u, w):
     return swiglu_rows(hg, hu, u, w)
 
 
-def _experts(routing: Routing):
-    """``(e, start, end)`` for every expert that received rows."""
-    bounds = routing.bounds
+def _experts(bounds: list[int]):
+    """``(e, start, end)`` for every expert that received rows (``bounds``: the routing's
+    offsets on the host, read once per call)."""
     for e in range(len(bounds) - 1):
         start, end = bounds[e], bounds[e + 1]
         if end > start:
@@ -125,11 +125,10 @@ def _grouped(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return x.dtype in allowed and D > 0 and F > 0 and D % align == 0 and F % align == 0 and aligned
 
 
-def _runs(routing: Routing, width: int):
+def _runs(routing: Routing, bounds: list[int], width: int):
     """Runs of consecutive experts ``(e0, e1, start, end, offs)``: rows ``start:end`` belong to
     experts ``e0..e1-1``, ``offs`` their end offsets relative to ``start`` (int32), at most
     ``GROUP_ELEMENTS`` elements of ``(rows, width)`` per run (a bigger expert runs alone)."""
-    bounds = routing.bounds
     E = len(bounds) - 1
     e0 = 0
     while e0 < E:
@@ -165,6 +164,7 @@ def experts_forward(x, routing: Routing, ew: ExpertWeights):
     """The experts and the combine for a routing: ``(T, D)`` in ``x.dtype``."""
     T, D = x.shape
     top_k = routing.experts.shape[1]
+    bounds = routing.bounds
     w_gate, w_up, w_down = ew.w_gate, ew.w_up, ew.w_down
     mm = _mm_dtype(x, w_up)
     acc = compute_dtype(x.dtype)
@@ -172,7 +172,7 @@ def experts_forward(x, routing: Routing, ew: ExpertWeights):
     slots = torch.empty((T * top_k, D), dtype=acc, device=x.device)
     if ew.is_swiglu and _grouped(x, w_gate, w_up, w_down):
         F_ = w_gate.shape[1]
-        for e0, e1, s, t, offs in _runs(routing, max(F_, D)):
+        for e0, e1, s, t, offs in _runs(routing, bounds, max(F_, D)):
             xe = _rows(x, routing, s, t)
             hg = torch._grouped_mm(xe, w_gate[e0:e1].transpose(1, 2), offs=offs).to(acc)
             hu = torch._grouped_mm(xe, w_up[e0:e1].transpose(1, 2), offs=offs).to(acc)
@@ -180,13 +180,13 @@ def experts_forward(x, routing: Routing, ew: ExpertWeights):
             out = torch._grouped_mm(h, w_down[e0:e1].transpose(1, 2), offs=offs)
             slots[routing.order[s:t]] = out.to(acc)
     elif ew.is_swiglu:
-        for e, s, t in _experts(routing):
+        for e, s, t in _experts(bounds):
             xe = _rows(x, routing, s, t).to(mm)
             h = F.silu((xe @ w_gate[e].to(mm).T).to(acc)).mul_((xe @ w_up[e].to(mm).T).to(acc))
             slots[routing.order[s:t]] = (h.to(mm) @ w_down[e].to(mm).T).to(acc)
     else:
         act = ew.activation
-        for e, s, t in _experts(routing):
+        for e, s, t in _experts(bounds):
             xe = _rows(x, routing, s, t).to(mm)
             hu = (xe @ w_up[e].to(mm).T).to(acc) + _bias(ew.b_up, e, acc)
             hg = None
@@ -194,7 +194,7 @@ def experts_forward(x, routing: Routing, ew: ExpertWeights):
                 hg = (xe @ w_gate[e].to(mm).T).to(acc) + _bias(ew.b_gate, e, acc)
             y = (act.forward(hg, hu).to(mm) @ w_down[e].to(mm).T).to(acc)
             slots[routing.order[s:t]] = y + _bias(ew.b_down, e, acc)
-    _drop(slots, routing, T * top_k - routing.bounds[-1])
+    _drop(slots, routing, T * top_k - bounds[-1])
     return weighted_slot_sum(slots, routing).to(x.dtype)
 
 
@@ -204,6 +204,7 @@ def experts_backward(g, x, routing: Routing, ew: ExpertWeights):
     and bias gradients, stored in their own dtypes."""
     T, D = x.shape
     top_k = routing.experts.shape[1]
+    bounds = routing.bounds
     acc = compute_dtype(x.dtype)
     slot_w = row_weights(routing).to(acc)
     dx_slots = torch.empty((T * top_k, D), dtype=acc, device=x.device)  # (token, slot) order
@@ -220,19 +221,19 @@ def experts_backward(g, x, routing: Routing, ew: ExpertWeights):
         backward_pass = _grouped_backward
     else:
         backward_pass = _loop_backward
-    backward_pass(routing, x, g, slot_w, ew, dx_slots, dw_flat, grads)
-    dropped = T * top_k - routing.bounds[-1]
+    backward_pass(routing, bounds, x, g, slot_w, ew, dx_slots, dw_flat, grads)
+    dropped = T * top_k - bounds[-1]
     _drop(dx_slots, routing, dropped)
     _drop(dw_flat, routing, dropped)
     # dispatch backward: each token's copies summed in slot order (no routing weight again)
     return slot_sum(dx_slots, routing), dw_flat.view(T, top_k), *grads
 
 
-def _loop_backward(routing, x, g, slot_w, ew, dx_slots, dw_flat, grads):
+def _loop_backward(routing, bounds, x, g, slot_w, ew, dx_slots, dw_flat, grads):
     """One pass per expert; fills ``dx_slots``, ``dw_flat`` (``<y, g>`` per slot) and ``grads``."""
     w_gate, w_up, w_down = ew.w_gate, ew.w_up, ew.w_down
     mm, acc = _mm_dtype(x, w_gate), dx_slots.dtype
-    for e, s, t in _experts(routing):
+    for e, s, t in _experts(bounds):
         xr, gr, we = _rows(x, routing, s, t), _rows(g, routing, s, t), slot_w[s:t, None]
         xa, ga = xr.to(acc), gr.to(acc)
         # The recomputed projections and u feed <h, u>, the routing weights' gradient, which
@@ -249,12 +250,12 @@ def _loop_backward(routing, x, g, slot_w, ew, dx_slots, dw_flat, grads):
         dx_slots[routing.order[s:t]] = dx.to(acc)
 
 
-def _general_backward(routing, x, g, slot_w, ew, dx_slots, dw_flat, grads):
+def _general_backward(routing, bounds, x, g, slot_w, ew, dx_slots, dw_flat, grads):
     """``_loop_backward`` for every form of expert: biases, any activation, no gate."""
     w_gate, w_up, w_down = ew.w_gate, ew.w_up, ew.w_down
     act = ew.activation
     mm, acc = _mm_dtype(x, w_up), dx_slots.dtype
-    for e, s, t in _experts(routing):
+    for e, s, t in _experts(bounds):
         xr, gr, we = _rows(x, routing, s, t), _rows(g, routing, s, t), slot_w[s:t, None]
         xa, ga = xr.to(acc), gr.to(acc)
         hu = xa @ w_up[e].to(acc).T + _bias(ew.b_up, e, acc)
@@ -278,13 +279,13 @@ def _general_backward(routing, x, g, slot_w, ew, dx_slots, dw_flat, grads):
         dx_slots[routing.order[s:t]] = dx.to(acc)
 
 
-def _grouped_backward(routing, x, g, slot_w, ew, dx_slots, dw_flat, grads):
+def _grouped_backward(routing, bounds, x, g, slot_w, ew, dx_slots, dw_flat, grads):
     """``_loop_backward`` with every projection a grouped matmul over a run of experts."""
     w_gate, w_up, w_down = ew.w_gate, ew.w_up, ew.w_down
     acc = dx_slots.dtype
     dt = x.dtype
     F_, D = w_gate.shape[1], w_gate.shape[2]
-    for e0, e1, s, t, offs in _runs(routing, max(F_, D)):
+    for e0, e1, s, t, offs in _runs(routing, bounds, max(F_, D)):
         xe, ge, we = _rows(x, routing, s, t), _rows(g, routing, s, t), slot_w[s:t, None]
         hg = torch._grouped_mm(xe, w_gate[e0:e1].transpose(1, 2), offs=offs).to(acc)
         hu = torch._grouped_mm(xe, w_up[e0:e1].transpose(1, 2), offs=offs).to(acc)
@@ -298,7 +299,6 @@ def _grouped_backward(routing, x, g, slot_w, ew, dx_slots, dw_flat, grads):
         dx = torch._grouped_mm(dhg, w_gate[e0:e1], offs=offs).to(acc)
         dx_slots[routing.order[s:t]] = dx.add_(torch._grouped_mm(dhu, w_up[e0:e1], offs=offs))
     # An expert without rows: the grouped matmul's output for it is not guaranteed to be zero.
-    bounds = routing.bounds
     empty = [e for e in range(len(bounds) - 1) if bounds[e + 1] == bounds[e]]
     for grad in grads[:3]:
         grad[empty] = 0

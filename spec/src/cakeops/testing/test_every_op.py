@@ -101,6 +101,12 @@ class Contract:
         detached = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
         backward = getattr(torch.ops.cakeops, f"{self.op}_backward").default
         torch.library.opcheck(backward, (g, *detached))
+        n = self.spec.leading  # the short op of the options at their defaults, if any
+        if n:
+            short = getattr(torch.ops.cakeops, f"{self.op}_defaults")
+            torch.library.opcheck(short.default, tuple(values[:n]))
+            backward = getattr(torch.ops.cakeops, f"{self.op}_defaults_backward").default
+            torch.library.opcheck(backward, (g, *detached[:n]))
 
     def test_compile_fullgraph(self, backend, device):
         tensors, g, op, _ = example(self.spec, device)
