@@ -31,10 +31,12 @@ __all__ = [
     "combine",
     "compute_dtype",
     "dispatch_backward",
+    "down_bias_dots",
     "given_routing",
     "kept_rows",
     "route",
     "routing_backward",
+    "row_experts",
     "row_tiles",
     "row_weights",
     "slot_sum",
@@ -89,6 +91,20 @@ def kept_rows(routing: Routing) -> torch.Tensor:
     synchronisation."""
     rows = torch.arange(routing.order.numel(), device=routing.order.device)
     return (rows < routing.offsets[-1]).unsqueeze(-1)
+
+
+def row_experts(routing: Routing) -> torch.Tensor:
+    """The expert of each sorted row, ``(T * k,)`` (a dropped row takes the last expert's id:
+    callers leave those rows out, :func:`kept_rows`)."""
+    E = routing.offsets.numel() - 1
+    return routing.experts.flatten()[routing.order].clamp(max=E - 1)
+
+
+def down_bias_dots(g: torch.Tensor, b_down: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``<b_down[e], g_t>`` of each sorted row, float32 ``(T * k,)``, zero for dropped rows: the
+    down projection's bias's share of ``dL/dw_ts = <y_ts, g_t>``."""
+    dots = (g.float()[routing.token] * b_down.float()[row_experts(routing)]).sum(-1)
+    return dots.masked_fill(~kept_rows(routing).squeeze(-1), 0)
 
 
 def route(router_logits, top_k, renormalize, scale, dtype=torch.float32) -> Routing:
@@ -226,12 +242,6 @@ class Activation(NamedTuple):
     limit: float | None = None
     up_offset: float = 0.0
     gated: bool = True
-
-    @classmethod
-    def of(cls, inputs) -> Activation:
-        """The activation of an expert op's validated inputs."""
-        return cls(inputs.activation, inputs.alpha, inputs.limit, inputs.up_offset,
-                   inputs.w_gate is not None)  # fmt: skip
 
     @property
     def is_swiglu(self) -> bool:

@@ -34,8 +34,9 @@ from cakeops.helpers import (
     cast_grads,
     combine,
     dispatch_backward,
+    down_bias_dots,
     given_routing,
-    kept_rows,
+    row_experts,
     row_tiles,
     row_weights,
     swiglu_backward,
@@ -161,10 +162,7 @@ def _grad(a, idx_a, b, idx_b, tables, num_experts: int) -> torch.Tensor:
 def _row_bias(b, routing: Routing) -> torch.Tensor | int:
     """The bias of each sorted row's expert, float32 ``(rows, N)`` (0 without a bias; dropped
     rows take the last expert's, and are left out downstream)."""
-    if b is None:
-        return 0
-    expert = routing.experts.flatten()[routing.order].clamp(max=b.shape[0] - 1)
-    return b.float()[expert]
+    return 0 if b is None else b.float()[row_experts(routing)]
 
 
 def _projections(x, routing: Routing, ew: ExpertWeights, tables):
@@ -200,11 +198,9 @@ def experts_backward(g, x, routing: Routing, ew: ExpertWeights) -> tuple[torch.T
     hg, hu = _projections(x, routing, ew, tables)
     u = _mm(g, idx, ew.w_down, tables, F_, True)  # g W_down[e]: w_down[e] is (D, F) = (K, N)
     h, dweights, dhg, dhu = swiglu_backward(hg, hu, u, routing, ew.activation)
-    gf = g[idx].float()
     if ew.b_down is not None:  # <y, g> = <h, u> + <b_down[e], g>
-        extra = (gf * _row_bias(ew.b_down, routing)).sum(-1)
-        dweights.view(-1)[routing.order] += extra.masked_fill(~kept_rows(routing)[:, 0], 0)
-    gw = gf.mul_(row_weights(routing).unsqueeze(-1))  # dy = w g, per sorted row
+        dweights.view(-1)[routing.order] += down_bias_dots(g, ew.b_down, routing)
+    gw = g[idx].float().mul_(row_weights(routing).unsqueeze(-1))  # dy = w g, per sorted row
     d_down = _grad(gw, None, h, None, tables, E)
     d_up = _grad(dhu, None, x, idx, tables, E)
     d_gate = None if dhg is None else _grad(dhg, None, x, idx, tables, E)

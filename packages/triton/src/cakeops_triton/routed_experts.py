@@ -47,8 +47,8 @@ from cakeops.helpers import (
     Activation,
     ExpertWeights,
     Routing,
+    down_bias_dots,
     given_routing,
-    kept_rows,
     row_tiles,
     row_weights,
 )
@@ -636,12 +636,7 @@ def experts_backward(g, x, routing: Routing, ew: ExpertWeights) -> tuple[torch.T
     dweights = torch.empty(routing.order.numel(), dtype=torch.float32, device=x.device)
     dot = parts.sum(0)
     if ew.b_down is not None:  # <y, g> = <h, u> + <b_down[e], g>
-        expert = routing.experts.flatten()[routing.order].clamp(max=E - 1)
-        dot += (
-            (g.float()[idx] * ew.b_down.float()[expert])
-            .sum(-1)
-            .masked_fill(~kept_rows(routing).squeeze(-1), 0)
-        )
+        dot += down_bias_dots(g, ew.b_down, routing)
     dweights[routing.order] = dot
     # dW_down[e] = (w g)_e^T h_e: the rows of g gathered and scaled as they load
     d_down = _weight_grad(g, idx, h, None, tables, E, ew.w_down.dtype, scale_a=slot_w)
