@@ -69,6 +69,8 @@ def _gate_options(module: torch.nn.Module, activation: dict[str, Any]) -> dict[s
     default ``act(gate) * up``), checked on a probe; None when none of them does. A family's
     own gate is read from its attributes (``limit``/``swiglu_limit``, ``alpha``/
     ``swiglu_alpha``) and tried with and without GPT-OSS's ``+ 1`` on the up projection."""
+    from cakeops.reference.routed_experts import gated
+
     probe = _probe()
     F = probe.shape[1] // 2
     interleaved = not getattr(module, "is_concatenated", True)
@@ -90,18 +92,9 @@ def _gate_options(module: torch.nn.Module, activation: dict[str, Any]) -> dict[s
             clamped["limit"] = limit
         tries += [clamped, {**clamped, "up_offset": 1.0}]
     for options in tries:
-        if _matches(want, _gated(gate, up, **options)):
+        if _matches(want, gated(gate, up, **options)):
             return options
     return None
-
-
-def _gated(gate, up, activation="silu", alpha=1.0, limit=None, up_offset=0.0):
-    """The op's ``h`` on float64 gate and up pre-activations (the spec's formula)."""
-    from cakeops.reference.routed_experts import ACT
-
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return ACT[activation](gate, alpha) * (up + up_offset)
 
 
 def experts_options(module: torch.nn.Module) -> dict[str, Any]:
@@ -152,13 +145,13 @@ def _weights(self: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     F = down.shape[-1]
 
     def split(t: torch.Tensor | None, dim: int):
+        """Gate and up along ``dim``: the two halves, or every other entry (interleaved)."""
         if t is None:
             return None, None
-        if not getattr(self, "is_concatenated", True):
-            return t[(slice(None),) * dim + (slice(0, None, 2),)], t[
-                (slice(None),) * dim + (slice(1, None, 2),)
-            ]
-        return t.narrow(dim, 0, F), t.narrow(dim, F, F)
+        if getattr(self, "is_concatenated", True):
+            return t.narrow(dim, 0, F), t.narrow(dim, F, F)
+        before = (slice(None),) * dim
+        return t[(*before, slice(0, None, 2))], t[(*before, slice(1, None, 2))]
 
     has_bias = getattr(self, "has_bias", False)
     out: dict[str, torch.Tensor | None] = {"w_down": down}

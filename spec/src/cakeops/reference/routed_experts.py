@@ -21,16 +21,21 @@ ACT = {
 def expert(rows, e, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, alpha, limit,
            up_offset):  # fmt: skip
     """Expert ``e`` on ``rows``: the spec's formula, term by term."""
-    act = ACT[activation]
     up = rows @ w_up[e].T + (0 if b_up is None else b_up[e])
     if w_gate is None:
-        h = act(up, alpha)
+        h = ACT[activation](up, alpha)
     else:
         gate = rows @ w_gate[e].T + (0 if b_gate is None else b_gate[e])
-        if limit is not None:
-            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-        h = act(gate, alpha) * (up + up_offset)
+        h = gated(gate, up, activation, alpha, limit, up_offset)
     return h @ w_down[e].T + (0 if b_down is None else b_down[e])
+
+
+def gated(gate, up, activation="silu", alpha=1.0, limit=None, up_offset=0.0):
+    """``h`` from the gate and up pre-activations: ``act(min(gate, L)) * (clamp(up, -L, L) +
+    up_offset)``."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return ACT[activation](gate, alpha) * (up + up_offset)
 
 
 def math(x, top_k_index, top_k_weights, w_gate, w_up, w_down, b_gate=None, b_up=None,
