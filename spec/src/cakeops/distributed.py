@@ -31,36 +31,36 @@ from cakeops.ops.routed_experts import routed_experts as _routed_experts
 OP = "distributed.routed_experts"
 
 
-class _AllToAll(torch.autograd.Function):
-    """Rows ``split_in`` to each rank, ``split_out`` from each; the backward is the reverse
-    exchange."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, split_in: list[int], split_out: list[int], group):
-        ctx.splits, ctx.group = (split_in, split_out), group
-        out = rows.new_empty((sum(split_out), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), split_out, split_in, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        split_in, split_out = ctx.splits
-        back = grad.new_empty((sum(split_in), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), split_in, split_out, group=ctx.group)
-        return back, None, None, None
-
-
-def _exchange(rows: torch.Tensor, split_in: list[int], split_out: list[int], group):
-    if rows.requires_grad:
-        return _AllToAll.apply(rows, split_in, split_out, group)
+def _all_to_all(rows: torch.Tensor, split_in: list[int], split_out: list[int], group):
+    """Rows ``split_in`` to each rank, ``split_out`` from each."""
     out = rows.new_empty((sum(split_out), *rows.shape[1:]))
     dist.all_to_all_single(out, rows.contiguous(), split_out, split_in, group=group)
     return out
 
 
-def _check(x, top_k_index, top_k_weights, w_up, group) -> tuple[int, int]:
-    """``(world size, this rank)`` after the checks the single-process op does not make (it
-    checks the rest when it runs)."""
+class _AllToAll(torch.autograd.Function):
+    """:func:`_all_to_all` with autograd: the backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, split_in: list[int], split_out: list[int], group):
+        ctx.splits, ctx.group = (split_in, split_out), group
+        return _all_to_all(rows, split_in, split_out, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        split_in, split_out = ctx.splits
+        return _all_to_all(grad, split_out, split_in, ctx.group), None, None, None
+
+
+def _exchange(rows: torch.Tensor, split_in: list[int], split_out: list[int], group):
+    if rows.requires_grad:
+        return _AllToAll.apply(rows, split_in, split_out, group)
+    return _all_to_all(rows, split_in, split_out, group)
+
+
+def _check(x, top_k_index, top_k_weights, w_up, group) -> int:
+    """The world size, after the checks the single-process op does not make (it checks the
+    rest when it runs)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{OP}: torch.distributed is not initialised (init_process_group)")
     if not isinstance(w_up, torch.Tensor) or w_up.dim() != 3:
@@ -73,7 +73,7 @@ def _check(x, top_k_index, top_k_weights, w_up, group) -> tuple[int, int]:
             f"{OP}: arguments 'top_k_index' and 'top_k_weights' expected the same (T, k) shape, "
             f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
         )
-    return dist.get_world_size(group), dist.get_rank(group)
+    return dist.get_world_size(group)
 
 
 def routed_experts(
@@ -92,7 +92,7 @@ def routed_experts(
     tokens with global expert ids; ``w_gate``, ``w_up (E/W, F, D)``, ``w_down (E/W, D, F)`` and
     the biases in ``options`` are this rank's experts (``options``: those of
     :func:`cakeops.routed_experts`). Returns this rank's ``(T, D)``."""
-    world, _ = _check(x, top_k_index, top_k_weights, w_up, group)
+    world = _check(x, top_k_index, top_k_weights, w_up, group)
     local = w_up.shape[0]
     T, k = top_k_index.shape
     ids = top_k_index.reshape(-1)
