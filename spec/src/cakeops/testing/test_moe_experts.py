@@ -105,16 +105,16 @@ def check_form(form, dtype, device):
     names = list(leaves)
     params = {"top_k": k, **options}
 
+    def given(values):
+        return {"w_gate": None, **dict(zip(names, values, strict=True))}
+
     def op(*values):
-        given = dict(zip(names, values, strict=True))
-        main = [given.pop(k, None) for k in ("x", "router_logits", "w_gate", "w_up", "w_down")]
-        return cakeops.moe_experts(*main, **given, **params)
+        return cakeops.moe_experts(**given(values), **params)
 
     def math(*values):
-        given = dict(zip(names, values, strict=True))
-        main = [given.pop(k, None) for k in ("x", "router_logits", "w_gate", "w_up", "w_down")]
-        return ref.routed.math(*main[:1], *ref.route(main[1], k, True, 1.0), *main[2:], **given,
-                               **options)  # fmt: skip
+        tensors = given(values)
+        index, weights = ref.route(tensors.pop("router_logits"), k, True, 1.0)
+        return ref.routed.math(top_k_index=index, top_k_weights=weights, **tensors, **options)
 
     got = run_with_grads(op, list(leaves.values()), g)
     ref_out, ref_grads = reference_outputs(math, leaves, (), g)

@@ -111,33 +111,28 @@ def _split(tensors):
     return x, index, {k: v for k, v in named.items() if v is not None}, options
 
 
+def _of_leaves(fn, names, index, **kwargs):
+    """``fn`` (the op, or the reference math) as a function of the leaves ``names`` names, in
+    that order (``w_gate`` None when not among them)."""
+
+    def call(*values):
+        given = {"w_gate": None, **dict(zip(names, values, strict=True))}
+        return fn(top_k_index=index, **given, **kwargs)
+
+    return call
+
+
 def run(tensors, g, **kwargs):
     """Output and the gradients of every differentiable tensor given (``x``,
     ``top_k_weights``, the weights, the biases), in :func:`_split`'s order."""
     _, index, leaves, _ = _split(tensors)
-    names = list(leaves)
-
-    def op(*values):
-        given = dict(zip(names, values, strict=True))
-        biases = {k: given.pop(k) for k in OPTIONS if k in given}
-        return cakeops.routed_experts(
-            given["x"], index, given["top_k_weights"], given.get("w_gate"), given["w_up"],
-            given["w_down"], **biases, **kwargs,
-        )  # fmt: skip
-
+    op = _of_leaves(cakeops.routed_experts, list(leaves), index, **kwargs)
     return t.run_with_grads(op, list(leaves.values()), g)
 
 
 def check_against_reference(tensors, g, got, **kwargs):
     x, index, leaves, _ = _split(tensors)
-    names = list(leaves)
-
-    def math(*values):
-        given = dict(zip(names, values, strict=True))
-        biases = {k: given.pop(k) for k in OPTIONS if k in given}
-        return ref.math(given["x"], index, given["top_k_weights"], given.get("w_gate"),
-                        given["w_up"], given["w_down"], **biases, **kwargs)  # fmt: skip
-
+    math = _of_leaves(ref.math, list(leaves), index, **kwargs)
     ref_out, ref_grads = t.reference_outputs(math, leaves, (), g)
     t.assert_matches(got[0], ref_out, "out", x.dtype)
     for (name, leaf), grad in zip(leaves.items(), got[1:], strict=True):
