@@ -33,7 +33,10 @@ def scan(q, k, v, *, scale=None, log_decay=None, log_gates=None, initial_state=N
                 log_mult = log_mult + log_decay.double()
             if log_gates is not None:
                 log_mult = log_mult + log_gates[n, :, t].double()
-            state = torch.exp(log_mult)[:, None, None] * state + k[n, :, t, :, None] * v[n, :, t, None, :]
+            state = (
+                torch.exp(log_mult)[:, None, None] * state
+                + k[n, :, t, :, None] * v[n, :, t, None, :]
+            )
             rows[n].append(torch.einsum("he,hem->hm", q[n, :, t], state))
         finals.append(state)
     scale = 1.0 if scale is None else scale
