@@ -52,3 +52,25 @@ def test_strong_decay_over_65536_steps_stays_finite():
     q, k, v = (torch.randn(1, 2, 65536, 8, generator=g) for _ in range(3))
     out, final = forward(q, k, v, log_decay=torch.tensor([-30.0, -0.001]))
     assert torch.isfinite(out).all() and torch.isfinite(final).all()
+
+
+@pytest.mark.parametrize("given", [("log_decay",), ("log_gates", "scale"),
+                                   ("log_decay", "log_gates", "initial_state", "scale")])  # fmt: skip
+@pytest.mark.parametrize("final", [False, True], ids=["no-final-grad", "final-grad"])
+def test_chunked_backward_matches_the_oracle_autograd(given, final):
+    from cakeops_torch.causal_options_wip import backward
+
+    q, k, v, options = _inputs()
+    g = torch.randn(N, H, L, M, generator=torch.Generator().manual_seed(2))
+    g_final = torch.randn(N, H, E, M, generator=torch.Generator().manual_seed(3)) if final else None
+    tensors = {"q": q, "k": k, "v": v, **{n: options[n] for n in given if n != "scale"}}
+    leaves = {n: t.double().requires_grad_() for n, t in tensors.items()}
+    scale = options["scale"] if "scale" in given else None
+    kw = {n: leaves[n] for n in leaves if n not in "qkv"}
+    out, fin = scan(leaves["q"], leaves["k"], leaves["v"], scale=scale, **kw)
+    loss = (out * g.double()).sum() + ((fin * g_final.double()).sum() if final else 0)
+    want = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True))
+    got = backward(g, g_final, q, k, v, scale=scale, **{n: tensors[n] for n in kw})
+    got = dict(zip(("q", "k", "v", "log_decay", "log_gates", "initial_state"), got, strict=True))
+    for name, ref in want.items():
+        assert cakeops.relative_error(got[name], ref) <= cakeops.tolerance(torch.float32), name
