@@ -54,15 +54,22 @@ def test_strong_decay_over_65536_steps_stays_finite():
     assert torch.isfinite(out).all() and torch.isfinite(final).all()
 
 
-@pytest.mark.parametrize("given", [("log_decay",), ("log_gates", "scale"),
-                                   ("log_decay", "log_gates", "initial_state", "scale")])  # fmt: skip
+GIVEN = [
+    ("log_decay",),
+    ("log_gates", "scale"),
+    ("log_decay", "log_gates", "initial_state", "scale"),
+]
+
+
+@pytest.mark.parametrize("given", GIVEN)
 @pytest.mark.parametrize("final", [False, True], ids=["no-final-grad", "final-grad"])
 def test_chunked_backward_matches_the_oracle_autograd(given, final):
     from cakeops_torch.causal_options_wip import backward
 
     q, k, v, options = _inputs()
     g = torch.randn(N, H, L, M, generator=torch.Generator().manual_seed(2))
-    g_final = torch.randn(N, H, E, M, generator=torch.Generator().manual_seed(3)) if final else None
+    gen = torch.Generator().manual_seed(3)
+    g_final = torch.randn(N, H, E, M, generator=gen) if final else None
     tensors = {"q": q, "k": k, "v": v, **{n: options[n] for n in given if n != "scale"}}
     leaves = {n: t.double().requires_grad_() for n, t in tensors.items()}
     scale = options["scale"] if "scale" in given else None

@@ -335,6 +335,13 @@ class OpSpec:
     #: takes it. The dispatcher boxes every argument of a custom op on every call, so a short
     #: schema keeps the common call as cheap as it was before the options came.
     leading: int = 0
+    #: An op with a second output (a final state): ``second(inputs) -> (shape, dtype)`` when the
+    #: call asks for it, else None (the kernels then return an empty placeholder, so the schema
+    #: is always two tensors); ``second_flag`` names the bool argument that asks for it, and
+    #: ``second_no_work(inputs)`` gives it when there is nothing to compute.
+    second: Callable[[Any], tuple[Shape, torch.dtype] | None] | None = None
+    second_flag: str = ""
+    second_no_work: Callable[[Any], torch.Tensor] | None = None
     #: name, kind, default (``dataclasses.MISSING`` when required), keyword-only
     arguments: tuple[tuple[str, str, Any, bool], ...] = dataclasses.field(init=False)
     #: every argument, in declaration order
@@ -405,8 +412,16 @@ class OpSpec:
 
     # -- the public call ------------------------------------------------------------------
 
-    def __call__(self, **arguments: Any) -> torch.Tensor:
-        """The public function's body: ``op(**arguments)`` by argument name."""
+    def __call__(self, **arguments: Any) -> Any:
+        """The public function's body: ``op(**arguments)`` by argument name; with a second
+        output, ``(out, second)`` when the call asks for it, else ``out``."""
+        result = self._call(arguments)
+        if self.second is None:
+            return result
+        wanted = arguments.get(self.second_flag, False)
+        return result if wanted else result[0]
+
+    def _call(self, arguments: dict[str, Any]) -> Any:
         if torch.compiler.is_compiling():
             # One graph node, with the op's registered autograd; the op validates its arguments
             # (Dynamo does not trace the Inputs dataclass).
@@ -477,8 +492,12 @@ class OpSpec:
         def backward_fake(g: torch.Tensor, *values: Any) -> Any:
             return _first(self._backward_fake(g, *values, *rest), grads)
 
+        two = self.second is not None
         forward_op = torch.library.custom_op(
-            f"cakeops::{name}", forward, mutates_args=(), schema=self._schema("", "Tensor", n)
+            f"cakeops::{name}",
+            forward,
+            mutates_args=(),
+            schema=self._schema("", "(Tensor, Tensor)" if two else "Tensor", n),
         )
         forward_op.register_fake(forward_fake)
         backward_op = torch.library.custom_op(
@@ -486,7 +505,9 @@ class OpSpec:
             backward,
             mutates_args=(),
             # one gradient: a Tensor (a schema's 1-tuple is not a tuple)
-            schema=self._schema("Tensor grad_output, ", _returns(grads), n),
+            schema=self._schema(
+                "Tensor grad_output, " + ("Tensor grad_second, " if two else ""), _returns(grads), n
+            ),
         )
         backward_op.register_fake(backward_fake)
         ops = _Ops(
@@ -497,19 +518,41 @@ class OpSpec:
         )
         return ops
 
-    def _forward(self, *values: Any) -> torch.Tensor:
+    def _forward(self, *values: Any) -> Any:
         inputs = self.validate(values)
         if self.no_work(inputs):
-            return self.output_like(inputs).zero_()
+            out = self.output_like(inputs).zero_()
+            if self.second is None:
+                return out
+            wanted = self.second(inputs) is not None and self.second_no_work is not None
+            return out, (self.second_no_work(inputs) if wanted else self._second_like(inputs))
         backend = select(self.name, inputs)
         _forward_choice.__dict__[self.name] = backend.name
-        out = _run_kernel(backend, self.name, "forward", *inputs.values())
+        result = _run_kernel(backend, self.name, "forward", *inputs.values())
+        out = result if self.second is None else result[0]
         shape, dtype = self.output(inputs)
         like = (torch.Size(shape), dtype, inputs.selecting.device)
-        return _checked(self.name, backend, "the output", out, like)
+        out = _checked(self.name, backend, "the output", out, like)
+        if self.second is None:
+            return out
+        second = self._second_like(inputs)
+        like = (second.shape, second.dtype, second.device)
+        return out, _checked(self.name, backend, "the second output", result[1], like)
 
-    def _forward_fake(self, *values: Any) -> torch.Tensor:
-        return self.output_like(self.validate(values))
+    def _second_like(self, inputs: OpInputs) -> torch.Tensor:
+        """The second output's shape and dtype, empty (an ``(0,)`` placeholder when the call
+        does not ask for it)."""
+        device = inputs.selecting.device
+        wanted = self.second(inputs)  # type: ignore[misc]
+        if wanted is None:
+            return torch.empty(0, dtype=inputs.dtype, device=device)
+        shape, dtype = wanted
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def _forward_fake(self, *values: Any) -> Any:
+        inputs = self.validate(values)
+        out = self.output_like(inputs)
+        return out if self.second is None else (out, torch.empty_like(self._second_like(inputs)))
 
     def _check_grad_output(self, g: Any, inputs: OpInputs) -> None:
         shape, dtype = self.output(inputs)
@@ -521,6 +564,8 @@ class OpSpec:
             )
 
     def _backward_kernel(self, g: torch.Tensor, *values: Any) -> tuple[torch.Tensor, ...]:
+        grads_out, values = self._split_grads(g, values)
+        g = grads_out[0]
         inputs = self.validate(values)
         self._check_grad_output(g, inputs)
         tensors = {name: inputs[name] for name in self.differentiable}
@@ -529,7 +574,8 @@ class OpSpec:
                 tuple(_absent(g) if t is None else torch.zeros_like(t) for t in tensors.values())
             )
         backend = select(self.name, inputs)
-        grads = _run_kernel(backend, self.name, "backward", g.contiguous(), *inputs.values())
+        grads_out = tuple(t.contiguous() for t in grads_out)
+        grads = _run_kernel(backend, self.name, "backward", *grads_out, *inputs.values())
         if len(grads) != len(tensors):
             raise RuntimeError(
                 f"{self.name}: backend {backend.name!r} returned {len(grads)} gradients, "
@@ -544,7 +590,14 @@ class OpSpec:
             )
         )
 
+    def _split_grads(self, g: torch.Tensor, values: tuple[Any, ...]):
+        """``((grad_output[, grad_second]), the op's arguments)`` of the backward op's."""
+        if self.second is None:
+            return (g,), values
+        return (g, values[0]), values[1:]
+
     def _backward_fake(self, g: torch.Tensor, *values: Any) -> tuple[torch.Tensor, ...]:
+        (g, *_), values = self._split_grads(g, values)
         inputs = self.validate(values)
         self._check_grad_output(g, inputs)
         return _unwrapped(
@@ -567,14 +620,14 @@ class OpSpec:
             "" if torch.compiler.is_compiling() else _forward_choice.__dict__.get(self.name, "")
         )
 
-    def _backward(self, ops: _Ops, ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def _backward(self, ops: _Ops, ctx: Any, *grads_out: torch.Tensor) -> tuple[Any, ...]:
         saved = iter(ctx.saved_tensors)
         values = tuple(next(saved) if p is _SAVED else p for p in ctx.params)
         with forcing(ctx.backend, self.name) if ctx.backend else contextlib.nullcontext():
             if torch.compiler.is_compiling() or not _may_differentiate_backward():
-                grads = ops.backward(grad, *values)
+                grads = ops.backward(*grads_out, *values)
             else:
-                grads = ops.backward_function.apply(grad, *values)
+                grads = ops.backward_function.apply(*grads_out, *values)
         grads = iter((grads,) if isinstance(grads, torch.Tensor) else grads)
         differentiable = self.differentiable
         result = []

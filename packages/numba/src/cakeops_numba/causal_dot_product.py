@@ -90,13 +90,14 @@ def _on_cpu_kernels(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not SIMULATOR
 
 
-def forward(q, k, v):
+def forward(q, k, v, *options):
+    # WIP (#27): the options are refused by the backend (not_supported_reasons) until here
     if _on_cpu_kernels(q):
-        return cpu.forward(q, k, v)
-    return _run(q, k, v, reverse=False)
+        return cpu.forward(q, k, v), q.new_empty(0)
+    return _run(q, k, v, reverse=False), q.new_empty(0)
 
 
-def backward(g, q, k, v):
+def backward(g, g_final, q, k, v, *options):
     if _on_cpu_kernels(q):
-        return cpu.backward(g, q, k, v)
-    return backward_by_scans(_run, g, q, k, v)
+        return (*cpu.backward(g, q, k, v), None, None, None)
+    return (*backward_by_scans(_run, g, q, k, v), None, None, None)

@@ -38,7 +38,33 @@ def _causal_mm(scores: torch.Tensor, x: torch.Tensor, reverse: bool = False) -> 
     return out
 
 
-def forward(q, k, v):
+def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=None,
+            output_final_state=False, cu_seqlens=None):  # fmt: skip
+    options = (scale, log_decay, log_gates, initial_state, cu_seqlens)
+    if all(o is None for o in options) and not output_final_state:
+        return _forward(q, k, v), q.new_empty(0)
+    from cakeops_torch import causal_options_wip as wip
+
+    out, final = wip.forward(q, k, v, scale, log_decay, log_gates, initial_state, cu_seqlens)
+    if not output_final_state:
+        return out, q.new_empty(0)
+    dtype = initial_state.dtype if initial_state is not None else compute_dtype(q.dtype)
+    return out, final.to(dtype)
+
+
+def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
+             initial_state=None, output_final_state=False, cu_seqlens=None):  # fmt: skip
+    options = (scale, log_decay, log_gates, initial_state, cu_seqlens)
+    if all(o is None for o in options) and not output_final_state:
+        return (*_backward(g, q, k, v), None, None, None)
+    from cakeops_torch import causal_options_wip as wip
+
+    g_final = g_final if output_final_state and g_final.numel() else None
+    return wip.backward(g, g_final, q, k, v, scale, log_decay, log_gates, initial_state,
+                        cu_seqlens)  # fmt: skip
+
+
+def _forward(q, k, v):
     ct = compute_dtype(q.dtype)
     N, H, L, E = q.shape
     out = torch.empty((N, H, L, v.shape[-1]), dtype=q.dtype, device=q.device)
@@ -53,7 +79,7 @@ def forward(q, k, v):
     return out
 
 
-def backward(g, q, k, v):
+def _backward(g, q, k, v):
     ct = compute_dtype(q.dtype)
     N, H, L, E = q.shape
     M = v.shape[-1]

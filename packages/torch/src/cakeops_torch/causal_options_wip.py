@@ -10,6 +10,8 @@ overflows, and a strong decay only underflows to zero. This is not wired into th
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from cakeops import compute_dtype
@@ -22,7 +24,7 @@ def _segments(N: int, L: int, cu_seqlens):
     if cu_seqlens is None:
         return [(n, 0, L) for n in range(N)]
     offsets = cu_seqlens.tolist()
-    return [(0, s, e) for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
+    return [(0, s, e) for s, e in itertools.pairwise(offsets)]
 
 
 def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=None,
@@ -97,12 +99,15 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None, in
             gc, kc, vc = g[n, :, c].to(ct), k[n, :, c].to(ct), v[n, :, c].to(ct)
             b = torch.cumsum(log_mult[n, :, c], dim=-1)
             decay = _decay(b)
-            dq[n, :, c] = s * (((gc @ vc.transpose(-1, -2)) * decay) @ kc
-                               + torch.exp(b)[..., None] * (gc @ state.transpose(-1, -2)))
+            dq[n, :, c] = s * (
+                ((gc @ vc.transpose(-1, -2)) * decay) @ kc
+                + torch.exp(b)[..., None] * (gc @ state.transpose(-1, -2))
+            )
             last = b[:, -1:]
-            state = torch.exp(last)[..., None] * state + (
-                kc * torch.exp(last - b)[..., None]
-            ).transpose(-1, -2) @ vc
+            state = (
+                torch.exp(last)[..., None] * state
+                + (kc * torch.exp(last - b)[..., None]).transpose(-1, -2) @ vc
+            )
         final = state
         # backward in time: the gradient reaching each state, from the final state's
         carry = (torch.zeros((H, E, M), dtype=ct, device=q.device) if g_final is None
@@ -122,9 +127,10 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None, in
                 vc @ carry.transpose(-1, -2)
             )
             dv[n, :, c] = s * (((kc @ qc.transpose(-1, -2)) * decay_t) @ gc) + tail * (kc @ carry)
-            carry = s * (qc * torch.exp(b)[..., None]).transpose(-1, -2) @ gc + torch.exp(
-                last
-            )[..., None] * carry
+            carry = (
+                s * (qc * torch.exp(b)[..., None]).transpose(-1, -2) @ gc
+                + torch.exp(last)[..., None] * carry
+            )
         d_initial.append(carry)
         seg = slice(start, end)
         db[n, :, seg] += (q[n, :, seg].to(ct) * dq[n, :, seg]).sum(-1) - (

@@ -11,38 +11,57 @@ recomputed. :func:`cakeops.helpers.backward_by_scans` builds the backward from o
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from cakeops import _spec, opspec
-from cakeops.opspec import OpInputs, OpSpec, moved_to_helpers
+from cakeops.opspec import NO_GRAD, OpInputs, OpSpec, moved_to_helpers
 
 OP = "causal_dot_product"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Inputs(OpInputs):
-    """The arguments, in order: ``q``, ``k`` ``(N, H, L, E)``, ``v`` ``(N, H, L, M)``."""
+    """The arguments, in order: ``q``, ``k`` ``(N, H, L, E)``, ``v`` ``(N, H, L, M)``; WIP
+    (#27) keyword-only: ``scale``, ``log_decay (H,)``, ``log_gates (N, H, L)``,
+    ``initial_state``, ``output_final_state``, ``cu_seqlens``."""
 
     op = OP
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
+    _: dataclasses.KW_ONLY
+    scale: float | None = None
+    log_decay: torch.Tensor | None = None
+    log_gates: torch.Tensor | None = None
+    initial_state: torch.Tensor | None = None
+    output_final_state: bool = False
+    cu_seqlens: torch.Tensor | None = dataclasses.field(default=None, metadata=NO_GRAD)
 
 
-#: What a backend's ``causal_dot_product`` kernel module defines: ``forward(q, k, v) -> out`` and
-#: ``backward(g, q, k, v) -> (dq, dk, dv)``.
+#: What a backend's ``causal_dot_product`` kernel module defines: ``forward(q, k, v, scale,
+#: log_decay, log_gates, initial_state, output_final_state, cu_seqlens) -> (out, final_state)``
+#: (an empty tensor when not asked for) and ``backward(g, g_final, ...same...) -> (dq, dk, dv,
+#: dlog_decay, dlog_gates, dinitial_state)`` (None for an option not given).
 Kernels = opspec.Kernels[
-    Callable[[Tensor, Tensor, Tensor], Tensor],
-    Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]],
+    Callable[..., tuple[Tensor, Tensor]], Callable[..., tuple[Tensor | None, ...]]
 ]
+
+
+def default_options(a) -> bool:
+    """Whether a call leaves every option at its default (today's op)."""
+    return (a.scale is None and a.log_decay is None and a.log_gates is None
+            and a.initial_state is None and not a.output_final_state
+            and a.cu_seqlens is None)  # fmt: skip
 
 
 def check(a: Inputs) -> Inputs:
     """The op's own checks (after the type checks)."""
-    for name, t in a.tensors.items():
+    for name, t in (("q", a.q), ("k", a.k), ("v", a.v)):
         if t.dim() != 4:
             raise ValueError(
                 f"{OP}: argument '{name}' expected 4 dimensions (N, H, L, "
@@ -63,7 +82,44 @@ def check(a: Inputs) -> Inputs:
             f"{OP}: argument 'v' expected shape ({', '.join(map(str, q.shape[:3]))}, M) (the "
             f"N, H, L of q), got {tuple(v.shape)}"
         )
+    if not default_options(a):
+        _check_options(a)
     return a
+
+
+def _check_options(a: Inputs) -> None:
+    """WIP (#27): the options' shapes, dtypes and values."""
+    N, H, L, E = a.q.shape
+    M = a.v.shape[3]
+    if a.scale is not None and not math.isfinite(a.scale):
+        raise ValueError(f"{OP}: argument 'scale' expected a finite number, got {a.scale!r}")
+    sequences = N
+    if a.cu_seqlens is not None:
+        cu = a.cu_seqlens
+        if cu.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{OP}: argument 'cu_seqlens' expected dtype int32 or int64, got "
+                            f"{_spec.dtype_name(cu.dtype)}")  # fmt: skip
+        if cu.dim() != 1 or cu.numel() < 2 or N != 1:
+            raise ValueError(f"{OP}: argument 'cu_seqlens' expected offsets (S + 1,) with N = 1, "
+                             f"got shape {tuple(cu.shape)} with N = {N}")  # fmt: skip
+        checkable = cu.device.type == "cpu" and not is_fake(cu)
+        if checkable and (cu[0] != 0 or cu[-1] != L or bool((cu[1:] < cu[:-1]).any())):
+            raise ValueError(f"{OP}: argument 'cu_seqlens' expected sorted offsets from 0 to "
+                             f"L = {L}, got {cu.tolist()}")  # fmt: skip
+        sequences = cu.numel() - 1
+    for name, shape in (("log_decay", (H,)), ("log_gates", (N, H, L)),
+                        ("initial_state", (sequences, H, E, M))):  # fmt: skip
+        t = a[name]
+        if t is None:
+            continue
+        _spec.check_float_dtype(OP, name, t)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{OP}: argument '{name}' expected shape {shape}, got "
+                             f"{tuple(t.shape)}")  # fmt: skip
+        checkable = t.device.type == "cpu" and not is_fake(t) and t.numel() > 0
+        if name != "initial_state" and checkable and bool((t > 0).any()):
+            raise ValueError(f"{OP}: argument '{name}' expected log multipliers <= 0, got "
+                             f"{t.max().item()}")  # fmt: skip
 
 
 def example(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Inputs:
@@ -73,6 +129,24 @@ def example(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float
     return Inputs(q, torch.randn_like(q), v)
 
 
+def _final_state(a: Inputs):
+    """The final state's shape and dtype when the call asks for it."""
+    if not a.output_final_state:
+        return None
+    N, H, _, E = a.q.shape
+    sequences = N if a.cu_seqlens is None else a.cu_seqlens.numel() - 1
+    dtype = a.initial_state.dtype if a.initial_state is not None else _spec.compute_dtype(a.q.dtype)
+    return (sequences, H, E, a.v.shape[3]), dtype
+
+
+def _final_without_work(a: Inputs) -> torch.Tensor:
+    """The final state of a call with nothing to compute: the initial state (or zeros)."""
+    shape, dtype = _final_state(a)  # type: ignore[misc]
+    if a.initial_state is None:
+        return torch.zeros(shape, dtype=dtype, device=a.q.device)
+    return a.initial_state.to(dtype).clone()
+
+
 SPEC = OpSpec(
     inputs=Inputs,
     check=check,
@@ -80,16 +154,33 @@ SPEC = OpSpec(
     # E = 0: every dot product is 0
     no_work=lambda a: a.q.numel() == 0 or a.v.numel() == 0,
     example=example,
+    leading=3,  # q, k, v: fast-transformers' op, cakeops::causal_dot_product_defaults
+    second=_final_state,
+    second_flag="output_final_state",
+    second_no_work=_final_without_work,
 )
 
 
-def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_dot_product(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    log_decay: torch.Tensor | None = None,
+    log_gates: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+):
     """Causal linear attention: ``out_i = sum_{j<=i} (q_i . k_j) v_j``.
 
     ``q``, ``k`` are ``(N, H, L, E)``, ``v`` is ``(N, H, L, M)``; returns ``(N, H, L, M)`` in
-    ``q.dtype`` (float32 accumulation for 16-bit inputs). Saves only ``q``, ``k``, ``v``.
+    ``q.dtype`` (float32 accumulation for 16-bit inputs). Saves only its tensor inputs. WIP
+    (#27): with the options, ``S_t = exp(log_decay + log_gates_t) S_{t-1} + k_t v_t^T`` and
+    ``out_t = scale q_t^T S_t``; ``(out, final_state)`` with ``output_final_state``.
     """
-    return SPEC(q=q, k=k, v=v)
+    return SPEC(**locals())
 
 
 class CausalDotProduct:

@@ -25,11 +25,46 @@ def math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.einsum("nhle,nhlem->nhlm", q, _states(k, v))
 
 
-def forward(q, k, v):
-    return math(q, k, v).to(q.dtype)
+def _empty(q):
+    return q.new_empty(0)
 
 
-def backward(g, q, k, v):
+def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=None,
+            output_final_state=False, cu_seqlens=None):  # fmt: skip
+    options = (scale, log_decay, log_gates, initial_state, cu_seqlens)
+    if all(o is None for o in options) and not output_final_state:
+        return math(q, k, v).to(q.dtype), _empty(q)
+    from cakeops.reference.causal_dot_product_options import scan
+
+    out, final = scan(q, k, v, scale=scale, log_decay=log_decay, log_gates=log_gates,
+                      initial_state=initial_state, cu_seqlens=cu_seqlens)  # fmt: skip
+    dtype = initial_state.dtype if initial_state is not None else final.dtype
+    if q.dtype != torch.float64 and initial_state is None:
+        dtype = torch.float32
+    return out.to(q.dtype), (final.to(dtype) if output_final_state else _empty(q))
+
+
+def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
+             initial_state=None, output_final_state=False, cu_seqlens=None):  # fmt: skip
+    options = (scale, log_decay, log_gates, initial_state, cu_seqlens)
+    if all(o is None for o in options) and not output_final_state:
+        return (*_plain_backward(g, q, k, v), None, None, None)
+    from cakeops.reference.causal_dot_product_options import scan
+    from cakeops.reference.routed_experts import grads_by_autograd
+
+    def fn(q, k, v, log_decay, log_gates, initial_state):
+        out, final = scan(q, k, v, scale=scale, log_decay=log_decay, log_gates=log_gates,
+                          initial_state=initial_state, cu_seqlens=cu_seqlens)  # fmt: skip
+        if output_final_state and g_final.numel():
+            # one scalar whose gradient is (g, g_final): the two outputs' gradients together
+            return (out * g.double()).sum() + (final * g_final.double()).sum()
+        return (out * g.double()).sum()
+
+    one = torch.ones((), dtype=torch.float64)
+    return grads_by_autograd(fn, one, (q, k, v, log_decay, log_gates, initial_state), {})
+
+
+def _plain_backward(g, q, k, v):
     """``dq_i = S_i g_i``, ``dk_j = R_j v_j``, ``dv_j = R_j^T k_j`` with
     ``R_j = sum_{i>=j} q_i g_i^T``, in float64."""
     gd, qd, kd, vd = g.double(), q.double(), k.double(), v.double()

@@ -100,13 +100,15 @@ class Contract:
         torch.library.opcheck(getattr(torch.ops.cakeops, self.op).default, tuple(values))
         detached = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
         backward = getattr(torch.ops.cakeops, f"{self.op}_backward").default
-        torch.library.opcheck(backward, (g, *detached))
+        # an op with a second output takes its gradient too (an empty one: not asked for)
+        grads = (g, g.new_empty(0)) if self.spec.second is not None else (g,)
+        torch.library.opcheck(backward, (*grads, *detached))
         n = self.spec.leading  # the short op of the options at their defaults, if any
         if n:
             short = getattr(torch.ops.cakeops, f"{self.op}_defaults")
             torch.library.opcheck(short.default, tuple(values[:n]))
             backward = getattr(torch.ops.cakeops, f"{self.op}_defaults_backward").default
-            torch.library.opcheck(backward, (g, *detached[:n]))
+            torch.library.opcheck(backward, (*grads, *detached[:n]))
 
     def test_compile_fullgraph(self, backend, device):
         tensors, g, op, _ = example(self.spec, device)
