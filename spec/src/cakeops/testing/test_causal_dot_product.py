@@ -184,3 +184,116 @@ class TestCausalDotProductBadInput:
     def test_bad_input_raises(self, backend, device, case):
         args, error, argument = _bad_inputs(device)[case]
         assert_bad_input_raises(OP, lambda: cakeops.causal_dot_product(*args), error, argument)
+
+
+# --------------------------------------------------------------------------------------------
+# WIP (#27): the options. Backends that do not run them yet are listed here, with the reason.
+NOT_YET = {"triton": "WIP #27: the Triton kernel has no options yet",
+           "numba": "WIP #27: the numba kernels have no options yet"}  # fmt: skip
+#: name -> the options given (``final``: output_final_state with a gradient reaching it)
+OPTION_CASES = {
+    "scale": ("scale",),
+    "decay": ("log_decay",),
+    "gates": ("log_gates",),
+    "initial": ("initial_state",),
+    "final": ("final",),
+    "all": ("scale", "log_decay", "log_gates", "initial_state", "final"),
+    "packed": ("cu_seqlens", "log_decay", "initial_state", "final"),
+}
+
+
+def _option_inputs(given, dtype, device, N=2, H=2, L=45, E=6, M=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    if "cu_seqlens" in given:
+        N = 1
+    q, k, v, g = make_inputs(N, H, L, E, M, dtype, device, seed)
+    cu = torch.tensor([0, 10, 10, 31, L], device=device)
+    sequences = cu.numel() - 1 if "cu_seqlens" in given else N
+    options = {
+        "scale": 0.7,
+        "log_decay": -torch.rand(H, generator=gen, dtype=torch.float64) * 0.3,
+        "log_gates": -torch.rand(N, H, L, generator=gen, dtype=torch.float64) * 0.3,
+        "initial_state": torch.randn(sequences, H, E, M, generator=gen, dtype=torch.float64),
+        "cu_seqlens": cu,
+    }
+    tensors = {n: options[n].to(device, dtype).requires_grad_() for n in
+               ("log_decay", "log_gates", "initial_state") if n in given}  # fmt: skip
+    fixed = {n: options[n] for n in ("scale", "cu_seqlens") if n in given}
+    g_final = torch.randn(sequences, H, E, M, generator=gen, dtype=torch.float64).to(device)
+    return (q, k, v), tensors, fixed, g, g_final if "final" in given else None
+
+
+class TestCausalOptions:
+    op = OP
+
+    @pytest.mark.parametrize("case", list(OPTION_CASES))
+    def test_options_match_the_scan(self, backend, dtype, device, case):
+        """Each option alone and together: the output, the final state and every gradient
+        against the float64 scan (``S_t = exp(log_decay + log_gates_t) S_{t-1} + k_t v_t^T``)."""
+        if backend in NOT_YET:
+            pytest.xfail(NOT_YET[backend])
+        from cakeops.reference.causal_dot_product_options import scan
+
+        (q, k, v), tensors, fixed, g, g_final = _option_inputs(OPTION_CASES[case], dtype, device)
+        leaves = {"q": q, "k": k, "v": v, **tensors}
+        names = list(leaves)
+        final = g_final is not None
+
+        def run(*values, math=False):
+            given = dict(zip(names, values, strict=True))
+            q_, k_, v_ = given.pop("q"), given.pop("k"), given.pop("v")
+            if math:
+                out, state = scan(q_, k_, v_, **given, **fixed)
+            else:
+                result = cakeops.causal_dot_product(q_, k_, v_, **given, **fixed,
+                                                    output_final_state=final)  # fmt: skip
+                out, state = result if final else (result, None)
+            return out, state
+
+        out, state = run(*leaves.values())
+        loss = (out.double() * g.double()).sum()
+        if final:
+            loss = loss + (state.double() * g_final.double()).sum()
+        got = torch.autograd.grad(loss, list(leaves.values()))
+        exact = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
+        ref_out, ref_state = run(*exact.values(), math=True)
+        ref_loss = (ref_out * g.double()).sum()
+        if final:
+            ref_loss = ref_loss + (ref_state * g_final.double()).sum()
+        want = torch.autograd.grad(ref_loss, list(exact.values()))
+        assert_matches(out, ref_out, "out", dtype)
+        if final:
+            assert_matches(state, ref_state, "final_state", state.dtype)
+        for name, a, b in zip(names, got, want, strict=True):
+            assert_matches(a, b, f"d{name}", leaves[name].dtype)
+
+    def test_strong_decay_over_65536_steps_stays_finite(self, backend, device):
+        if backend in NOT_YET:
+            pytest.xfail(NOT_YET[backend])
+        if backend == "reference":
+            pytest.skip("the float64 scan is a Python loop: too slow at 65,536 steps")
+        q = torch.randn(1, 2, 65536, 8, device=device)
+        out, state = cakeops.causal_dot_product(
+            q, q, q, log_decay=torch.tensor([-30.0, -1e-3], device=device),
+            output_final_state=True,
+        )  # fmt: skip
+        assert torch.isfinite(out).all() and torch.isfinite(state).all()
+
+    @pytest.mark.parametrize("bad", ["positive-decay", "gates-shape", "cu-unsorted", "cu-n2",
+                                     "initial-shape", "cu-float"])  # fmt: skip
+    def test_bad_options_raise(self, backend, device, bad):
+        q = torch.randn(2, 2, 8, 4, device=device)
+        cases = {
+            "positive-decay": ({"log_decay": torch.tensor([0.1, -0.1])}, ValueError, "log_decay"),
+            "gates-shape": ({"log_gates": -torch.ones(2, 2, 7)}, ValueError, "log_gates"),
+            "cu-unsorted": ({"cu_seqlens": torch.tensor([0, 5, 3, 8])}, ValueError, "cu_seqlens"),
+            "cu-n2": ({"cu_seqlens": torch.tensor([0, 8])}, ValueError, "cu_seqlens"),
+            "initial-shape": ({"initial_state": torch.zeros(1, 2, 4, 4)}, ValueError,
+                              "initial_state"),
+            "cu-float": ({"cu_seqlens": torch.tensor([0.0, 8.0])}, TypeError, "cu_seqlens"),
+        }  # fmt: skip
+        kwargs, error, argument = cases[bad]
+        x = q[:1] if bad in ("cu-unsorted", "cu-float") else q
+        kwargs = {n: t.to(device) for n, t in kwargs.items()}
+        call = lambda: cakeops.causal_dot_product(x, x, x, **kwargs)  # noqa: E731
+        assert_bad_input_raises(OP, call, error, argument)
