@@ -22,18 +22,6 @@ DEVICES: dict[str, int | None] = {"cuda": 100, **({"cpu": None} if INTERPRET els
 
 
 class TritonBackend(Backend):
-    def not_supported_reasons(self, op, inputs) -> list[str]:
-        reasons = super().not_supported_reasons(op, inputs)
-        if op == "causal_dot_product":
-            from cakeops.ops.causal_dot_product import default_options
-
-            if not default_options(inputs):
-                reasons.append(
-                    "causal_dot_product's options (scale, decay, gates, states, cu_seqlens) "
-                    "are not in this backend yet (WIP #27)"
-                )
-        return reasons
-
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed (pip install triton)"

@@ -98,16 +98,27 @@ def _prune(configs, args, **kwargs):
 
 
 def _causal_kernel(
-    A, B, C, OUT,
+    A, B, C, OUT, LM, INIT, FINAL, CU,
     L, H, E, M, M_BUCKET,
     sa_n, sa_h, sa_l, sb_n, sb_h, sb_l, sc_n, sc_h, sc_l,
+    si_s, si_h, si_e, si_m, sf_s, sf_h, sf_e, sf_m,
     REVERSE: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_LM: tl.constexpr, HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, PACKED: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     pid_nh = tl.program_id(0)
     pid_m = tl.program_id(1)
-    n = (pid_nh // H).to(tl.int64)
     h = (pid_nh % H).to(tl.int64)
+    # the program's sequence: a batch row, or (PACKED) one of the packed sequences of row 0
+    seq = (pid_nh // H).to(tl.int64)
+    if PACKED:
+        n = seq * 0
+        first = tl.load(CU + seq).to(tl.int32)
+        end = tl.load(CU + seq + 1).to(tl.int32)
+    else:
+        n = seq
+        first = 0
+        end = L
     e = tl.arange(0, BLOCK_E)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     t = tl.arange(0, BLOCK_L)
@@ -117,20 +128,25 @@ def _causal_kernel(
     out_base = OUT + (n * H + h) * L * M
     dtype = C.dtype.element_ty
     # The running state sum_j b_j c_j^T, kept in float32 and fed to the dot in the inputs' dtype.
-    state = tl.zeros((BLOCK_E, BLOCK_M), dtype=tl.float32)
+    em = (e < E)[:, None] & (m < M)[None, :]
+    if HAS_INIT:
+        init = INIT + seq * si_s + h * si_h + e.to(tl.int64)[:, None] * si_e + m[None, :] * si_m
+        state = tl.load(init, mask=em, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros((BLOCK_E, BLOCK_M), dtype=tl.float32)
     if REVERSE:
         keep = t[:, None] <= t[None, :]
     else:
         keep = t[:, None] >= t[None, :]
-    chunks = tl.cdiv(L, BLOCK_L)
+    chunks = tl.cdiv(end - first, BLOCK_L)
     for i in range(0, chunks):
         if REVERSE:
-            start = (chunks - 1 - i) * BLOCK_L
+            start = first + (chunks - 1 - i) * BLOCK_L
         else:
-            start = i * BLOCK_L
+            start = first + i * BLOCK_L
         pos = start + t
         pos64 = pos.to(tl.int64)
-        ok = pos < L
+        ok = pos < end
         ae = ok[:, None] & (e < E)[None, :]
         cm = ok[:, None] & (m < M)[None, :]
         a = tl.load(a_base + pos64[:, None] * sa_l + e[None, :], mask=ae, other=0.0)
@@ -140,6 +156,19 @@ def _causal_kernel(
         # earlier chunks through the state, then this chunk's masked scores (in v's dtype)
         out = dot(a, round_to(state, dtype), zero, PRECISION)
         scores = dot(a, tl.trans(b), tl.zeros((BLOCK_L, BLOCK_L), dtype=tl.float32), PRECISION)
+        if HAS_LM:
+            # log multipliers summed from the chunk's start (<= 0, falling): every exponent
+            # below is <= 0, so a strong decay underflows to zero and nothing overflows
+            lm = tl.load(LM + (n * H + h) * L + pos64, mask=ok, other=0.0)
+            cum = tl.cumsum(lm, axis=0)
+            last = tl.sum(lm, axis=0)
+            if REVERSE:  # [i, j] = exp(b_j - b_i) for j >= i; the state by exp(b_last - b_i)
+                gap = cum[None, :] - cum[:, None]
+                out = out * tl.exp(last - cum)[:, None]
+            else:  # [i, j] = exp(b_i - b_j) for j <= i; the state by exp(b_i)
+                gap = cum[:, None] - cum[None, :]
+                out = out * tl.exp(cum)[:, None]
+            scores = scores * tl.exp(tl.where(keep, gap, -float("inf")))
         scores = round_to(tl.where(keep, scores, 0.0), dtype)
         # No masked zero times a NaN or Inf of v: those enter through a running sum instead,
         # reaching only the positions in their causal range (the non-finite contract).
@@ -147,8 +176,20 @@ def _causal_kernel(
         out = dot(scores, tl.where(finite, v, 0.0), out, PRECISION)
         bad = tl.where(finite, 0.0, v.to(tl.float32))
         out += tl.cumsum(bad, axis=0, reverse=REVERSE)
-        tl.store(out_base + pos64[:, None] * M + m[None, :], round_to(out, dtype), mask=cm)
-        state = dot(tl.trans(b), v, state, PRECISION)
+        tl.store(out_base + pos64[:, None] * M + m[None, :], round_to(out, OUT.dtype.element_ty),
+                 mask=cm)  # fmt: skip
+        if HAS_LM:
+            if REVERSE:  # carried to the chunk before: exp(b_last) S + sum_j exp(b_j) b_j c_j^T
+                weight = tl.exp(cum)
+            else:  # carried on: exp(b_last) S + sum_j exp(b_last - b_j) b_j c_j^T
+                weight = tl.exp(last - cum)
+            bw = round_to(b.to(tl.float32) * weight[:, None], dtype)
+            state = dot(tl.trans(bw), v, state * tl.exp(last), PRECISION)
+        else:
+            state = dot(tl.trans(b), v, state, PRECISION)
+    if HAS_FINAL:
+        final = FINAL + seq * sf_s + h * sf_h + e.to(tl.int64)[:, None] * sf_e + m[None, :] * sf_m
+        tl.store(final, state, mask=em)
 
 
 # the kernel autotuned (specialised on sizes and strides), and untuned for small problems
@@ -169,36 +210,119 @@ def _strides(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _run(a, b, c, reverse: bool) -> torch.Tensor:
+def _run(a, b, c, reverse: bool, lm=None, init=None, final=None, cu=None,
+         out_dtype=None) -> torch.Tensor:  # fmt: skip
+    """One scan (see the kernel): ``lm`` float32 ``(N, H, L)`` log multipliers, ``init`` the
+    starting states ``(S, H, E, M)`` read through their strides, ``final`` a float32 tensor
+    the last states are written to (through its strides), ``cu`` packed sequences' offsets."""
     a, b, c = _strides(a), _strides(b), _strides(c)
     N, H, L, E = a.shape
     M = c.shape[-1]
-    out = torch.empty((N, H, L, M), dtype=c.dtype, device=c.device)
+    out = torch.empty((N, H, L, M), dtype=out_dtype or c.dtype, device=c.device)
+    sequences = N if cu is None else cu.numel() - 1
 
     def grid(meta):
-        return (N * H, triton.cdiv(M, meta["BLOCK_M"]))
+        return (sequences * H, triton.cdiv(M, meta["BLOCK_M"]))
 
+    init_strides = init.stride() if init is not None else (0, 0, 0, 0)
+    final_strides = final.stride() if final is not None else (0, 0, 0, 0)
     args = (
-        a, b, c, out,
+        a, b, c, out, out if lm is None else lm, out if init is None else init,
+        out if final is None else final, out if cu is None else cu,
         L, H, E, M, triton.next_power_of_2(M),
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
-        c.stride(0), c.stride(1), c.stride(2),
+        c.stride(0), c.stride(1), c.stride(2), *init_strides, *final_strides,
     )  # fmt: skip
     meta = {"REVERSE": reverse, "PRECISION": dot_precision(a.dtype),
-            "BLOCK_E": max(16, triton.next_power_of_2(E))}  # fmt: skip
+            "BLOCK_E": max(16, triton.next_power_of_2(E)), "HAS_LM": lm is not None,
+            "HAS_INIT": init is not None, "HAS_FINAL": final is not None,
+            "PACKED": cu is not None}  # fmt: skip
     # too small to tune: the first config the rules keep (the smallest chunk), untuned
     kernels = (_causal_tuned, _causal_untuned)
     launch(kernels, grid, args, meta, tuned=N * H * L >= TUNE_FROM_POSITIONS)
     return out
 
 
-@serialised
-def forward(q, k, v, *options):
-    # WIP (#27): the options are refused by the backend (not_supported_reasons) until here
-    return _run(q, k, v, reverse=False), q.new_empty(0)
+def _log_multipliers(q, log_decay, log_gates):
+    """``log_decay`` and ``log_gates`` summed per position, float32 ``(N, H, L)`` (None
+    without either)."""
+    if log_decay is None and log_gates is None:
+        return None
+    N, H, L, _ = q.shape
+    lm = torch.zeros((N, H, L), dtype=torch.float32, device=q.device)
+    if log_decay is not None:
+        lm += log_decay.float()[None, :, None]
+    if log_gates is not None:
+        lm += log_gates.float()
+    return lm
 
 
 @serialised
-def backward(g, g_final, q, k, v, *options):
-    return (*backward_by_scans(_run, g, q, k, v), None, None, None)
+def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=None,
+            output_final_state=False, cu_seqlens=None):  # fmt: skip
+    lm = _log_multipliers(q, log_decay, log_gates)
+    sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    final = None
+    if output_final_state:
+        final = torch.empty((sequences, q.shape[1], q.shape[3], v.shape[3]), dtype=torch.float32,
+                            device=q.device)  # fmt: skip
+    out = _run(q, k, v, False, lm, initial_state, final, cu_seqlens)
+    if scale is not None:
+        out = out * scale
+    if final is None:
+        return out, q.new_empty(0)
+    dtype = initial_state.dtype if initial_state is not None else torch.float32
+    return out, final.to(dtype)
+
+
+@serialised
+def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
+             initial_state=None, output_final_state=False, cu_seqlens=None):  # fmt: skip
+    lm = _log_multipliers(q, log_decay, log_gates)
+    if lm is None and initial_state is None and not output_final_state and cu_seqlens is None:
+        grads = backward_by_scans(_run, g if scale is None else g * scale, q, k, v)
+        return (*grads, None, None, None)
+    gs = g if scale is None else g * scale  # the outputs' gradients carry the scale
+    t = lambda x: None if x is None else x.transpose(-1, -2)  # noqa: E731
+    g_final = g_final if output_final_state and g_final.numel() else None
+    # with log multipliers dq and dk stay float32: their gradient is q.dq - k.dk, a difference
+    wide = None if lm is None else torch.float32
+    dq = _run(gs, v, k, False, lm, t(initial_state), None, cu_seqlens, wide)
+    dk = _run(v, gs, q, True, lm, t(g_final), None, cu_seqlens, wide)
+    d_init = None
+    if initial_state is not None:  # the gradient that reaches S_0: the dv run's last state
+        d_init = torch.empty(initial_state.shape, dtype=torch.float32, device=q.device)
+    dv = _run(k, q, gs, True, lm, g_final, d_init, cu_seqlens)
+    if lm is None:
+        return dq, dk, dv, None, None, None if d_init is None else d_init.to(initial_state.dtype)
+    dq_narrow, dk_narrow = dq.to(q.dtype), dk.to(k.dtype)
+    # d/db_t (b the cumulative log multiplier) = q.dq - k.dk, and <g_final, S_T> at each end
+    db = (q.float() * dq.float()).sum(-1) - (k.float() * dk.float()).sum(-1)
+    N, H, L, _ = q.shape
+    if g_final is not None:
+        final = torch.empty(g_final.shape, dtype=torch.float32, device=q.device)
+        _run(q, k, v, False, lm, initial_state, final, cu_seqlens)
+        at_end = (g_final.float() * final).sum((-1, -2))  # (S, H)
+        ends = (torch.full((N,), L, device=q.device) if cu_seqlens is None
+                else cu_seqlens[1:]) - 1  # fmt: skip
+        rows = (
+            torch.arange(at_end.shape[0], device=q.device)
+            if cu_seqlens is None
+            else (torch.zeros(at_end.shape[0], dtype=torch.long, device=q.device))
+        )
+        valid = ends >= (0 if cu_seqlens is None else cu_seqlens[:-1])  # empty sequences: none
+        db.index_put_((rows[:, None], torch.arange(H, device=q.device)[None, :],
+                       ends.clamp(min=0)[:, None].expand(-1, H)),
+                      at_end * valid[:, None], accumulate=True)  # fmt: skip
+    # each log multiplier reaches every later position of its sequence: reverse sums
+    total = db.flip(-1).cumsum(-1).flip(-1)
+    if cu_seqlens is not None:  # minus what lies past each position's sequence end
+        padded = torch.cat([total, total.new_zeros(N, H, 1)], -1)
+        pos = torch.arange(L, device=q.device)
+        seq_end = cu_seqlens[torch.searchsorted(cu_seqlens, pos, right=True)]
+        total = total - padded[..., seq_end]
+    d_decay = None if log_decay is None else total.sum((0, 2)).to(log_decay.dtype)
+    d_gates = None if log_gates is None else total.to(log_gates.dtype)
+    d_init = None if d_init is None else d_init.to(initial_state.dtype)
+    return dq_narrow, dk_narrow, dv, d_decay, d_gates, d_init
