@@ -286,10 +286,15 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
     gs = g if scale is None else g * scale  # the outputs' gradients carry the scale
     t = lambda x: None if x is None else x.transpose(-1, -2)  # noqa: E731
     g_final = g_final if output_final_state and g_final.numel() else None
-    # with log multipliers dq and dk stay float32: their gradient is q.dq - k.dk, a difference
-    wide = None if lm is None else torch.float32
-    dq = _run(gs, v, k, False, lm, t(initial_state), None, cu_seqlens, wide)
-    dk = _run(v, gs, q, True, lm, t(g_final), None, cu_seqlens, wide)
+    # with log multipliers dq and dk are computed in float32 (operands too): the multipliers'
+    # gradient is q.dq - k.dk, a difference that 16-bit products would drown
+    if lm is None:
+        dq = _run(gs, v, k, False, lm, t(initial_state), None, cu_seqlens)
+        dk = _run(v, gs, q, True, lm, t(g_final), None, cu_seqlens)
+    else:
+        g32, q32, k32, v32 = gs.float(), q.float(), k.float(), v.float()
+        dq = _run(g32, v32, k32, False, lm, t(initial_state), None, cu_seqlens)
+        dk = _run(v32, g32, q32, True, lm, t(g_final), None, cu_seqlens)
     d_init = None
     if initial_state is not None:  # the gradient that reaches S_0: the dv run's last state
         d_init = torch.empty(initial_state.shape, dtype=torch.float32, device=q.device)
@@ -302,7 +307,7 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
     N, H, L, _ = q.shape
     if g_final is not None:
         final = torch.empty(g_final.shape, dtype=torch.float32, device=q.device)
-        _run(q, k, v, False, lm, initial_state, final, cu_seqlens)
+        _run(q32, k32, v32, False, lm, initial_state, final, cu_seqlens)
         at_end = (g_final.float() * final).sum((-1, -2))  # (S, H)
         ends = (torch.full((N,), L, device=q.device) if cu_seqlens is None
                 else cu_seqlens[1:]) - 1  # fmt: skip
