@@ -58,6 +58,9 @@ def calls(dtypes=DTYPES) -> Iterator[Call]:
         out += [Call("rmsnorm_silu_gate", dtype, ((4, 64), None, True), "strided")]
         out += [Call("causal_dot_product", dtype, c) for c in causal]
         out += [Call("causal_dot_product", dtype, (2, 3, 37, 8, 8), "transposed")]
+        # WIP #27: every option (decay, gates, initial and final state), and packed sequences
+        out += [Call("causal_dot_product", dtype, (2, 2, 45, 6, 5), "options")]
+        out += [Call("causal_dot_product", dtype, (1, 2, 45, 6, 5), "packed")]
         out += [Call("moe_experts", dtype, c) for c in moe]
         if dtype != torch.float32:
             out += [Call("moe_experts", dtype, (16, 12, 20, 4, 2), "float32-weights")]
@@ -102,6 +105,8 @@ def sweep_calls(dtypes=(torch.bfloat16, torch.float16)) -> Iterator[Call]:
     heads = [(E, E) for E in HEAD_SIZES] + [(16, 256), (256, 16), (24, 192), (192, 24)]
     for dtype in dtypes:
         out = [Call("causal_dot_product", dtype, (1, 2, 8192, E, M)) for E, M in heads]
+        out += [Call("causal_dot_product", dtype, (1, 2, 8192, E, M), "options")
+                for E, M in heads]  # fmt: skip
         out += [Call("rmsnorm_silu_gate", dtype, ((64, D), None, True)) for D in NORM_SIZES]
         out += [Call("rmsnorm_silu_gate", dtype, ((64, D), 64, False)) for D in NORM_SIZES[:3]]
         for D, F in EXPERT_SIZES:
@@ -139,7 +144,13 @@ def inputs(call: Call) -> tuple[tuple, tuple]:
             v = empty(N, L, H, M).transpose(1, 2)
         else:
             q, k, v = empty(N, H, L, E), empty(N, H, L, E), empty(N, H, L, M)
-        return (q, k, v), (empty(N, H, L, M), q, k, v)
+        if call.variant in ("options", "packed"):
+            cu = torch.tensor([0, 10, 10, L]) if call.variant == "packed" else None
+            S = N if cu is None else cu.numel() - 1
+            opts = (0.5, -torch.rand(H), -torch.rand(N, H, L), torch.randn(S, H, E, M), True, cu)
+            g_final = torch.randn(S, H, E, M)
+            return (q, k, v, *opts), (empty(N, H, L, M), g_final, q, k, v, *opts)
+        return (q, k, v), (empty(N, H, L, M), empty(0), q, k, v)
     T, D, F, E, top_k = call.shape
     if call.variant.startswith("form:"):
         return _form_inputs(call, empty)

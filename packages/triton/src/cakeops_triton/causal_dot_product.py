@@ -68,12 +68,16 @@ def _block_m(args) -> int:
     return max(16, min(cap, 64, triton.next_power_of_2(args["M"])))
 
 
-def fits(block_l: int, block_e: int, block_m: int, warps: int, operands_in_registers: bool):
-    """The resource rule of a 16-bit config: its tiles fit the register budgets per thread."""
+def fits(block_l: int, block_e: int, block_m: int, warps: int, operands_in_registers: bool,
+         decays: bool = False):  # fmt: skip
+    """The resource rule of a 16-bit config: its tiles fit the register budgets per thread
+    (with log multipliers, ``decays``, a second ``BLOCK_L x BLOCK_L`` float32 tile: the
+    decay factors beside the scores)."""
     if block_e >= WIDE_BLOCK_E:
         return block_l == 16 and warps == 8
     threads = 32 * warps
-    f32 = (block_e * block_m + block_l * block_l + block_l * block_m) / threads
+    squares = 2 if decays else 1
+    f32 = (block_e * block_m + squares * block_l * block_l + block_l * block_m) / threads
     operands = (2 * block_l * block_e + block_l * block_m) / (2 * threads)
     return f32 <= F32_REGISTERS and (not operands_in_registers or operands <= OPERAND_REGISTERS)
 
@@ -92,7 +96,14 @@ def _prune(configs, args, **kwargs):
         c
         for c in configs
         if c.num_stages > 1
-        and fits(c.kwargs["BLOCK_L"], block_e, block_m, c.num_warps, in_registers)
+        and fits(
+            c.kwargs["BLOCK_L"],
+            block_e,
+            block_m,
+            c.num_warps,
+            in_registers,
+            kwargs.get("HAS_LM", False),
+        )  # fmt: skip
     ]
     return kept or [c for c in configs if c.kwargs["BLOCK_L"] == 16 and c.num_warps == 8][:1]
 
@@ -195,7 +206,7 @@ def _causal_kernel(
 # the kernel autotuned (specialised on sizes and strides), and untuned for small problems
 _causal_tuned = triton.autotune(
     configs=_CONFIGS,
-    key=["BLOCK_E", "M_BUCKET", "REVERSE", "PRECISION"],
+    key=["BLOCK_E", "M_BUCKET", "REVERSE", "PRECISION", "HAS_LM"],
     prune_configs_by={"early_config_prune": _prune},
 )(
     triton.heuristics({"BLOCK_M": _block_m})(
