@@ -103,7 +103,7 @@ def _prune(configs, args, **kwargs):
             c.num_warps,
             in_registers,
             kwargs.get("HAS_LM", False),
-        )  # fmt: skip
+        )
     ]
     return kept or [c for c in configs if c.kwargs["BLOCK_L"] == 16 and c.num_warps == 8][:1]
 
