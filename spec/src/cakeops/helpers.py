@@ -7,7 +7,9 @@ written once here (the conformance guide names this module).
   :func:`slot_sum`, :func:`dispatch_backward`), the SwiGLU backward (:func:`swiglu_backward`)
   and every other activation the experts take (:class:`Activation`), dropped slots
   (:func:`kept_rows`);
-- ``causal_dot_product``: the backward as three causal scans (:func:`backward_by_scans`);
+- ``causal_dot_product``: the backward as three causal scans (:func:`backward_by_scans`), the
+  per-position log multipliers (:func:`log_multipliers`) and their gradients
+  (:func:`log_multiplier_grads`);
 - every op: :func:`cast_grads` (each gradient in its input's dtype) and
   :func:`cakeops.compute_dtype` (the precision to compute in).
 """
@@ -34,6 +36,8 @@ __all__ = [
     "down_bias_dots",
     "given_routing",
     "kept_rows",
+    "log_multiplier_grads",
+    "log_multipliers",
     "route",
     "routing_backward",
     "row_experts",
@@ -54,6 +58,54 @@ def cast_grads(grads, inputs) -> tuple[torch.Tensor, ...]:
 
 # --------------------------------------------------------------------------------------------
 # causal_dot_product
+
+
+def log_multipliers(q, log_decay, log_gates, dtype=torch.float32) -> torch.Tensor | None:
+    """``log_decay`` and ``log_gates`` summed per position, ``(N, H, L)`` in ``dtype`` (None
+    without either): the log of what multiplies the state at each step."""
+    if log_decay is None and log_gates is None:
+        return None
+    N, H, L, _ = q.shape
+    lm = torch.zeros((N, H, L), dtype=dtype, device=q.device)
+    if log_decay is not None:
+        lm += log_decay.to(dtype)[None, :, None]
+    if log_gates is not None:
+        lm += log_gates.to(dtype)
+    return lm
+
+
+def log_multiplier_grads(q, k, dq, dk, cu_seqlens, at_end, log_decay, log_gates):
+    """``(dlog_decay, dlog_gates)`` (None for one not given) from the other gradients.
+
+    With ``b_t`` the log multipliers summed from a sequence's start, ``dL/db_t = q_t . dq_t -
+    k_t . dk_t`` (``dq``, ``dk`` the inputs' gradients, scale included), plus ``<g_final, S_T>``
+    at each sequence's last position (``at_end``, ``(sequences, H)``, None without a final
+    state's gradient). A log multiplier at ``t`` reaches every ``b_i``, ``i >= t``, of its
+    sequence: its gradient is the reverse sum over them. No host synchronisation."""
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    db = (q.to(ct) * dq.to(ct)).sum(-1) - (k.to(ct) * dk.to(ct)).sum(-1)
+    N, H, L = db.shape
+    device = q.device
+    if at_end is not None:
+        starts = None if cu_seqlens is None else cu_seqlens[:-1]
+        ends = (torch.full((N,), L, device=device) if cu_seqlens is None
+                else cu_seqlens[1:]) - 1  # fmt: skip
+        rows = torch.arange(N, device=device) if cu_seqlens is None else torch.zeros_like(ends)
+        # an empty sequence has no position: its term goes nowhere
+        valid = ends >= 0 if starts is None else ends >= starts
+        heads = torch.arange(H, device=device)[None, :]
+        last = ends.clamp(min=0)[:, None].long().expand(-1, H)
+        db.index_put_((rows[:, None].long(), heads, last), at_end.to(ct) * valid[:, None],
+                      accumulate=True)  # fmt: skip
+    total = db.flip(-1).cumsum(-1).flip(-1)
+    if cu_seqlens is not None:  # minus what lies past each position's sequence end
+        padded = torch.cat([total, total.new_zeros(N, H, 1)], -1)
+        pos = torch.arange(L, device=device)
+        seq_end = cu_seqlens[torch.searchsorted(cu_seqlens, pos, right=True)]
+        total = total - padded[..., seq_end]
+    d_decay = None if log_decay is None else total.sum((0, 2)).to(log_decay.dtype)
+    d_gates = None if log_gates is None else total.to(log_gates.dtype)
+    return d_decay, d_gates
 
 
 def backward_by_scans(scan, g, q, k, v):

@@ -9,9 +9,12 @@ scan for dk and dv.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from cakeops import compute_dtype
+from cakeops.helpers import log_multiplier_grads, log_multipliers
 
 CHUNK = 64
 
@@ -40,28 +43,162 @@ def _causal_mm(scores: torch.Tensor, x: torch.Tensor, reverse: bool = False) -> 
 
 def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=None,
             output_final_state=False, cu_seqlens=None):  # fmt: skip
-    options = (scale, log_decay, log_gates, initial_state, cu_seqlens)
-    if all(o is None for o in options) and not output_final_state:
-        return _forward(q, k, v), q.new_empty(0)
-    from cakeops_torch import causal_options_wip as wip
-
-    out, final = wip.forward(q, k, v, scale, log_decay, log_gates, initial_state, cu_seqlens)
+    lm = log_multipliers(q, log_decay, log_gates, compute_dtype(q.dtype))
+    if lm is None and initial_state is None and not output_final_state and cu_seqlens is None:
+        out = _forward(q, k, v) if scale is None else _forward(q, k, v).mul_(scale)
+    else:
+        outs, finals = zip(*(_forward_options(q[r], k[r], v[r], None if lm is None else lm[r],
+                                              None if initial_state is None else initial_state[i],
+                                              scale)
+                             for r, i in _sequences(q, cu_seqlens)), strict=True)  # fmt: skip
+        out = outs[0] if cu_seqlens is None else torch.cat(outs, dim=2)
     if not output_final_state:
         return out, q.new_empty(0)
     dtype = initial_state.dtype if initial_state is not None else compute_dtype(q.dtype)
-    return out, final.to(dtype)
+    return out, torch.cat(finals).to(dtype)
 
 
 def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
              initial_state=None, output_final_state=False, cu_seqlens=None):  # fmt: skip
-    options = (scale, log_decay, log_gates, initial_state, cu_seqlens)
-    if all(o is None for o in options) and not output_final_state:
-        return (*_backward(g, q, k, v), None, None, None)
-    from cakeops_torch import causal_options_wip as wip
-
+    # the output's gradient carries the scale
+    gs = g if scale is None else g.to(compute_dtype(g.dtype)) * scale
+    lm = log_multipliers(q, log_decay, log_gates, compute_dtype(q.dtype))
     g_final = g_final if output_final_state and g_final.numel() else None
-    return wip.backward(g, g_final, q, k, v, scale, log_decay, log_gates, initial_state,
-                        cu_seqlens)  # fmt: skip
+    if lm is None and initial_state is None and g_final is None and cu_seqlens is None:
+        return (*_backward(gs, q, k, v), None, None, None)
+    parts = [
+        _backward_options(gs[r], q[r], k[r], v[r], None if lm is None else lm[r],
+                          None if initial_state is None else initial_state[i],
+                          None if g_final is None else g_final[i])
+        for r, i in _sequences(q, cu_seqlens)
+    ]  # fmt: skip
+    dq, dk, dv = (torch.cat(t, dim=2) for t in list(zip(*parts, strict=True))[:3])
+    d_decay = d_gates = d_init = None
+    if lm is not None:
+        at_end = None
+        if g_final is not None:
+            at_end = torch.cat([(g_final[i].to(p[4].dtype) * p[4]).sum((-1, -2))
+                                for p, (_, i) in zip(parts, _sequences(q, cu_seqlens),
+                                                     strict=True)])  # fmt: skip
+        d_decay, d_gates = log_multiplier_grads(q, k, dq, dk, cu_seqlens, at_end, log_decay,
+                                                log_gates)  # fmt: skip
+    if initial_state is not None:
+        d_init = torch.cat([p[3] for p in parts]).to(initial_state.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_decay, d_gates, d_init
+
+
+def _sequences(q, cu_seqlens):
+    """``(index, states)`` of each batch of equal-length sequences: every row at once, or each
+    packed sequence (``index`` picks its positions of q, ``states`` its initial state)."""
+    if cu_seqlens is None:
+        return [((slice(None),), slice(None))]
+    bounds = cu_seqlens.tolist()
+    return [((slice(None), slice(None), slice(s, e)), slice(i, i + 1))
+            for i, (s, e) in enumerate(itertools.pairwise(bounds))]  # fmt: skip
+
+
+def _decays(b: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """``[i, j] = exp(b_i - b_j)`` for ``j <= i`` (transposed with ``reverse``), 0 elsewhere:
+    ``b`` falls along the chunk, so no exponent is positive."""
+    C = b.shape[-1]
+    causal = torch.ones(C, C, dtype=torch.bool, device=b.device).tril()
+    gaps = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, -torch.inf)
+    return _t(torch.exp(gaps)) if reverse else torch.exp(gaps)
+
+
+def _chunk_logs(lm, c):
+    """The chunk's log multipliers summed from its start ``(.., C)``, and their last entry
+    ``(.., 1)`` (zeros without multipliers)."""
+    b = torch.cumsum(lm[:, :, c], dim=-1)
+    return b, b[..., -1:]
+
+
+def _forward_options(q, k, v, lm, init, scale):
+    """``(out, final state)`` of ``S_t = exp(lm_t) S_{t-1} + k_t v_t^T``, ``out_t = s q_t^T S_t``
+    from ``S_0 = init`` (zeros when None), chunk by chunk: ``b`` summed from the chunk's start,
+    the scores ``(q_i . k_j) exp(b_i - b_j)``, the state entering as ``exp(b_i) q_i^T S`` and
+    moving on as ``exp(b_C) S + sum_j exp(b_C - b_j) k_j v_j^T``."""
+    ct = compute_dtype(q.dtype)
+    N, H, L, E = q.shape
+    M = v.shape[-1]
+    out = torch.empty((N, H, L, M), dtype=q.dtype, device=q.device)
+    state = (torch.zeros((N, H, E, M), dtype=ct, device=q.device) if init is None
+             else init.to(ct, copy=True))  # fmt: skip
+    for c in _chunks(L):
+        qc, kc, vc = q[:, :, c].to(ct), k[:, :, c].to(ct), v[:, :, c].to(ct)
+        if lm is None:
+            oc = _causal_mm((qc @ _t(kc)).tril_(), vc).add_(qc @ state)
+            state = state + _t(kc) @ vc
+        else:
+            b, last = _chunk_logs(lm, c)
+            oc = _causal_mm(_masked(qc @ _t(kc), _decays(b)), vc)
+            oc.add_(torch.exp(b)[..., None] * (qc @ state))
+            state = (
+                torch.exp(last)[..., None] * state + _t(kc * torch.exp(last - b)[..., None]) @ vc
+            )
+        out[:, :, c] = oc if scale is None else oc.mul_(scale)
+    return out, state
+
+
+def _carry(state, last, a, c):
+    """The state carried past a chunk: ``exp(b_C) S + a^T c`` (``a`` weighted already)."""
+    return torch.exp(last)[..., None] * state + _t(a) @ c
+
+
+def _masked(scores, decays):
+    """``scores * decays`` with the masked entries exactly 0 (no 0 * Inf)."""
+    return (scores * decays).masked_fill_(decays == 0, 0.0)
+
+
+def _backward_options(g, q, k, v, lm, init, g_final):
+    """``(dq, dk, dv, gradient reaching S_0, final state S_T)`` of :func:`_forward_options`
+    for the output's gradient ``g`` and the final state's ``g_final`` (None: zero).
+
+    ``dq_i = S_i g_i`` runs forward in time (from ``init``); the gradient reaching each state,
+    ``R_j = exp(lm_{j+1}) R_{j+1} + q_j g_j^T`` from ``R_T = g_final``, runs backward with
+    ``dk_j = R_j v_j`` and ``dv_j = R_j^T k_j``."""
+    ct = compute_dtype(q.dtype)
+    N, H, L, E = q.shape
+    M = v.shape[-1]
+    dq = torch.empty((N, H, L, E), dtype=ct, device=q.device)
+    dk, dv = torch.empty_like(dq), torch.empty((N, H, L, M), dtype=ct, device=q.device)
+    state = (torch.zeros((N, H, E, M), dtype=ct, device=q.device) if init is None
+             else init.to(ct, copy=True))  # fmt: skip
+    for c in _chunks(L):
+        gc, kc, vc = g[:, :, c].to(ct), k[:, :, c].to(ct), v[:, :, c].to(ct)
+        if lm is None:
+            dqc = _causal_mm((gc @ _t(vc)).tril_(), kc).add_(gc @ _t(state))
+            state = state + _t(kc) @ vc
+        else:
+            b, last = _chunk_logs(lm, c)
+            dqc = _causal_mm(_masked(gc @ _t(vc), _decays(b)), kc)
+            dqc.add_(torch.exp(b)[..., None] * (gc @ _t(state)))
+            state = (
+                torch.exp(last)[..., None] * state + _t(kc * torch.exp(last - b)[..., None]) @ vc
+            )
+        dq[:, :, c] = dqc
+    final = state
+    carry = (torch.zeros((N, H, E, M), dtype=ct, device=q.device) if g_final is None
+             else g_final.to(ct, copy=True))  # fmt: skip
+    for c in _chunks(L, reverse=True):
+        gc, qc = g[:, :, c].to(ct), q[:, :, c].to(ct)
+        kc, vc = k[:, :, c].to(ct), v[:, :, c].to(ct)
+        if lm is None:
+            gv, qk = (gc @ _t(vc)).tril_(), (qc @ _t(kc)).tril_()
+            dkc = _causal_mm(_t(gv), qc, reverse=True).add_(vc @ _t(carry))
+            dvc = _causal_mm(_t(qk), gc, reverse=True).add_(kc @ carry)
+            carry = carry + _t(qc) @ gc
+        else:
+            b, last = _chunk_logs(lm, c)
+            decays_t = _decays(b, reverse=True)  # [j, i] = exp(b_i - b_j), i >= j
+            tail = torch.exp(last - b)[..., None]  # exp(b_C - b_j)
+            dkc = _causal_mm(_masked(vc @ _t(gc), decays_t), qc, reverse=True)
+            dkc.add_(tail * (vc @ _t(carry)))
+            dvc = _causal_mm(_masked(kc @ _t(qc), decays_t), gc, reverse=True)
+            dvc.add_(tail * (kc @ carry))
+            carry = _carry(carry, last, qc * torch.exp(b)[..., None], gc)
+        dk[:, :, c], dv[:, :, c] = dkc, dvc
+    return dq, dk, dv, carry, final
 
 
 def _forward(q, k, v):

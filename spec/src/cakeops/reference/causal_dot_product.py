@@ -7,6 +7,8 @@ what depends on it and nothing else (the non-finite contract of the op's docs pa
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 
@@ -34,8 +36,6 @@ def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=N
     options = (scale, log_decay, log_gates, initial_state, cu_seqlens)
     if all(o is None for o in options) and not output_final_state:
         return math(q, k, v).to(q.dtype), _empty(q)
-    from cakeops.reference.causal_dot_product_options import scan
-
     out, final = scan(q, k, v, scale=scale, log_decay=log_decay, log_gates=log_gates,
                       initial_state=initial_state, cu_seqlens=cu_seqlens)  # fmt: skip
     dtype = initial_state.dtype if initial_state is not None else final.dtype
@@ -49,7 +49,6 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
     options = (scale, log_decay, log_gates, initial_state, cu_seqlens)
     if all(o is None for o in options) and not output_final_state:
         return (*_plain_backward(g, q, k, v), None, None, None)
-    from cakeops.reference.causal_dot_product_options import scan
     from cakeops.reference.routed_experts import grads_by_autograd
 
     def fn(q, k, v, log_decay, log_gates, initial_state):
@@ -73,3 +72,38 @@ def _plain_backward(g, q, k, v):
     dk = torch.einsum("nhlem,nhlm->nhle", rev, vd)
     dv = torch.einsum("nhlem,nhle->nhlm", rev, kd)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def scan(q, k, v, *, scale=None, log_decay=None, log_gates=None, initial_state=None,
+         cu_seqlens=None):  # fmt: skip
+    """``(out (N, H, L, M), final_state (N or sequences, H, E, M))`` in float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    N, H, L, E = q.shape
+    M = v.shape[-1]
+    zero = q.new_zeros(())
+    if cu_seqlens is None:
+        sequences = [(n, 0, L) for n in range(N)]
+    else:
+        offsets = cu_seqlens.tolist()
+        sequences = [(0, s, e) for s, e in itertools.pairwise(offsets)]
+    rows: dict[int, list[torch.Tensor]] = {n: [] for n in range(N)}
+    finals = []
+    for i, (n, start, end) in enumerate(sequences):
+        state = q.new_zeros(H, E, M) if initial_state is None else initial_state[i].double()
+        for t in range(start, end):
+            log_mult = zero.expand(H)
+            if log_decay is not None:
+                log_mult = log_mult + log_decay.double()
+            if log_gates is not None:
+                log_mult = log_mult + log_gates[n, :, t].double()
+            state = (
+                torch.exp(log_mult)[:, None, None] * state
+                + k[n, :, t, :, None] * v[n, :, t, None, :]
+            )
+            rows[n].append(torch.einsum("he,hem->hm", q[n, :, t], state))
+        finals.append(state)
+    scale = 1.0 if scale is None else scale
+    out = torch.stack(
+        [torch.stack(rows[n], dim=1) if rows[n] else q.new_zeros(H, 0, M) for n in range(N)]
+    )
+    return out * scale, torch.stack(finals)

@@ -231,8 +231,7 @@ class TestCausalOptions:
         against the float64 scan (``S_t = exp(log_decay + log_gates_t) S_{t-1} + k_t v_t^T``)."""
         if backend in NOT_YET:
             pytest.xfail(NOT_YET[backend])
-        from cakeops.reference.causal_dot_product_options import scan
-
+        scan = ref.scan
         (q, k, v), tensors, fixed, g, g_final = _option_inputs(OPTION_CASES[case], dtype, device)
         leaves = {"q": q, "k": k, "v": v, **tensors}
         names = list(leaves)
@@ -265,6 +264,64 @@ class TestCausalOptions:
             assert_matches(state, ref_state, "final_state", state.dtype)
         for name, a, b in zip(names, got, want, strict=True):
             assert_matches(a, b, f"d{name}", leaves[name].dtype)
+
+    @pytest.mark.cakeops_dtypes(torch.float64)
+    @pytest.mark.parametrize("packed", [False, True])
+    def test_gradcheck(self, backend, dtype, device, packed):
+        """Float64 gradcheck of the output and the final state in every differentiable input."""
+        if backend in NOT_YET:
+            pytest.xfail(NOT_YET[backend])
+        given = ("log_decay", "log_gates", "initial_state", "scale")
+        if packed:
+            given += ("cu_seqlens",)
+        (q, k, v), tensors, fixed, _, _ = _option_inputs(given, dtype, device, N=2, H=2, L=13,
+                                                         E=3, M=2)  # fmt: skip
+        if packed:
+            fixed["cu_seqlens"] = torch.tensor([0, 4, 4, 9, 13], device=device)
+            tensors["initial_state"] = tensors["initial_state"].detach()[:4].requires_grad_()
+        # a log multiplier nudged by gradcheck stays <= 0
+        names = ["q", "k", "v", *tensors]
+
+        def fn(*values):
+            given_ = dict(zip(names, values, strict=True))
+            qkv = (given_.pop("q"), given_.pop("k"), given_.pop("v"))
+            return cakeops.causal_dot_product(*qkv, **given_, **fixed, output_final_state=True)
+
+        assert torch.autograd.gradcheck(fn, (q, k, v, *tensors.values()))
+
+    @pytest.mark.parametrize("poisoned", ["q", "k", "v", "g"])
+    def test_non_finite_values_stay_causal_with_decay(self, backend, dtype, device, poisoned):
+        """The non-finite contract with log multipliers: a NaN or Inf makes non-finite exactly
+        the entries of out, dq, dk, dv that the float64 scan makes non-finite, and leaves every
+        other entry as it is without it."""
+        if backend in NOT_YET:
+            pytest.xfail(NOT_YET[backend])
+        q, k, v, g = make_inputs(1, 2, 40, 4, 4, dtype, device)
+        log_decay = torch.tensor([-0.05, -0.3], device=device, dtype=dtype)
+        tensors = {name: t.detach().clone() for name, t in (("q", q), ("k", k), ("v", v),
+                                                             ("g", g))}  # fmt: skip
+        tensors[poisoned][0, 1, 21, 1] = float("nan")
+        tensors[poisoned][0, 0, 30, 2] = float("-inf")
+        g_bad = tensors.pop("g")
+
+        def run(inputs, upstream, math=False):
+            leaves = [t.detach().clone().double() if math else t.detach().clone() for t in inputs]
+            leaves = [t.requires_grad_() for t in leaves]
+            if math:
+                out, _ = ref.scan(*leaves, log_decay=log_decay.double())
+            else:
+                out = cakeops.causal_dot_product(*leaves, log_decay=log_decay)
+            grads = torch.autograd.grad(out, leaves, upstream.to(out.dtype))
+            return (out.detach(), *grads)
+
+        got = run(tensors.values(), g_bad)
+        want = run(tensors.values(), g_bad, math=True)
+        fine = run((q, k, v), g, math=True)
+        for name, t, w, f in zip(("out", "dq", "dk", "dv"), got, want, fine, strict=True):
+            finite = torch.isfinite(w)
+            assert finite.all() != (name in DEPENDS_ON[poisoned])  # the poison reached it
+            assert torch.equal(torch.isfinite(t), finite), f"{name}: non-finite entries differ"
+            assert_matches(t.where(finite, 0), f.where(finite, 0), name, dtype)
 
     @pytest.mark.cakeops_not_for(
         "reference", reason="the float64 scan is a Python loop: too slow at 65,536 steps"
