@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from numba import cuda, float32
 
-from cakeops.helpers import backward_by_scans
+from cakeops.helpers import backward_by_scans, log_multiplier_grads, log_multipliers
 from cakeops_numba import SIMULATOR
 from cakeops_numba._elements import store, widen
 from cakeops_numba._launch import THREADS, on_stream, view
@@ -90,14 +90,54 @@ def _on_cpu_kernels(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not SIMULATOR
 
 
-def forward(q, k, v, *options):
-    # WIP (#27): the options are refused by the backend (not_supported_reasons) until here
-    if _on_cpu_kernels(q):
-        return cpu.forward(q, k, v), q.new_empty(0)
-    return _run(q, k, v, reverse=False), q.new_empty(0)
+def _plain(scale, lm, initial_state, output_final_state, cu_seqlens) -> bool:
+    return (scale is None and lm is None and initial_state is None and not output_final_state
+            and cu_seqlens is None)  # fmt: skip
 
 
-def backward(g, g_final, q, k, v, *options):
+def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=None,
+            output_final_state=False, cu_seqlens=None):  # fmt: skip
+    lm = log_multipliers(q, log_decay, log_gates)
+    if _plain(scale, lm, initial_state, output_final_state, cu_seqlens):
+        if _on_cpu_kernels(q):
+            return cpu.forward(q, k, v), q.new_empty(0)
+        return _run(q, k, v, reverse=False), q.new_empty(0)
     if _on_cpu_kernels(q):
-        return (*cpu.backward(g, q, k, v), None, None, None)
-    return (*backward_by_scans(_run, g, q, k, v), None, None, None)
+        out, final = cpu.forward_options(q, k, v, lm, initial_state, cu_seqlens, scale)
+    else:
+        out, final = _run_options(q, k, v, lm, initial_state, cu_seqlens, scale)
+    if not output_final_state:
+        return out, q.new_empty(0)
+    return out, final.to(torch.float32 if initial_state is None else initial_state.dtype)
+
+
+def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
+             initial_state=None, output_final_state=False, cu_seqlens=None):  # fmt: skip
+    lm = log_multipliers(q, log_decay, log_gates)
+    g_final = g_final if output_final_state and g_final.numel() else None
+    if _plain(scale, lm, initial_state, g_final is not None, cu_seqlens):
+        if _on_cpu_kernels(q):
+            return (*cpu.backward(g, q, k, v), None, None, None)
+        return (*backward_by_scans(_run, g, q, k, v), None, None, None)
+    gs = g if scale is None else g.float() * scale  # the output's gradient carries the scale
+    if _on_cpu_kernels(q):
+        dq, dk, dv, d_init, final = cpu.backward_options(gs, g_final, q, k, v, lm, initial_state,
+                                                         cu_seqlens)  # fmt: skip
+    else:
+        dq, dk, dv, d_init, final = _backward_options(gs, g_final, q, k, v, lm, initial_state,
+                                                      cu_seqlens)  # fmt: skip
+    d_decay = d_gates = None
+    if lm is not None:
+        at_end = None if g_final is None else (g_final.float() * final).sum((-1, -2))
+        d_decay, d_gates = log_multiplier_grads(q, k, dq, dk, cu_seqlens, at_end, log_decay,
+                                                log_gates)  # fmt: skip
+    d_init = None if initial_state is None else d_init.to(initial_state.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_decay, d_gates, d_init
+
+
+def _run_options(*args):
+    raise NotImplementedError("WIP #27: numba CUDA with options")
+
+
+def _backward_options(*args):
+    raise NotImplementedError("WIP #27: numba CUDA with options")

@@ -188,7 +188,7 @@ class TestCausalDotProductBadInput:
 
 # --------------------------------------------------------------------------------------------
 # WIP (#27): the options. Backends that do not run them yet are listed here, with the reason.
-NOT_YET = {"numba": "WIP #27: the numba kernels have no options yet"}
+NOT_YET = {}
 #: name -> the options given (``final``: output_final_state with a gradient reaching it)
 OPTION_CASES = {
     "scale": ("scale",),

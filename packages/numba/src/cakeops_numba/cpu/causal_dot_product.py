@@ -311,3 +311,241 @@ def backward(
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
     _run(_backward, (g, q, k, v), (dq, dk, dv))
     return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
+# The options: log multipliers (decay, gates), initial and final states, packed sequences.
+# Four positions per pass as above, the multipliers applied relative to the pass's first
+# position: a pass's outputs are ``exp(B_t) (c_t . X)`` from the state it starts from plus
+# ``exp(B_t - B_j) (c_t . a_j) b_j`` within it, and the state moves on as ``exp(B_3) X +
+# sum_j exp(B_3 - B_j) a_j b_j^T`` (``B`` the multipliers' running sum within the pass, so no
+# exponent is positive). A short pass is padded with zero rows and zero log multipliers.
+
+
+@_compiled(parallel=False)
+def _pass_logs(lf, B):  # pragma: no cover - compiled
+    """``B[t] = lf[0] + ... + lf[t]`` for the pass's four steps."""
+    acc = np.float32(0.0)
+    for t in range(4):
+        acc += lf[t]
+        B[t] = acc
+
+
+@_compiled(parallel=False)
+def _scan_with_logs(c, a, b, lm, h, start, end, X, y, scale):  # pragma: no cover - compiled
+    """``X_t = exp(lm_t) X_{t-1} + a_t b_t^T`` and ``y_t = scale X_t^T c_t`` over positions
+    ``start..end-1`` of head ``h`` (``c``, ``a``: ``(heads, L, P)``; ``b``, ``y``:
+    ``(heads, L, Q)``), from the state ``X`` ``(P, Q)``, which it leaves at ``X_end``: the
+    forward with ``(q, k, v)`` and ``X = S``, ``dq`` with ``(g, v, k)`` and ``X = S^T``."""
+    P, Q = X.shape
+    cb = np.zeros((4, P), np.float32)
+    ab = np.zeros((4, P), np.float32)
+    bb = np.zeros((4, Q), np.float32)
+    acc = np.empty((4, Q), np.float32)
+    lf = np.zeros(4, np.float32)
+    B = np.empty(4, np.float32)
+    W = np.zeros((4, 4), np.float32)
+    for s0 in range(start, end, 4):
+        n = min(4, end - s0)
+        for t in range(4):
+            live = t < n
+            lf[t] = lm[h, s0 + t] if live else np.float32(0.0)
+            for p in range(P):
+                cb[t, p] = c[h, s0 + t, p] if live else np.float32(0.0)
+                ab[t, p] = a[h, s0 + t, p] if live else np.float32(0.0)
+            for j in range(Q):
+                bb[t, j] = b[h, s0 + t, j] if live else np.float32(0.0)
+                acc[t, j] = 0.0
+        _pass_logs(lf, B)
+        for t in range(4):
+            for j in range(t + 1):
+                dot = np.float32(0.0)
+                for p in range(P):
+                    dot += cb[t, p] * ab[j, p]
+                W[t, j] = np.exp(B[t] - B[j]) * dot
+        f3 = np.exp(B[3])
+        w0, w1, w2 = np.exp(B[3] - B[0]), np.exp(B[3] - B[1]), np.exp(B[3] - B[2])
+        for p in range(P):
+            c0, c1, c2, c3 = cb[0, p], cb[1, p], cb[2, p], cb[3, p]
+            a0, a1, a2, a3 = w0 * ab[0, p], w1 * ab[1, p], w2 * ab[2, p], ab[3, p]
+            for j in range(Q):
+                x = X[p, j]
+                acc[0, j] += c0 * x
+                acc[1, j] += c1 * x
+                acc[2, j] += c2 * x
+                acc[3, j] += c3 * x
+                X[p, j] = f3 * x + a0 * bb[0, j] + a1 * bb[1, j] + a2 * bb[2, j] + a3 * bb[3, j]
+        for t in range(n):
+            ft = np.exp(B[t])
+            for j in range(Q):
+                r = ft * acc[t, j]
+                for i in range(t + 1):  # only j <= t: a masked zero times a NaN would leak it
+                    r += W[t, i] * bb[i, j]
+                y[h, s0 + t, j] = scale * r
+
+
+@_compiled(parallel=False)
+def _reverse_with_logs(q, g, k, v, lm, h, start, end, R, dk, dv):  # pragma: no cover - compiled
+    """The reverse-time scan with log multipliers over positions ``start..end-1`` of head ``h``:
+    ``R_t = exp(lm_{t+1}) R_{t+1} + q_t g_t^T`` from ``R`` (the final state's gradient, with
+    the scale in ``g``), ``dk_t = R_t v_t``, ``dv_t = R_t^T k_t``; leaves ``R_start`` in
+    ``R``."""
+    E, M = R.shape
+    qb = np.zeros((4, E), np.float32)
+    kb = np.zeros((4, E), np.float32)
+    gb = np.zeros((4, M), np.float32)
+    vb = np.zeros((4, M), np.float32)
+    yk = np.empty((4, E), np.float32)
+    zv = np.empty((4, M), np.float32)
+    lf = np.zeros(4, np.float32)
+    B = np.empty(4, np.float32)
+    GV = np.zeros((4, 4), np.float32)
+    QK = np.zeros((4, 4), np.float32)
+    for s1 in range(end, start, -4):  # the pass takes positions s1 - 1, s1 - 2, ... (step i)
+        n = min(4, s1 - start)
+        for i in range(4):
+            t = s1 - 1 - i
+            live = i < n
+            lf[i] = lm[h, t + 1] if live and t + 1 < end else np.float32(0.0)
+            for e in range(E):
+                qb[i, e] = q[h, t, e] if live else np.float32(0.0)
+                kb[i, e] = k[h, t, e] if live else np.float32(0.0)
+            for m in range(M):
+                gb[i, m] = g[h, t, m] if live else np.float32(0.0)
+                vb[i, m] = v[h, t, m] if live else np.float32(0.0)
+                zv[i, m] = 0.0
+        _pass_logs(lf, B)
+        for i in range(4):
+            for j in range(i + 1):
+                gv = np.float32(0.0)
+                for m in range(M):
+                    gv += gb[j, m] * vb[i, m]
+                qk = np.float32(0.0)
+                for e in range(E):
+                    qk += qb[j, e] * kb[i, e]
+                decay = np.exp(B[i] - B[j])
+                GV[i, j] = decay * gv
+                QK[i, j] = decay * qk
+        f3 = np.exp(B[3])
+        w0, w1, w2 = np.exp(B[3] - B[0]), np.exp(B[3] - B[1]), np.exp(B[3] - B[2])
+        for e in range(E):
+            k0, k1, k2, k3 = kb[0, e], kb[1, e], kb[2, e], kb[3, e]
+            a0, a1, a2, a3 = w0 * qb[0, e], w1 * qb[1, e], w2 * qb[2, e], qb[3, e]
+            y0 = y1 = y2 = y3 = np.float32(0.0)
+            for m in range(M):
+                r = R[e, m]
+                y0 += r * vb[0, m]
+                y1 += r * vb[1, m]
+                y2 += r * vb[2, m]
+                y3 += r * vb[3, m]
+                zv[0, m] += k0 * r
+                zv[1, m] += k1 * r
+                zv[2, m] += k2 * r
+                zv[3, m] += k3 * r
+                R[e, m] = f3 * r + a0 * gb[0, m] + a1 * gb[1, m] + a2 * gb[2, m] + a3 * gb[3, m]
+            yk[0, e], yk[1, e], yk[2, e], yk[3, e] = y0, y1, y2, y3
+        for i in range(n):
+            t = s1 - 1 - i
+            fi = np.exp(B[i])
+            for e in range(E):
+                r = fi * yk[i, e]
+                for j in range(i + 1):
+                    r += GV[i, j] * qb[j, e]
+                dk[h, t, e] = r
+            for m in range(M):
+                r = fi * zv[i, m]
+                for j in range(i + 1):
+                    r += QK[i, j] * gb[j, m]
+                dv[h, t, m] = r
+
+
+@_compiled(parallel=True)
+def _forward_options(q, k, v, lm, cu, H, states, out, scale):  # pragma: no cover - compiled
+    """Every (head, sequence) on its own thread: ``states[task]`` ``(E, M)`` holds the initial
+    state and is left holding the final one (task = (row * sequences + s) * H + h)."""
+    S = cu.shape[0] - 1
+    heads = q.shape[0]
+    for task in prange(heads * S):
+        nh, s = task // S, task % S
+        X = states[((nh // H) * S + s) * H + nh % H]
+        _scan_with_logs(q, k, v, lm, nh, cu[s], cu[s + 1], X, out, scale)
+
+
+@_compiled(parallel=True)
+def _backward_options(g, q, k, v, lm, cu, H, states, grads, dq, dk, dv):  # pragma: no cover
+    """``dq`` forward in time (``states``: the transposed initial states in, the transposed
+    final ones out), then ``dk``, ``dv`` in reverse (``grads``: the final states' gradients in,
+    those reaching each sequence's start out, before its first multiplier)."""
+    S = cu.shape[0] - 1
+    heads = q.shape[0]
+    for task in prange(heads * S):
+        nh, s = task // S, task % S
+        i = ((nh // H) * S + s) * H + nh % H
+        _scan_with_logs(g, v, k, lm, nh, cu[s], cu[s + 1], states[i], dq, np.float32(1.0))
+        _reverse_with_logs(q, g, k, v, lm, nh, cu[s], cu[s + 1], grads[i], dk, dv)
+
+
+def _heads(t: torch.Tensor) -> np.ndarray:
+    """A float32 C-contiguous ``(heads, L, d)`` numpy view (a copy only when needed)."""
+    return t.float().contiguous().view(-1, *t.shape[-2:]).numpy()
+
+
+def _launch(kernel, *args) -> None:
+    with _LAUNCH:
+        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        kernel(*args)
+
+
+def _layout(q, lm, cu_seqlens):
+    """The kernels' log multipliers ``(heads, L)`` float32 (zeros without any) and offsets."""
+    N, H, L, _ = q.shape
+    lm = torch.zeros((N, H, L)) if lm is None else lm.float().contiguous()
+    cu = torch.tensor([0, L]) if cu_seqlens is None else cu_seqlens.long()
+    return lm.view(N * H, L), cu
+
+
+def forward_options(q, k, v, lm, initial_state, cu_seqlens, scale):
+    """``(out, final states float32)`` with the options (``lm``: the summed log multipliers
+    ``(N, H, L)`` or None)."""
+    N, H, L, E = q.shape
+    M = v.shape[-1]
+    lm, cu = _layout(q, lm, cu_seqlens)
+    S = cu.numel() - 1
+    states = torch.zeros((N * S * H, E, M))
+    if initial_state is not None:
+        states.copy_(initial_state.reshape(N * S * H, E, M))
+    out = torch.zeros((N, H, L, M))
+    if N * H * L * E:
+        s = np.float32(1.0 if scale is None else scale)
+        _launch(_forward_options, _heads(q), _heads(k), _heads(v), lm.numpy(), cu.numpy(), H,
+                states.numpy(), out.view(N * H, L, M).numpy(), s)  # fmt: skip
+    return out.to(q.dtype), states.view(N * S, H, E, M)
+
+
+def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
+    """``(dq, dk, dv float32, gradient reaching each initial state, final states)`` with the
+    options; ``g`` carries the scale, ``g_final`` None for none."""
+    N, H, L, E = q.shape
+    M = v.shape[-1]
+    lm, cu = _layout(q, lm, cu_seqlens)
+    S = cu.numel() - 1
+    states = torch.zeros((N * S * H, M, E))  # transposed: the dq run's X is S^T
+    if initial_state is not None:
+        states.copy_(initial_state.reshape(N * S * H, E, M).transpose(-1, -2))
+    grads = torch.zeros((N * S * H, E, M))
+    if g_final is not None:
+        grads.copy_(g_final.reshape(N * S * H, E, M))
+    dq, dk, dv = torch.zeros((N, H, L, E)), torch.zeros((N, H, L, E)), torch.zeros((N, H, L, M))
+    if N * H * L:
+        outs = (t.view(N * H, L, -1).numpy() for t in (dq, dk, dv))
+        _launch(_backward_options, *(_heads(t) for t in (g, q, k, v)), lm.numpy(), cu.numpy(),
+                H, states.numpy(), grads.numpy(), *outs)  # fmt: skip
+    # the gradient reaching S_0 is exp(lm_first) R_first (R_first itself for an empty sequence)
+    first = torch.zeros((N, S, H))
+    if L:
+        starts = cu[:-1].clamp(max=L - 1)
+        lead = lm.view(N, H, L)[:, :, starts].transpose(1, 2)  # (N, S, H)
+        first = torch.where((cu[1:] > cu[:-1])[None, :, None], lead, 0.0)
+    d_init = grads.view(N * S, H, E, M) * torch.exp(first).view(N * S, H, 1, 1)
+    final = states.view(N * S, H, M, E).transpose(-1, -2)
+    return dq, dk, dv, d_init, final
