@@ -318,103 +318,121 @@ def backward(
 # Four positions per pass as above, the multipliers applied relative to the pass's first
 # position: a pass's outputs are ``exp(B_t) (c_t . X)`` from the state it starts from plus
 # ``exp(B_t - B_j) (c_t . a_j) b_j`` within it, and the state moves on as ``exp(B_3) X +
-# sum_j exp(B_3 - B_j) a_j b_j^T`` (``B`` the multipliers' running sum within the pass, so no
-# exponent is positive). A short pass is padded with zero rows and zero log multipliers.
+# sum_j exp(B_3 - B_j) a_j b_j^T`` (``B`` the multipliers' running sum within the pass: every
+# factor is <= 1). A short pass is padded with zero rows and zero log multipliers.
 
 
 @_compiled(parallel=False)
-def _pass_logs(lf, B):  # pragma: no cover - compiled
-    """``B[t] = lf[0] + ... + lf[t]`` for the pass's four steps."""
-    acc = np.float32(0.0)
-    for t in range(4):
-        acc += lf[t]
-        B[t] = acc
+def _pass_decays(lf, D):  # pragma: no cover - compiled
+    """``D[t, j] = exp(lf[j+1] + ... + lf[t])`` for ``j <= t`` (1 on the diagonal): products of
+    the steps' factors, each ``<= 1``, so nothing overflows (four ``exp`` a pass, not ten)."""
+    for t in range(lf.shape[0]):
+        D[t, t] = 1.0
+        f = np.exp(lf[t])
+        for j in range(t):
+            D[t, j] = D[t - 1, j] * f
 
 
 @_compiled(parallel=False)
-def _scan_with_logs(c, a, b, lm, h, start, end, X, y, scale):  # pragma: no cover - compiled
+def _scan_with_logs(c, a, b, lm, h, start, end, state, y, scale):  # pragma: no cover - compiled
     """``X_t = exp(lm_t) X_{t-1} + a_t b_t^T`` and ``y_t = scale X_t^T c_t`` over positions
     ``start..end-1`` of head ``h`` (``c``, ``a``: ``(heads, L, P)``; ``b``, ``y``:
-    ``(heads, L, Q)``), from the state ``X`` ``(P, Q)``, which it leaves at ``X_end``: the
-    forward with ``(q, k, v)`` and ``X = S``, ``dq`` with ``(g, v, k)`` and ``X = S^T``."""
-    P, Q = X.shape
+    ``(heads, L, Q)``), from the state ``X``, kept transposed in ``state`` ``(Q, P)`` as in
+    :func:`_forward_head` and left at ``X_end``: the forward with ``(q, k, v)`` (``S^T``),
+    ``dq`` with ``(g, v, k)`` (``S``)."""
+    Q, P = state.shape
+    XT = state.copy()  # a local array: the compiler knows nothing else writes it
     cb = np.zeros((4, P), np.float32)
-    ab = np.zeros((4, P), np.float32)
+    aw = np.zeros((4, P), np.float32)  # a_j weighted by exp(B_3 - B_j)
     bb = np.zeros((4, Q), np.float32)
     acc = np.empty((4, Q), np.float32)
-    lf = np.zeros(4, np.float32)
-    B = np.empty(4, np.float32)
+    lf = np.zeros(5, np.float32)  # lf[0]: the factor into the pass, lf[1 + t]: into step t
+    D = np.zeros((5, 5), np.float32)
     W = np.zeros((4, 4), np.float32)
     for s0 in range(start, end, 4):
         n = min(4, end - s0)
-        for t in range(4):
-            live = t < n
-            lf[t] = lm[h, s0 + t] if live else np.float32(0.0)
-            for p in range(P):
-                cb[t, p] = c[h, s0 + t, p] if live else np.float32(0.0)
-                ab[t, p] = a[h, s0 + t, p] if live else np.float32(0.0)
-            for j in range(Q):
-                bb[t, j] = b[h, s0 + t, j] if live else np.float32(0.0)
-                acc[t, j] = 0.0
-        _pass_logs(lf, B)
+        for t in range(n):
+            lf[t + 1] = lm[h, s0 + t]
+            cb[t, :] = c[h, s0 + t, :]
+            aw[t, :] = a[h, s0 + t, :]
+            bb[t, :] = b[h, s0 + t, :]
+        for t in range(n, 4):
+            lf[t + 1] = 0.0
+            cb[t, :] = 0.0
+            aw[t, :] = 0.0
+            bb[t, :] = 0.0
+        # D[1 + t, 0] = exp(B_t) (the state into step t), D[1 + t, 1 + j] = exp(B_t - B_j)
+        _pass_decays(lf, D)
         for t in range(4):
             for j in range(t + 1):
                 dot = np.float32(0.0)
                 for p in range(P):
-                    dot += cb[t, p] * ab[j, p]
-                W[t, j] = np.exp(B[t] - B[j]) * dot
-        f3 = np.exp(B[3])
-        w0, w1, w2 = np.exp(B[3] - B[0]), np.exp(B[3] - B[1]), np.exp(B[3] - B[2])
-        for p in range(P):
-            c0, c1, c2, c3 = cb[0, p], cb[1, p], cb[2, p], cb[3, p]
-            a0, a1, a2, a3 = w0 * ab[0, p], w1 * ab[1, p], w2 * ab[2, p], ab[3, p]
-            for j in range(Q):
-                x = X[p, j]
-                acc[0, j] += c0 * x
-                acc[1, j] += c1 * x
-                acc[2, j] += c2 * x
-                acc[3, j] += c3 * x
-                X[p, j] = f3 * x + a0 * bb[0, j] + a1 * bb[1, j] + a2 * bb[2, j] + a3 * bb[3, j]
+                    dot += cb[t, p] * aw[j, p]
+                W[t, j] = D[1 + t, 1 + j] * dot
+        for t in range(3):
+            w = D[4, 1 + t]
+            for p in range(P):
+                aw[t, p] = w * aw[t, p]
+        f3 = D[4, 0]
+        for j in range(Q):
+            b0, b1, b2, b3 = bb[0, j], bb[1, j], bb[2, j], bb[3, j]
+            s_0 = s_1 = s_2 = s_3 = np.float32(0.0)
+            for p in range(P):
+                x = XT[j, p]
+                s_0 += cb[0, p] * x
+                s_1 += cb[1, p] * x
+                s_2 += cb[2, p] * x
+                s_3 += cb[3, p] * x
+                XT[j, p] = f3 * x + aw[0, p] * b0 + aw[1, p] * b1 + aw[2, p] * b2 + aw[3, p] * b3
+            acc[0, j], acc[1, j], acc[2, j], acc[3, j] = s_0, s_1, s_2, s_3
         for t in range(n):
-            ft = np.exp(B[t])
+            ft = D[1 + t, 0]
             for j in range(Q):
-                r = ft * acc[t, j]
-                for i in range(t + 1):  # only j <= t: a masked zero times a NaN would leak it
-                    r += W[t, i] * bb[i, j]
-                y[h, s0 + t, j] = scale * r
+                acc[t, j] *= ft
+            for i in range(t + 1):  # only i <= t: a masked zero times a NaN would leak it
+                w = W[t, i]
+                for j in range(Q):
+                    acc[t, j] += w * bb[i, j]
+            for j in range(Q):
+                y[h, s0 + t, j] = scale * acc[t, j]
+    state[:, :] = XT
 
 
 @_compiled(parallel=False)
-def _reverse_with_logs(q, g, k, v, lm, h, start, end, R, dk, dv):  # pragma: no cover - compiled
+def _reverse_with_logs(q, g, k, v, lm, h, start, end, grad, dk, dv):  # pragma: no cover - compiled
     """The reverse-time scan with log multipliers over positions ``start..end-1`` of head ``h``:
-    ``R_t = exp(lm_{t+1}) R_{t+1} + q_t g_t^T`` from ``R`` (the final state's gradient, with
-    the scale in ``g``), ``dk_t = R_t v_t``, ``dv_t = R_t^T k_t``; leaves ``R_start`` in
-    ``R``."""
-    E, M = R.shape
+    ``R_t = exp(lm_{t+1}) R_{t+1} + q_t g_t^T`` from ``grad`` (the final state's gradient,
+    with the scale in ``g``), ``dk_t = R_t v_t``, ``dv_t = R_t^T k_t``; leaves ``R_start`` in
+    ``grad``."""
+    E, M = grad.shape
+    R = grad.copy()  # a local array: the compiler knows nothing else writes it
     qb = np.zeros((4, E), np.float32)
     kb = np.zeros((4, E), np.float32)
     gb = np.zeros((4, M), np.float32)
     vb = np.zeros((4, M), np.float32)
     yk = np.empty((4, E), np.float32)
     zv = np.empty((4, M), np.float32)
-    lf = np.zeros(4, np.float32)
-    B = np.empty(4, np.float32)
+    lf = np.zeros(5, np.float32)
+    D = np.zeros((5, 5), np.float32)
     GV = np.zeros((4, 4), np.float32)
     QK = np.zeros((4, 4), np.float32)
     for s1 in range(end, start, -4):  # the pass takes positions s1 - 1, s1 - 2, ... (step i)
         n = min(4, s1 - start)
-        for i in range(4):
+        zv[:, :] = 0.0
+        for i in range(n):
             t = s1 - 1 - i
-            live = i < n
-            lf[i] = lm[h, t + 1] if live and t + 1 < end else np.float32(0.0)
-            for e in range(E):
-                qb[i, e] = q[h, t, e] if live else np.float32(0.0)
-                kb[i, e] = k[h, t, e] if live else np.float32(0.0)
-            for m in range(M):
-                gb[i, m] = g[h, t, m] if live else np.float32(0.0)
-                vb[i, m] = v[h, t, m] if live else np.float32(0.0)
-                zv[i, m] = 0.0
-        _pass_logs(lf, B)
+            lf[i + 1] = lm[h, t + 1] if t + 1 < end else np.float32(0.0)
+            qb[i, :] = q[h, t, :]
+            kb[i, :] = k[h, t, :]
+            gb[i, :] = g[h, t, :]
+            vb[i, :] = v[h, t, :]
+        for i in range(n, 4):
+            lf[i + 1] = 0.0
+            qb[i, :] = 0.0
+            kb[i, :] = 0.0
+            gb[i, :] = 0.0
+            vb[i, :] = 0.0
+        _pass_decays(lf, D)
         for i in range(4):
             for j in range(i + 1):
                 gv = np.float32(0.0)
@@ -423,11 +441,11 @@ def _reverse_with_logs(q, g, k, v, lm, h, start, end, R, dk, dv):  # pragma: no 
                 qk = np.float32(0.0)
                 for e in range(E):
                     qk += qb[j, e] * kb[i, e]
-                decay = np.exp(B[i] - B[j])
+                decay = D[1 + i, 1 + j]
                 GV[i, j] = decay * gv
                 QK[i, j] = decay * qk
-        f3 = np.exp(B[3])
-        w0, w1, w2 = np.exp(B[3] - B[0]), np.exp(B[3] - B[1]), np.exp(B[3] - B[2])
+        f3 = D[4, 0]
+        w0, w1, w2 = D[4, 1], D[4, 2], D[4, 3]
         for e in range(E):
             k0, k1, k2, k3 = kb[0, e], kb[1, e], kb[2, e], kb[3, e]
             a0, a1, a2, a3 = w0 * qb[0, e], w1 * qb[1, e], w2 * qb[2, e], qb[3, e]
@@ -446,17 +464,22 @@ def _reverse_with_logs(q, g, k, v, lm, h, start, end, R, dk, dv):  # pragma: no 
             yk[0, e], yk[1, e], yk[2, e], yk[3, e] = y0, y1, y2, y3
         for i in range(n):
             t = s1 - 1 - i
-            fi = np.exp(B[i])
+            fi = D[1 + i, 0]
             for e in range(E):
-                r = fi * yk[i, e]
-                for j in range(i + 1):
-                    r += GV[i, j] * qb[j, e]
-                dk[h, t, e] = r
+                yk[i, e] *= fi
             for m in range(M):
-                r = fi * zv[i, m]
-                for j in range(i + 1):
-                    r += QK[i, j] * gb[j, m]
-                dv[h, t, m] = r
+                zv[i, m] *= fi
+            for j in range(i + 1):
+                wk, wv = GV[i, j], QK[i, j]
+                for e in range(E):
+                    yk[i, e] += wk * qb[j, e]
+                for m in range(M):
+                    zv[i, m] += wv * gb[j, m]
+            for e in range(E):
+                dk[h, t, e] = yk[i, e]
+            for m in range(M):
+                dv[h, t, m] = zv[i, m]
+    grad[:, :] = R
 
 
 @_compiled(parallel=True)
@@ -511,15 +534,15 @@ def forward_options(q, k, v, lm, initial_state, cu_seqlens, scale):
     M = v.shape[-1]
     lm, cu = _layout(q, lm, cu_seqlens)
     S = cu.numel() - 1
-    states = torch.zeros((N * S * H, E, M))
+    states = torch.zeros((N * S * H, M, E))  # transposed: the kernel's XT = S^T
     if initial_state is not None:
-        states.copy_(initial_state.reshape(N * S * H, E, M))
-    out = torch.zeros((N, H, L, M))
-    if N * H * L * E:
+        states.copy_(initial_state.reshape(N * S * H, E, M).transpose(-1, -2))
+    out = torch.empty((N, H, L, M))
+    if N * H * L:
         s = np.float32(1.0 if scale is None else scale)
         _launch(_forward_options, _heads(q), _heads(k), _heads(v), lm.numpy(), cu.numpy(), H,
                 states.numpy(), out.view(N * H, L, M).numpy(), s)  # fmt: skip
-    return out.to(q.dtype), states.view(N * S, H, E, M)
+    return out.to(q.dtype), states.view(N * S, H, M, E).transpose(-1, -2)
 
 
 def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
@@ -529,13 +552,13 @@ def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
     M = v.shape[-1]
     lm, cu = _layout(q, lm, cu_seqlens)
     S = cu.numel() - 1
-    states = torch.zeros((N * S * H, M, E))  # transposed: the dq run's X is S^T
+    states = torch.zeros((N * S * H, E, M))  # the dq run's XT = S
     if initial_state is not None:
-        states.copy_(initial_state.reshape(N * S * H, E, M).transpose(-1, -2))
+        states.copy_(initial_state.reshape(N * S * H, E, M))
     grads = torch.zeros((N * S * H, E, M))
     if g_final is not None:
         grads.copy_(g_final.reshape(N * S * H, E, M))
-    dq, dk, dv = torch.zeros((N, H, L, E)), torch.zeros((N, H, L, E)), torch.zeros((N, H, L, M))
+    dq, dk, dv = torch.empty((N, H, L, E)), torch.empty((N, H, L, E)), torch.empty((N, H, L, M))
     if N * H * L:
         outs = (t.view(N * H, L, -1).numpy() for t in (dq, dk, dv))
         _launch(_backward_options, *(_heads(t) for t in (g, q, k, v)), lm.numpy(), cu.numpy(),
@@ -547,5 +570,5 @@ def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
         lead = lm.view(N, H, L)[:, :, starts].transpose(1, 2)  # (N, S, H)
         first = torch.where((cu[1:] > cu[:-1])[None, :, None], lead, 0.0)
     d_init = grads.view(N * S, H, E, M) * torch.exp(first).view(N * S, H, 1, 1)
-    final = states.view(N * S, H, M, E).transpose(-1, -2)
+    final = states.view(N * S, H, E, M)
     return dq, dk, dv, d_init, final
