@@ -74,14 +74,6 @@ class NumbaBackend(Backend):
         reasons = super().not_supported_reasons(op, inputs)
         if inputs.device_type == "cuda" and self.cuda_unavailable_reason is not None:
             reasons.append(self.cuda_unavailable_reason)
-        if op == "causal_dot_product":
-            from cakeops.ops.causal_dot_product import default_options
-
-            if not default_options(inputs) and (SIMULATOR or inputs.device_type == "cuda"):
-                reasons.append(
-                    "causal_dot_product's options (scale, decay, gates, states, cu_seqlens) "
-                    "are not in this backend yet (WIP #27)"
-                )
         return reasons
 
 

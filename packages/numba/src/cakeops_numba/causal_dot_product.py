@@ -16,6 +16,8 @@ simulator, to the CUDA kernel above).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from numba import cuda, float32
 
@@ -29,61 +31,139 @@ CHUNK = 16
 
 
 @cuda.jit
-def _causal(a, b, c, out, state, reverse):
-    """``a, b``: (N, H, L, E); ``c``, ``out``: (N, H, L, M); ``state``: (N * H, E, M) zeros."""
+def _causal(a, b, c, out, state, reverse, lm, has_lm, cu):
+    """``a, b``: (N, H, L, E); ``c``, ``out``: (N, H, L, M); ``state``: (N * S * H, E, M), the
+    starting states (zeros, or the initial ones), left holding the last ones; ``lm``:
+    (N * H, L) log multipliers when ``has_lm``; ``cu``: (S + 1,) offsets of the sequences
+    along L (``[0, L]`` unpacked). One block per (row, sequence, head)."""
     scores = cuda.shared.array((CHUNK, CHUNK), float32)
+    cum = cuda.shared.array(CHUNK, float32)  # log multipliers summed from the chunk's start
     tid = cuda.threadIdx.x
-    nh = cuda.blockIdx.x
-    _, H, L, E = a.shape
+    task = cuda.blockIdx.x
+    H, E = a.shape[1], a.shape[3]
     M = c.shape[3]
-    n, h = nh // H, nh % H
+    S = cu.shape[0] - 1
+    h, ns = task % H, task // H
+    n, s = ns // S, ns % S
+    nh = n * H + h
+    first, end = cu[s], cu[s + 1]
     m = cuda.blockIdx.y * THREADS + tid
-    chunks = (L + CHUNK - 1) // CHUNK
+    chunks = (end - first + CHUNK - 1) // CHUNK
     for step in range(chunks):
-        start = (chunks - 1 - step) * CHUNK if reverse else step * CHUNK
+        start = first + ((chunks - 1 - step) if reverse else step) * CHUNK
+        size = min(CHUNK, end - start)
+        last = float32(0.0)
+        if has_lm:
+            if tid == 0:
+                acc = float32(0.0)
+                for i in range(CHUNK):
+                    if i < size:
+                        acc += lm[nh, start + i]
+                    cum[i] = acc
+            cuda.syncthreads()
+            last = cum[CHUNK - 1]
         # The chunk's masked scores, computed once by the whole block.
         for k in range(tid, CHUNK * CHUNK, THREADS):
             i, j = k // CHUNK, k % CHUNK
-            s = float32(0.0)
+            x = float32(0.0)
             causal = j >= i if reverse else j <= i
-            if causal and start + i < L and start + j < L:
+            if causal and i < size and j < size:
                 for e in range(E):
-                    s += widen(a[n, h, start + i, e]) * widen(b[n, h, start + j, e])
-            scores[i, j] = s
+                    x += widen(a[n, h, start + i, e]) * widen(b[n, h, start + j, e])
+                if has_lm:  # exp(b_i - b_j) (exp(b_j - b_i) in reverse): never above 1
+                    x *= math.exp(cum[j] - cum[i] if reverse else cum[i] - cum[j])
+            scores[i, j] = x
         cuda.syncthreads()
         if m < M:
             col = cuda.local.array(CHUNK, float32)  # this thread's column of the chunk's c
             for j in range(CHUNK):
-                col[j] = widen(c[n, h, start + j, m]) if start + j < L else float32(0.0)
-            for i in range(min(CHUNK, L - start)):
+                col[j] = widen(c[n, h, start + j, m]) if j < size else float32(0.0)
+            for i in range(size):
                 acc = float32(0.0)
                 # only j in causal(i): a masked zero times a NaN or Inf of c would leak it
                 for j in range(i, CHUNK) if reverse else range(i + 1):
                     acc += scores[i, j] * col[j]
+                carried = float32(0.0)
                 for e in range(E):
-                    acc += widen(a[n, h, start + i, e]) * state[nh, e, m]
-                store(out, (n, h, start + i, m), acc)
+                    carried += widen(a[n, h, start + i, e]) * state[task, e, m]
+                if has_lm:  # the state's decay to (from) position i
+                    carried *= math.exp(last - cum[i] if reverse else cum[i])
+                store(out, (n, h, start + i, m), acc + carried)
             for e in range(E):
-                acc = state[nh, e, m]
-                for j in range(min(CHUNK, L - start)):
-                    acc += widen(b[n, h, start + j, e]) * col[j]
-                state[nh, e, m] = acc
-        cuda.syncthreads()  # the next chunk's scores overwrite these
+                acc = float32(0.0)
+                for j in range(size):
+                    w = widen(b[n, h, start + j, e]) * col[j]
+                    if has_lm:  # to the chunk's end (its start, before the chunk, in reverse)
+                        w *= math.exp(cum[j] if reverse else last - cum[j])
+                    acc += w
+                x = state[task, e, m]
+                state[task, e, m] = (x * math.exp(last) if has_lm else x) + acc
+        cuda.syncthreads()  # the next chunk's scores and sums overwrite these
 
 
-def _run(a, b, c, reverse: bool) -> torch.Tensor:
+def _run(a, b, c, reverse: bool, lm=None, states=None, cu=None, out_dtype=None) -> torch.Tensor:
+    """One scan (see the kernel). ``states`` (N * S * H, E, M) float32: the starting states,
+    left holding the last ones (zeros when None)."""
     N, H, L, E = a.shape
     M = c.shape[-1]
-    out = torch.empty((N, H, L, M), dtype=c.dtype, device=c.device)
+    out = torch.empty((N, H, L, M), dtype=out_dtype or c.dtype, device=c.device)
+    if cu is None:
+        cu = torch.tensor([0, L], device=c.device)
+    S = cu.numel() - 1
+    if states is None:
+        states = torch.zeros((N * S * H, E, M), dtype=torch.float32, device=c.device)
     if out.numel() == 0:
         return out
     if E == 0:
         return out.zero_()
-    state = torch.zeros((N * H, E, M), dtype=torch.float32, device=c.device)
-    grid = (N * H, (M + THREADS - 1) // THREADS)
+    grid = (N * S * H, (M + THREADS - 1) // THREADS)
+    lm_ = lm.view(N * H, L) if lm is not None else states.new_zeros((1, 1))
     with on_stream(c.device) as stream:
-        _causal[grid, THREADS, stream](view(a), view(b), view(c), view(out), view(state), reverse)
+        arrays = (view(a), view(b), view(c), view(out), view(states))
+        _causal[grid, THREADS, stream](*arrays, reverse, view(lm_), lm is not None, view(cu.long()))
     return out
+
+
+def _states(x, tasks: int, E: int, M: int, transpose: bool = False) -> torch.Tensor:
+    """The kernel's float32 ``(tasks, E, M)`` starting states from ``x`` (``(.., M, E)``
+    transposed with ``transpose``; zeros when None)."""
+    if x is None:
+        return torch.zeros((tasks, E, M), dtype=torch.float32, device="cpu")
+    x = x.to(torch.float32, copy=True).reshape(tasks, *x.shape[-2:])  # the kernel writes it
+    return x.transpose(-1, -2).contiguous() if transpose else x
+
+
+def _run_options(q, k, v, lm, initial_state, cu_seqlens, scale):
+    """``(out, final states float32)`` on the CUDA kernel."""
+    N, H, _, E = q.shape
+    M = v.shape[-1]
+    S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
+    states = _states(initial_state, N * S * H, E, M).to(q.device)
+    out = _run(q, k, v, False, lm, states, cu_seqlens)
+    if scale is not None:
+        out = out * scale
+    return out, states.view(N * S, H, E, M)
+
+
+def _backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
+    """``(dq, dk, dv, gradient reaching each initial state, final states)`` as four runs of the
+    kernel (``g`` carries the scale): ``dq = (g, v, k)`` from ``S_0^T``, ``dk = (v, g, q)``
+    from ``g_final^T`` and ``dv = (k, q, g)`` from ``g_final`` in reverse, the last leaving
+    the gradient that reaches ``S_0``. With log multipliers, ``dq`` and ``dk`` stay in float32
+    (their multipliers' gradient is a difference of their products with q and k)."""
+    N, H, _, E = q.shape
+    M = v.shape[-1]
+    S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
+    tasks = N * S * H
+    wide = torch.float32 if lm is not None else None
+    st = _states(initial_state, tasks, M, E, transpose=True).to(q.device)
+    dq = _run(g, v, k, False, lm, st, cu_seqlens, wide)
+    final = st.transpose(-1, -2).reshape(N * S, H, E, M)
+    gt = _states(g_final, tasks, M, E, transpose=True).to(q.device)
+    dk = _run(v, g, q, True, lm, gt, cu_seqlens, wide)
+    gs = _states(g_final, tasks, E, M).to(q.device)
+    dv = _run(k, q, g, True, lm, gs, cu_seqlens)
+    return dq, dk, dv, gs.view(N * S, H, E, M), final
 
 
 def _on_cpu_kernels(t: torch.Tensor) -> bool:
@@ -133,11 +213,3 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
                                                 log_gates)  # fmt: skip
     d_init = None if initial_state is None else d_init.to(initial_state.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_decay, d_gates, d_init
-
-
-def _run_options(*args):
-    raise NotImplementedError("WIP #27: numba CUDA with options")
-
-
-def _backward_options(*args):
-    raise NotImplementedError("WIP #27: numba CUDA with options")
