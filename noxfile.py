@@ -86,6 +86,10 @@ def bench(session: nox.Session) -> None:
         else ["--markdown", "docs/bench/cpu/hf_models.md"]
     )
     session.run("python", "-m", "cakeops.bench.hf_models", *hf)
+    # MiniMax's lightning-attention layer: Hugging Face's against its core on cakeops.
+    mm = ["--quick"] if "--quick" in session.posargs else [
+        "--markdown", "docs/bench/cpu/minimax.md"]  # fmt: skip
+    session.run("python", "-m", "cakeops.bench.minimax", *mm)
     # Expert parallelism: 2 processes x 1 thread against 1 process x 2 threads.
     ep = ["--quick"] if "--quick" in session.posargs else [
         "--markdown", "docs/bench/cpu/expert_parallel.md"]  # fmt: skip

@@ -47,6 +47,9 @@ FAMILIES = {
                    "linear_num_key_heads": 2, "linear_key_head_dim": 8,
                    "linear_value_head_dim": 8, "linear_conv_kernel_dim": 2,
                    "layer_types": ["linear_attention", "full_attention"]}),
+    "MiniMax": (tf.MiniMaxConfig, {"intermediate_size": 16, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "head_dim": 8, "block_size": 4,
+                "layer_types": ["linear_attention", "full_attention"]}),
 }  # fmt: skip
 TOLERANCE = 2 * cakeops.tolerance(torch.float32)
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,7 +142,7 @@ def models_table() -> str:
     """The supported-models table of the README and docs: what this module tests."""
     version = tf.__version__
     rows = [
-        "| family | config | experts | gated norm | transformers |",
+        "| family | config | experts | also on cakeops | transformers |",
         "| --- | --- | --- | --- | --- |",
     ]
     for family, (config_class, _) in FAMILIES.items():
@@ -206,3 +209,71 @@ def test_hf_models_benchmark_runs_and_writes_its_table(tmp_path, monkeypatch):
     for family in hf_models.FAMILIES:
         for impl in hf_models.IMPLEMENTATIONS:
             assert f"| {family} | 64 | {impl} |" in table
+
+
+def test_minimax_benchmark_runs_and_writes_its_table(tmp_path, monkeypatch):
+    """``python -m cakeops.bench.minimax --quick``: the layer's rows, the core's and the
+    decode's, in a table naming the machine and the command."""
+    from cakeops.bench import minimax
+
+    monkeypatch.setattr(minimax, "QUICK_SHAPE", (64, 2, 8))
+    monkeypatch.setattr(minimax, "DECODE_TOKENS", 3)
+    out = tmp_path / "minimax.md"
+    assert minimax.main(["--quick", "--markdown", str(out)]) == 0
+    table = out.read_text()
+    assert "`python -m cakeops.bench.minimax`" in table and "L = 64" in table
+    for row in ("| Hugging Face layer |", "| cakeops layer |", "| layer without its core |",
+                "| the core alone: cakeops |", "| decode, 3 tokens"):  # fmt: skip
+        assert row in table
+
+
+def test_minimax_lightning_attention_runs_on_the_op():
+    """The core of MiniMax's lightning attention is causal_dot_product (a backend that does not
+    exist is refused), its parameters, buffers and names kept."""
+    model, patched = pair("MiniMax")
+    assert "CakeopsMiniMaxLightningAttention" in {type(m).__name__ for m in patched.modules()}
+    assert list(model.state_dict()) == list(patched.state_dict())
+    with (
+        cakeops.use_backend("nope", op="causal_dot_product"),
+        pytest.raises(cakeops.BackendError),
+    ):
+        patched(tokens())
+
+
+def test_minimax_greedy_generation_with_the_cache_is_the_model_s():
+    """32 greedy tokens with the cache (a prefill, then a decode step per token from the
+    cached state): the same tokens as the unpatched model, in float32."""
+    model, patched = pair("MiniMax")
+    prompt = tokens()[:1, :7]
+    kwargs = {"max_new_tokens": 32, "do_sample": False, "use_cache": True,
+              "pad_token_id": 0, "min_new_tokens": 32}  # fmt: skip
+    want = model.generate(prompt, **kwargs)
+    got = patched.generate(prompt, **kwargs)
+    assert want.shape == (1, 7 + 32)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mode", ["compile", "checkpointing"])
+def test_minimax_training_steps(mode):
+    """Training steps of MiniMax on cakeops (experts and lightning attention) match the model's,
+    compiled or with activation checkpointing."""
+    model, patched = pair("MiniMax")
+    if mode == "checkpointing":
+        for m in (model, patched):
+            m.gradient_checkpointing_enable({"use_reentrant": False})
+            m.train()
+    losses = {}
+    for name, m in (("model", model), ("cakeops", patched)):
+        step = torch.compile(m) if mode == "compile" else m
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+        ids = tokens()
+        losses[name] = []
+        for _ in range(3):
+            optimizer.zero_grad()
+            loss = step(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            losses[name].append(loss.detach())
+    for a, b in zip(losses["cakeops"], losses["model"], strict=True):
+        assert cakeops.relative_error(a, b) <= TOLERANCE
+    assert losses["cakeops"][-1] < losses["cakeops"][0]

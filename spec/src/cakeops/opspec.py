@@ -300,6 +300,17 @@ def _absent(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=like.dtype, device=like.device)
 
 
+def _like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``grad`` laid out as ``torch.empty_like(t)`` (the backward's fake kernel): a backend
+    may return any strides, but a compiled graph relies on the fake's (a copy only when they
+    differ)."""
+    if grad.stride() == t.stride() or (grad.is_contiguous() and t.is_contiguous()):
+        return grad
+    if grad.stride() == torch.empty_like(t, device="meta").stride():
+        return grad
+    return torch.empty_like(t).copy_(grad)
+
+
 def _unwrapped(grads: tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The backward op's result: a lone gradient as itself (its schema returns a Tensor)."""
     return grads[0] if len(grads) == 1 else grads
@@ -585,7 +596,9 @@ class OpSpec:
             tuple(
                 _absent(g)
                 if t is None
-                else _checked(self.name, backend, f"d{name}", grad, (t.shape, t.dtype, t.device))
+                else _like(
+                    _checked(self.name, backend, f"d{name}", grad, (t.shape, t.dtype, t.device)), t
+                )
                 for (name, t), grad in zip(tensors.items(), grads, strict=True)
             )
         )

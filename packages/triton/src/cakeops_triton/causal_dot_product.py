@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cakeops.helpers import backward_by_scans
+from cakeops.helpers import backward_by_scans, log_multiplier_grads, log_multipliers
 from cakeops_triton._common import (
     INTERPRET,
     dot,
@@ -63,20 +63,22 @@ WIDE_BLOCK_E = 256
 
 def _block_m(args) -> int:
     """Columns of ``v`` per program: the float32 ``E x BLOCK_M`` state stays within 4096
-    elements for 16-bit inputs (32 registers a thread at 4 warps) and 2048 for float32 ones."""
-    cap = max(16, (4096 if args["A"].element_size() < 4 else 2048) // args["BLOCK_E"])
+    elements for 16-bit inputs (32 registers a thread at 4 warps) and 2048 for float32 ones
+    (1024 with log multipliers, whose decay tiles take the rest)."""
+    f32 = 1024 if args.get("HAS_LM") else 2048
+    cap = max(16, (4096 if args["A"].element_size() < 4 else f32) // args["BLOCK_E"])
     return max(16, min(cap, 64, triton.next_power_of_2(args["M"])))
 
 
 def fits(block_l: int, block_e: int, block_m: int, warps: int, operands_in_registers: bool,
          decays: bool = False):  # fmt: skip
     """The resource rule of a 16-bit config: its tiles fit the register budgets per thread
-    (with log multipliers, ``decays``, a second ``BLOCK_L x BLOCK_L`` float32 tile: the
-    decay factors beside the scores)."""
+    (with log multipliers, ``decays``, the ``BLOCK_L x BLOCK_L`` float32 square counts four
+    times: the scores, the gaps, their exps and the masked product)."""
     if block_e >= WIDE_BLOCK_E:
         return block_l == 16 and warps == 8
     threads = 32 * warps
-    squares = 2 if decays else 1
+    squares = 4 if decays else 1
     f32 = (block_e * block_m + squares * block_l * block_l + block_l * block_m) / threads
     operands = (2 * block_l * block_e + block_l * block_m) / (2 * threads)
     return f32 <= F32_REGISTERS and (not operands_in_registers or operands <= OPERAND_REGISTERS)
@@ -84,12 +86,15 @@ def fits(block_l: int, block_e: int, block_m: int, warps: int, operands_in_regis
 
 def _prune(configs, args, **kwargs):
     """The configs that fit by the resource rules, whatever the head sizes. float32: the
-    unpipelined 8-warp configs, 16-position chunks from E = 128. 16-bit: :func:`fits`, the
-    operands counted in registers before sm_90 (no wgmma)."""
+    unpipelined configs, 16-position chunks from E = 128 or with log multipliers, 16 warps
+    from E = 256 (8 below). 16-bit: :func:`fits`, the operands counted in registers before
+    sm_90 (no wgmma)."""
     block_e = kwargs["BLOCK_E"]
     if args["A"].element_size() == 4:
-        fp32 = [c for c in configs if c.num_stages == 1]
-        return [c for c in fp32 if block_e < 128 or c.kwargs["BLOCK_L"] == 16]
+        short = block_e >= 128 or kwargs.get("HAS_LM", False)
+        return [c for c in configs if c.num_stages == 1
+                and (c.num_warps == 16) == (block_e >= WIDE_BLOCK_E)
+                and (not short or c.kwargs["BLOCK_L"] == 16)]  # fmt: skip
     block_m = _block_m({**args, "BLOCK_E": block_e})
     in_registers = mma_operands_in_registers()
     kept = [
@@ -255,24 +260,10 @@ def _run(a, b, c, reverse: bool, lm=None, init=None, final=None, cu=None,
     return out
 
 
-def _log_multipliers(q, log_decay, log_gates):
-    """``log_decay`` and ``log_gates`` summed per position, float32 ``(N, H, L)`` (None
-    without either)."""
-    if log_decay is None and log_gates is None:
-        return None
-    N, H, L, _ = q.shape
-    lm = torch.zeros((N, H, L), dtype=torch.float32, device=q.device)
-    if log_decay is not None:
-        lm += log_decay.float()[None, :, None]
-    if log_gates is not None:
-        lm += log_gates.float()
-    return lm
-
-
 @serialised
 def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=None,
             output_final_state=False, cu_seqlens=None):  # fmt: skip
-    lm = _log_multipliers(q, log_decay, log_gates)
+    lm = log_multipliers(q, log_decay, log_gates)
     sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
     final = None
     if output_final_state:
@@ -287,58 +278,55 @@ def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=N
     return out, final.to(dtype)
 
 
+#: Widest feature block of the float32 runs with log multipliers: wider heads run as sums of
+#: runs over 128-wide slices of E (the scan is linear in ``a . b``), so their FMA tiles fit.
+WIDE_F32_E = 128
+
+
+def _run_sliced(a, b, c, reverse, lm, init, final, cu):
+    """:func:`_run` in float32 as a sum of runs over slices of the ``a``/``b`` features (the
+    states' rows): ``init`` and ``final`` ``(S, H, E, M)``."""
+    E = a.shape[-1]
+    a, b, c = a.float(), b.float(), c.float()
+    out = None
+    for e in range(0, max(E, 1), WIDE_F32_E):
+        rows = slice(e, e + WIDE_F32_E)
+        part = _run(a[..., rows], b[..., rows], c, reverse, lm,
+                    None if init is None else init[..., rows, :],
+                    None if final is None else final[..., rows, :], cu)  # fmt: skip
+        out = part if out is None else out.add_(part)
+    return out
+
+
 @serialised
 def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
              initial_state=None, output_final_state=False, cu_seqlens=None):  # fmt: skip
-    lm = _log_multipliers(q, log_decay, log_gates)
+    lm = log_multipliers(q, log_decay, log_gates)
+    gs = g if scale is None else g * scale  # the output's gradient carries the scale
     if lm is None and initial_state is None and not output_final_state and cu_seqlens is None:
-        grads = backward_by_scans(_run, g if scale is None else g * scale, q, k, v)
-        return (*grads, None, None, None)
-    gs = g if scale is None else g * scale  # the outputs' gradients carry the scale
+        return (*backward_by_scans(_run, gs, q, k, v), None, None, None)
     t = lambda x: None if x is None else x.transpose(-1, -2)  # noqa: E731
     g_final = g_final if output_final_state and g_final.numel() else None
-    # with log multipliers dq and dk are computed in float32 (operands too): the multipliers'
-    # gradient is q.dq - k.dk, a difference that 16-bit products would drown
-    if lm is None:
-        dq = _run(gs, v, k, False, lm, t(initial_state), None, cu_seqlens)
-        dk = _run(v, gs, q, True, lm, t(g_final), None, cu_seqlens)
-    else:
-        g32, q32, k32, v32 = gs.float(), q.float(), k.float(), v.float()
-        dq = _run(g32, v32, k32, False, lm, t(initial_state), None, cu_seqlens)
-        dk = _run(v32, g32, q32, True, lm, t(g_final), None, cu_seqlens)
+    dq = _run(gs, v, k, False, lm, t(initial_state), None, cu_seqlens)
+    dk = _run(v, gs, q, True, lm, t(g_final), None, cu_seqlens)
     d_init = None
     if initial_state is not None:  # the gradient that reaches S_0: the dv run's last state
         d_init = torch.empty(initial_state.shape, dtype=torch.float32, device=q.device)
-    dv = _run(k, q, gs, True, lm, g_final, d_init, cu_seqlens)
     if lm is None:
-        return dq, dk, dv, None, None, None if d_init is None else d_init.to(initial_state.dtype)
-    dq_narrow, dk_narrow = dq.to(q.dtype), dk.to(k.dtype)
-    # d/db_t (b the cumulative log multiplier) = q.dq - k.dk, and <g_final, S_T> at each end
-    db = (q.float() * dq.float()).sum(-1) - (k.float() * dk.float()).sum(-1)
-    N, H, L, _ = q.shape
-    if g_final is not None:
-        final = torch.empty(g_final.shape, dtype=torch.float32, device=q.device)
-        _run(q32, k32, v32, False, lm, initial_state, final, cu_seqlens)
-        at_end = (g_final.float() * final).sum((-1, -2))  # (S, H)
-        ends = (torch.full((N,), L, device=q.device) if cu_seqlens is None
-                else cu_seqlens[1:]) - 1  # fmt: skip
-        rows = (
-            torch.arange(at_end.shape[0], device=q.device)
-            if cu_seqlens is None
-            else (torch.zeros(at_end.shape[0], dtype=torch.long, device=q.device))
-        )
-        valid = ends >= (0 if cu_seqlens is None else cu_seqlens[:-1])  # empty sequences: none
-        db.index_put_((rows[:, None], torch.arange(H, device=q.device)[None, :],
-                       ends.clamp(min=0)[:, None].expand(-1, H)),
-                      at_end * valid[:, None], accumulate=True)  # fmt: skip
-    # each log multiplier reaches every later position of its sequence: reverse sums
-    total = db.flip(-1).cumsum(-1).flip(-1)
-    if cu_seqlens is not None:  # minus what lies past each position's sequence end
-        padded = torch.cat([total, total.new_zeros(N, H, 1)], -1)
-        pos = torch.arange(L, device=q.device)
-        seq_end = cu_seqlens[torch.searchsorted(cu_seqlens, pos, right=True)]
-        total = total - padded[..., seq_end]
-    d_decay = None if log_decay is None else total.sum((0, 2)).to(log_decay.dtype)
-    d_gates = None if log_gates is None else total.to(log_gates.dtype)
+        dv = _run(k, q, gs, True, lm, g_final, d_init, cu_seqlens)
+        d_init = None if d_init is None else d_init.to(initial_state.dtype)
+        return dq, dk, dv, None, None, d_init
+    # The log multipliers' gradient: d/db_t = q_t.dq_t - k_t.dk_t = g_t.out_t - v_t.dv_t, plus
+    # <g_final, S_T> at each end. Those differences cancel over a sequence, so out (recomputed,
+    # with the final states) and dv come from float32 runs: 16-bit products would drown them.
+    sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    final = torch.empty((sequences, q.shape[1], q.shape[3], v.shape[3]), dtype=torch.float32,
+                        device=q.device)  # fmt: skip
+    out = _run_sliced(q, k, v, False, lm, initial_state, final, cu_seqlens)
+    dv = _run_sliced(k, q, gs, True, lm, g_final, d_init, cu_seqlens)
+    at_end = None if g_final is None else (g_final.float() * final).sum((-1, -2))
+    # the helper takes (q, k, dq, dk); (g, v, out, dv) give the same products
+    d_decay, d_gates = log_multiplier_grads(gs, v, out, dv, cu_seqlens, at_end, log_decay,
+                                            log_gates)  # fmt: skip
     d_init = None if d_init is None else d_init.to(initial_state.dtype)
-    return dq_narrow, dk_narrow, dv, d_decay, d_gates, d_init
+    return dq, dk, dv.to(v.dtype), d_decay, d_gates, d_init

@@ -1,4 +1,6 @@
-"""``causal_dot_product`` against the masked-matmul and cumsum composites and ``torch.compile``."""
+"""``causal_dot_product`` against the masked-matmul and cumsum composites and ``torch.compile``;
+with its options (a per-head decay, per-position gates, packed documents) against the composites
+a user would write for them (a masked decay matrix) and a loop over documents."""
 
 from __future__ import annotations
 
@@ -38,6 +40,109 @@ def cumsum(q, k, v):
     return (q.unsqueeze(-2) @ states).squeeze(-2)
 
 
+def masked_decay(q, k, v, log_mult):
+    """The masked form with log multipliers ``(N, H, L)``: ``((q k^T) * D) v`` with
+    ``D_ij = exp(b_i - b_j)`` below the diagonal, ``b`` their running sum."""
+    b = torch.cumsum(log_mult, dim=-1)
+    L = b.shape[-1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=b.device).tril()
+    D = torch.exp((b[..., :, None] - b[..., None, :]).masked_fill(~causal, -torch.inf))
+    return ((q @ k.transpose(-1, -2)) * D.to(q.dtype)) @ v
+
+
+#: the options' cases: name -> (N, H, L, E, M, option); float32
+OPTION_CASES = {
+    "decay N1 H8 L2048 E64 M64": (1, 8, 2048, 64, 64, "log_decay"),
+    "decay N1 H8 L4096 E64 M64": (1, 8, 4096, 64, 64, "log_decay"),
+    "gates N1 H8 L2048 E64 M64": (1, 8, 2048, 64, 64, "log_gates"),
+    "gates N1 H8 L4096 E64 M64": (1, 8, 4096, 64, 64, "log_gates"),
+    "packed 8 docs N1 H8 L4096 E64 M64": (1, 8, 4096, 64, 64, "cu_seqlens"),
+}
+QUICK_OPTION_CASES = {
+    "decay N1 H2 L512 E32 M32": (1, 2, 512, 32, 32, "log_decay"),
+    "gates N1 H2 L512 E32 M32": (1, 2, 512, 32, 32, "log_gates"),
+    "packed 8 docs N1 H2 L512 E32 M32": (1, 2, 512, 32, 32, "cu_seqlens"),
+}
+
+
+def documents(L: int, count: int = 8) -> torch.Tensor:
+    """Offsets of ``count`` packed documents of uneven lengths (fixed, so runs compare)."""
+    weights = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6][:count], dtype=torch.float64)
+    ends = torch.round(torch.cumsum(weights, 0) / weights.sum() * L).long()
+    return torch.cat([torch.zeros(1, dtype=torch.long), ends])
+
+
+def option_contenders(q, k, v, option: str, backend: str):
+    """label -> forward of every contender of one options case (all with the same math)."""
+    H, L = q.shape[1], q.shape[2]
+    log_decay = -torch.linspace(0.01, 0.5, H, device=q.device)
+    gen = torch.Generator().manual_seed(0)
+    log_gates = (-torch.rand(q.shape[:3], generator=gen) * 0.1).to(q.device)
+    op = cakeops.causal_dot_product
+    if option == "cu_seqlens":
+        cu = documents(L).to(q.device)
+        bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))
+
+        def loop(fn):
+            def run(q, k, v):
+                return torch.cat([fn(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]) for s, e in bounds],
+                                 dim=2)  # fmt: skip
+
+            return run
+
+        def decayed(q, k, v):
+            return op(q, k, v, log_decay=log_decay)
+
+        def masked_doc(q, k, v):
+            return masked_decay(q, k, v, log_decay[None, :, None].expand(q.shape[:3]))
+
+        return {
+            **{label: (lambda q, k, v, fn=fn: fn(q, k, v, log_decay=log_decay, cu_seqlens=cu))
+               for label, fn in cakeops_rows(op, backend)},
+            "loop over documents (cakeops)": loop(decayed),
+            "loop over documents (masked decay)": loop(masked_doc),
+        }  # fmt: skip
+    given = {"log_decay": log_decay} if option == "log_decay" else {"log_gates": log_gates}
+    log_mult = log_decay[None, :, None].expand(q.shape[:3]) if option == "log_decay" else log_gates
+    compiled = torch.compile(masked_decay, dynamic=False)
+    return {
+        **{label: (lambda q, k, v, fn=fn: fn(q, k, v, **given))
+           for label, fn in cakeops_rows(op, backend)},
+        f"cakeops [{backend}] without {option}": op,
+        "masked decay composite": lambda q, k, v: masked_decay(q, k, v, log_mult),
+        "torch.compile(masked decay)": lambda q, k, v: compiled(q, k, v, log_mult),
+    }  # fmt: skip
+
+
+def run_options(device: torch.device, quick: bool) -> list[dict[str, Any]]:
+    rows = []
+    for name, (N, H, L, E, M, option) in (QUICK_OPTION_CASES if quick else OPTION_CASES).items():
+        q = (torch.randn(N, H, L, E, device=device) * E**-0.5).requires_grad_()
+        k = (torch.randn(N, H, L, E, device=device) * E**-0.5).requires_grad_()
+        v = torch.randn(N, H, L, M, device=device, requires_grad=True)
+        g = torch.randn(N, H, L, M, device=device)
+        backend = cakeops.explain(cakeops.causal_dot_product, q, k, v,
+                                  log_decay=-torch.ones(H, device=device)).backend  # fmt: skip
+        contenders = {}
+        for label, fn in option_contenders(q, k, v, option, backend).items():
+
+            def fwd(fn=fn, q=q, k=k, v=v):
+                return fn(q, k, v)
+
+            def step(fwd=fwd, q=q, k=k, v=v, g=g):
+                return torch.autograd.grad(fwd(), (q, k, v), g)
+
+            contenders[label] = (fwd, step)
+        baseline = ("loop over documents (cakeops)" if option == "cu_seqlens"
+                    else "masked decay composite")  # fmt: skip
+        results = measure(contenders, device, repeats=2 if quick else 3)
+        work = recurrent_work(N, H, L, E, M)
+        print(format_table(f"\ncausal_dot_product fwd+bwd, {name}, float32", results, baseline,
+                           work, "float32"))  # fmt: skip
+        rows.append(result_row(name, "float32", backend, baseline, results, work))
+    return rows
+
+
 def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
     compiled = torch.compile(masked, dynamic=False)
     rows = []
@@ -73,7 +178,7 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
             mem = ours["peak_bytes"] / results["masked composite"]["peak_bytes"]
             print(f"  fastest: {fastest}; cakeops peak memory / masked composite's: {mem:.3f}")
             rows.append(result_row(name, dt, backend, "masked composite", results, work))
-    return rows
+    return rows + run_options(device, quick)
 
 
 def gpu_cases(device: torch.device, shape: tuple[int, ...]) -> list:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from cakeops.ops.causal_dot_product import causal_dot_product
 from cakeops.ops.rmsnorm_silu_gate import rmsnorm_silu_gate
 from cakeops.ops.routed_experts import ACTIVATIONS, routed_experts
 
@@ -249,20 +250,57 @@ GATED_NORMS = {
     "Qwen3NextRMSNormGated": _qwen3_next_forward,
     "MambaRMSNormGated": _mamba_forward,
 }
+
+
+# --------------------------------------------------------------------------------------------
+# Linear attention
+
+
+def _minimax_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                     cache=None, **kwargs):  # fmt: skip
+    """MiniMax's lightning attention with its core (the block loop of a prefill, the per-token
+    loop of a decode) as one :func:`cakeops.causal_dot_product`: ``S_t = exp(-slope_h) S_{t-1}
+    + k_t v_t^T``, from the cached state when there is one; the rest is the model's own code."""
+    from transformers.models.minimax.modeling_minimax import apply_mask_to_padding_states
+
+    cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+    N, L, _ = hidden_states.shape
+    qkv = self.act_fn(self.qkv_proj(hidden_states))
+    qkv = apply_mask_to_padding_states(qkv, attention_mask)
+    qkv = qkv.reshape(N, L, self.num_attention_heads, 3 * self.head_dim)
+    q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, self.head_dim, dim=3))
+    state = cache.get_linear_cache(self.layer_idx) if cache is not None else None
+    state = state if isinstance(state, torch.Tensor) else None  # a skipped layer's placeholder
+    out, state = causal_dot_product(q, k, v, log_decay=-self.slope_rate.view(-1),
+                                    initial_state=state, output_final_state=True)  # fmt: skip
+    out = out.transpose(1, 2).reshape(N, L, self.num_attention_heads * self.head_dim)
+    out = self.norm(out)
+    out = torch.sigmoid(self.output_gate(hidden_states)) * out
+    out = self.out_proj(out)
+    if cache is not None:
+        cache.set_linear_cache(self.layer_idx, state)
+    return out, state
+
+
+#: linear-attention class name -> the forward with its core on cakeops
+LINEAR_ATTENTIONS = {"MiniMaxLightningAttention": _minimax_forward}
+#: every module class apply_cakeops swaps, by name
+PATCHED = {**GATED_NORMS, **LINEAR_ATTENTIONS}
 _patched: dict[type, type] = {}
 
 
 def _patched_class(cls: type) -> type:
     if cls not in _patched:
-        forward = GATED_NORMS[cls.__name__]
+        forward = PATCHED[cls.__name__]
         _patched[cls] = type(f"Cakeops{cls.__name__}", (cls,), {"forward": forward})
     return _patched[cls]
 
 
 def apply_cakeops(model: torch.nn.Module) -> torch.nn.Module:
-    """Run ``model``'s experts on cakeops (``experts_implementation="cakeops"``) and its gated
-    RMSNorms on :func:`cakeops.rmsnorm_silu_gate`, in place; returns the model. Parameters,
-    buffers and state-dict names stay as they are."""
+    """Run ``model``'s experts on cakeops (``experts_implementation="cakeops"``), its gated
+    RMSNorms on :func:`cakeops.rmsnorm_silu_gate` and the core of its linear attention
+    (MiniMax's lightning attention) on :func:`cakeops.causal_dot_product`, in place; returns
+    the model. Parameters, buffers and state-dict names stay as they are."""
     register()
     check_model(model)
     if (
@@ -271,7 +309,7 @@ def apply_cakeops(model: torch.nn.Module) -> torch.nn.Module:
     ):
         model.set_experts_implementation(NAME)
     for module in model.modules():
-        if type(module).__name__ in GATED_NORMS:
+        if type(module).__name__ in PATCHED:
             module.__class__ = _patched_class(type(module))
     return model
 

@@ -271,6 +271,26 @@ class TestCausalOptions:
         for name, a, b in zip(names, got, want, strict=True):
             assert_matches(a, b, f"d{name}", leaves[name].dtype)
 
+    def test_wide_heads(self, backend, dtype, device):
+        """Heads wider than 128 features with every option (kernels may split E, as Triton's
+        float32 runs do): output, final state and every gradient against the scan."""
+        given = ("log_decay", "log_gates", "initial_state", "final")
+        (q, k, v), tensors, _, g, g_final = _option_inputs(given, dtype, device, N=1, H=2,
+                                                               L=20, E=136, M=4)  # fmt: skip
+        leaves = {"q": q, "k": k, "v": v, **tensors}
+        out, state = cakeops.causal_dot_product(q, k, v, **tensors, output_final_state=True)
+        loss = (out.double() * g.double()).sum() + (state.double() * g_final).sum()
+        got = torch.autograd.grad(loss, list(leaves.values()))
+        exact = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
+        ref_out, ref_state = ref.scan(exact["q"], exact["k"], exact["v"], **{
+            n: exact[n] for n in tensors})  # fmt: skip
+        ref_loss = (ref_out * g.double()).sum() + (ref_state * g_final).sum()
+        want = torch.autograd.grad(ref_loss, list(exact.values()))
+        assert_matches(out, ref_out, "out", dtype)
+        assert_matches(state, ref_state, "final_state", state.dtype)
+        for name, a, b in zip(leaves, got, want, strict=True):
+            assert_matches(a, b, f"d{name}", leaves[name].dtype)
+
     @pytest.mark.cakeops_dtypes(torch.float64)
     @pytest.mark.parametrize("packed", [False, True])
     def test_gradcheck(self, backend, dtype, device, packed):
