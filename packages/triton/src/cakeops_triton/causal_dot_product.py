@@ -46,6 +46,7 @@ else:
             # float32 inputs (FMA dots with every operand in registers: 8 warps, no pipelining)
             (16, 8, 1),
             (32, 8, 1),
+            (16, 4, 1),
         )
     ]
 #: Problems of fewer positions (N * H * L) than this run one fixed config, untuned: tuning them
@@ -64,8 +65,8 @@ WIDE_BLOCK_E = 256
 def _block_m(args) -> int:
     """Columns of ``v`` per program: the float32 ``E x BLOCK_M`` state stays within 4096
     elements for 16-bit inputs (32 registers a thread at 4 warps) and 2048 for float32 ones
-    (1024 with log multipliers, whose decay tiles take the rest)."""
-    f32 = 1024 if args.get("HAS_LM") else 2048
+    (512 with log multipliers, whose decay tiles take the rest)."""
+    f32 = 512 if args.get("HAS_LM") else 2048
     cap = max(16, (4096 if args["A"].element_size() < 4 else f32) // args["BLOCK_E"])
     return max(16, min(cap, 64, triton.next_power_of_2(args["M"])))
 
@@ -86,15 +87,15 @@ def fits(block_l: int, block_e: int, block_m: int, warps: int, operands_in_regis
 
 def _prune(configs, args, **kwargs):
     """The configs that fit by the resource rules, whatever the head sizes. float32: the
-    unpipelined configs, 16-position chunks from E = 128 or with log multipliers, 16 warps
-    from E = 256 (8 below). 16-bit: :func:`fits`, the operands counted in registers before
-    sm_90 (no wgmma)."""
+    unpipelined 8-warp configs, 16-position chunks from E = 128; with log multipliers (E at
+    most ``WIDE_F32_E``), 16 positions on 4 warps. 16-bit: :func:`fits`, the operands counted
+    in registers before sm_90 (no wgmma)."""
     block_e = kwargs["BLOCK_E"]
     if args["A"].element_size() == 4:
-        short = block_e >= 128 or kwargs.get("HAS_LM", False)
-        return [c for c in configs if c.num_stages == 1
-                and (c.num_warps == 16) == (block_e >= WIDE_BLOCK_E)
-                and (not short or c.kwargs["BLOCK_L"] == 16)]  # fmt: skip
+        if kwargs.get("HAS_LM", False):
+            return [c for c in configs if c.num_stages == 1 and c.num_warps == 4]
+        fp32 = [c for c in configs if c.num_stages == 1 and c.num_warps == 8]
+        return [c for c in fp32 if block_e < 128 or c.kwargs["BLOCK_L"] == 16]
     block_m = _block_m({**args, "BLOCK_E": block_e})
     in_registers = mma_operands_in_registers()
     kept = [
@@ -279,8 +280,9 @@ def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=N
 
 
 #: Widest feature block of the float32 runs with log multipliers: wider heads run as sums of
-#: runs over 128-wide slices of E (the scan is linear in ``a . b``), so their FMA tiles fit.
-WIDE_F32_E = 128
+#: runs over 64-wide slices of E (the scan is linear in ``a . b``), so their FMA tiles fit
+#: (wider ones spill on sm_80 and sm_90: nox -s gpu_compile sweeps them).
+WIDE_F32_E = 64
 
 
 def _run_sliced(a, b, c, reverse, lm, init, final, cu):

@@ -190,13 +190,17 @@ def gpu_cases(device: torch.device, shape: tuple[int, ...]) -> list:
     q = (torch.randn(N, H, L, E, device=device) * E**-0.5).bfloat16()
     k = (torch.randn(N, H, L, E, device=device) * E**-0.5).bfloat16()
     v = torch.randn(N, H, L, M, device=device, dtype=torch.bfloat16)
-    return [GpuCase("bfloat16", Inputs(q, k, v))]
+    log_gates = -torch.rand(N, H, L, device=device) * 0.1
+    return [GpuCase("bfloat16", Inputs(q, k, v)),
+            GpuCase("bfloat16, log_gates", Inputs(q, k, v, log_gates=log_gates))]  # fmt: skip
 
 
 def gpu_peers(inputs) -> dict[str, Any]:
     """The masked composite, its ``torch.compile``, and flash-linear-attention's chunked kernel
     when it imports (its layout is (B, T, H, D)); a string says why a peer is not compared."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    if inputs["log_gates"] is not None:
+        return _gated_peers(q, k, v, inputs["log_gates"])
     compiled = torch.compile(masked, dynamic=False)
     peers: dict[str, Any] = {
         "masked composite": lambda: masked(q, k, v),
@@ -213,4 +217,27 @@ def gpu_peers(inputs) -> dict[str, Any]:
         return chunk_linear_attn(qt, kt, vt, scale=1.0, normalize=False)[0].transpose(1, 2)
 
     peers["flash-linear-attention"] = fla
+    return peers
+
+
+def _gated_peers(q, k, v, log_gates) -> dict[str, Any]:
+    """With per-position gates: the masked decay composite, its ``torch.compile``, and
+    flash-linear-attention's ``chunk_simple_gla`` when it imports."""
+    compiled = torch.compile(masked_decay, dynamic=False)
+    peers: dict[str, Any] = {
+        "masked decay composite": lambda: masked_decay(q, k, v, log_gates),
+        "torch.compile(masked decay)": lambda: compiled(q, k, v, log_gates),
+    }
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+    except Exception as exc:  # not installed, or a different API
+        peers["flash-linear-attention"] = f"does not import ({type(exc).__name__}: {exc})"[:200]
+        return peers
+
+    def fla():
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        out = chunk_simple_gla(qt, kt, vt, g=log_gates.transpose(1, 2), scale=1.0)[0]
+        return out.transpose(1, 2)
+
+    peers["flash-linear-attention (chunk_simple_gla)"] = fla
     return peers

@@ -291,6 +291,45 @@ class TestCausalOptions:
         for name, a, b in zip(leaves, got, want, strict=True):
             assert_matches(a, b, f"d{name}", leaves[name].dtype)
 
+    @pytest.mark.parametrize("packed", [False, True])
+    def test_opcheck_and_compile(self, backend, device, packed):
+        """The custom op with every option (and its backward, a final state's gradient
+        included) passes torch.library.opcheck, and torch.compile(fullgraph=True) gives the
+        eager results."""
+        given = ("scale", "log_decay", "log_gates", "initial_state", "final")
+        given += ("cu_seqlens",) if packed else ()
+        (q, k, v), tensors, fixed, g, g_final = _option_inputs(given, torch.float32, device,
+                                                               L=21)  # fmt: skip
+        if packed:
+            fixed["cu_seqlens"] = torch.tensor([0, 5, 5, 12, 21], device=device)
+        kwargs = {**tensors, **fixed, "output_final_state": True}
+        from cakeops.ops import SPECS
+
+        spec = SPECS[OP]
+        values = spec.inputs(q, k, v, **kwargs).values()
+        torch.library.opcheck(torch.ops.cakeops.causal_dot_product.default, tuple(values))
+        plain = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in values)
+        backward = torch.ops.cakeops.causal_dot_product_backward.default
+        torch.library.opcheck(backward, (g, g_final.float(), *plain))
+
+        def run(fn):
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, *tensors.values())]
+            names = list(tensors)
+
+            def call(q, k, v, *rest):
+                return fn(q, k, v, **dict(zip(names, rest, strict=True)), **fixed,
+                          output_final_state=True)  # fmt: skip
+
+            out, state = call(*leaves)
+            loss = (out * g).sum() + (state * g_final.float()).sum()
+            return (out, state, *torch.autograd.grad(loss, leaves))
+
+        torch._dynamo.reset()
+        eager = run(cakeops.causal_dot_product)
+        compiled = run(torch.compile(cakeops.causal_dot_product, fullgraph=True))
+        for a, b in zip(eager, compiled, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
     @pytest.mark.cakeops_dtypes(torch.float64)
     @pytest.mark.parametrize("packed", [False, True])
     def test_gradcheck(self, backend, dtype, device, packed):

@@ -508,14 +508,21 @@ def _backward_options(g, q, k, v, lm, cu, H, states, grads, dq, dk, dv):  # prag
         _reverse_with_logs(q, g, k, v, lm, nh, cu[s], cu[s + 1], grads[i], dk, dv)
 
 
+#: Problems smaller than this (positions x E x M: a decoding step) run on one thread: waking
+#: numba's threads would cost more than the work.
+SERIAL_BELOW = 1 << 16
+
+
 def _heads(t: torch.Tensor) -> np.ndarray:
     """A float32 C-contiguous ``(heads, L, d)`` numpy view (a copy only when needed)."""
     return t.float().contiguous().view(-1, *t.shape[-2:]).numpy()
 
 
-def _launch(kernel, *args) -> None:
+def _launch(kernel, work: int, *args) -> None:
+    """``kernel`` on numba's threads, or one of them below ``SERIAL_BELOW`` units of ``work``."""
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     with _LAUNCH:
-        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(1 if work < SERIAL_BELOW else threads)
         kernel(*args)
 
 
@@ -540,7 +547,8 @@ def forward_options(q, k, v, lm, initial_state, cu_seqlens, scale):
     out = torch.empty((N, H, L, M))
     if N * H * L:
         s = np.float32(1.0 if scale is None else scale)
-        _launch(_forward_options, _heads(q), _heads(k), _heads(v), lm.numpy(), cu.numpy(), H,
+        _launch(_forward_options, N * H * L * E * M, _heads(q), _heads(k), _heads(v), lm.numpy(),
+                cu.numpy(), H,
                 states.numpy(), out.view(N * H, L, M).numpy(), s)  # fmt: skip
     return out.to(q.dtype), states.view(N * S, H, M, E).transpose(-1, -2)
 
@@ -561,7 +569,8 @@ def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
     dq, dk, dv = torch.empty((N, H, L, E)), torch.empty((N, H, L, E)), torch.empty((N, H, L, M))
     if N * H * L:
         outs = (t.view(N * H, L, -1).numpy() for t in (dq, dk, dv))
-        _launch(_backward_options, *(_heads(t) for t in (g, q, k, v)), lm.numpy(), cu.numpy(),
+        _launch(_backward_options, N * H * L * E * M, *(_heads(t) for t in (g, q, k, v)),
+                lm.numpy(), cu.numpy(),
                 H, states.numpy(), grads.numpy(), *outs)  # fmt: skip
     # the gradient reaching S_0 is exp(lm_first) R_first (R_first itself for an empty sequence)
     first = torch.zeros((N, S, H))
