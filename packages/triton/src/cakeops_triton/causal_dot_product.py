@@ -60,6 +60,10 @@ OPERAND_REGISTERS = 18
 #: Widest head block whose every chunk fits: at BLOCK_E 256 only 16-position chunks on 8 warps
 #: compile without spilling on sm_90 and sm_80 (the sweep shows 8-560 bytes for every other).
 WIDE_BLOCK_E = 256
+#: Widest feature block of the float32 runs with log multipliers: wider heads run as sums of
+#: runs over 64-wide slices of E (the scan is linear in ``a . b``), so their FMA tiles fit
+#: (wider ones spill on sm_80 and sm_90: nox -s gpu_compile sweeps them).
+WIDE_F32_E = 64
 
 
 def _block_m(args) -> int:
@@ -227,6 +231,14 @@ def _strides(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _block_e(a: torch.Tensor, E: int, decays: bool) -> int:
+    """The feature block: E's power of two; float32 with log multipliers always
+    ``WIDE_F32_E`` (their one tile shape that compiles without spills on sm_80 and sm_90;
+    wider heads come in slices, see :func:`_run_sliced`)."""
+    block = max(16, triton.next_power_of_2(E))
+    return max(block, WIDE_F32_E) if decays and a.element_size() == 4 else block
+
+
 def _run(a, b, c, reverse: bool, lm=None, init=None, final=None, cu=None,
          out_dtype=None) -> torch.Tensor:  # fmt: skip
     """One scan (see the kernel): ``lm`` float32 ``(N, H, L)`` log multipliers, ``init`` the
@@ -252,7 +264,7 @@ def _run(a, b, c, reverse: bool, lm=None, init=None, final=None, cu=None,
         c.stride(0), c.stride(1), c.stride(2), *init_strides, *final_strides,
     )  # fmt: skip
     meta = {"REVERSE": reverse, "PRECISION": dot_precision(a.dtype),
-            "BLOCK_E": max(16, triton.next_power_of_2(E)), "HAS_LM": lm is not None,
+            "BLOCK_E": _block_e(a, E, lm is not None), "HAS_LM": lm is not None,
             "HAS_INIT": init is not None, "HAS_FINAL": final is not None,
             "PACKED": cu is not None}  # fmt: skip
     # too small to tune: the first config the rules keep (the smallest chunk), untuned
@@ -270,7 +282,8 @@ def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=N
     if output_final_state:
         final = torch.empty((sequences, q.shape[1], q.shape[3], v.shape[3]), dtype=torch.float32,
                             device=q.device)  # fmt: skip
-    out = _run(q, k, v, False, lm, initial_state, final, cu_seqlens)
+    run = _run_sliced if _sliced(q, lm) else _run
+    out = run(q, k, v, False, lm, initial_state, final, cu_seqlens)
     if scale is not None:
         out = out * scale
     if final is None:
@@ -279,10 +292,9 @@ def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=N
     return out, final.to(dtype)
 
 
-#: Widest feature block of the float32 runs with log multipliers: wider heads run as sums of
-#: runs over 64-wide slices of E (the scan is linear in ``a . b``), so their FMA tiles fit
-#: (wider ones spill on sm_80 and sm_90: nox -s gpu_compile sweeps them).
-WIDE_F32_E = 64
+def _sliced(q: torch.Tensor, lm) -> bool:
+    """Whether float32 runs with log multipliers: they go in slices of ``WIDE_F32_E``."""
+    return lm is not None and q.dtype == torch.float32
 
 
 def _run_sliced(a, b, c, reverse, lm, init, final, cu):
@@ -309,8 +321,9 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
         return (*backward_by_scans(_run, gs, q, k, v), None, None, None)
     t = lambda x: None if x is None else x.transpose(-1, -2)  # noqa: E731
     g_final = g_final if output_final_state and g_final.numel() else None
-    dq = _run(gs, v, k, False, lm, t(initial_state), None, cu_seqlens)
-    dk = _run(v, gs, q, True, lm, t(g_final), None, cu_seqlens)
+    run = _run_sliced if _sliced(q, lm) else _run
+    dq = run(gs, v, k, False, lm, t(initial_state), None, cu_seqlens)
+    dk = run(v, gs, q, True, lm, t(g_final), None, cu_seqlens)
     d_init = None
     if initial_state is not None:  # the gradient that reaches S_0: the dv run's last state
         d_init = torch.empty(initial_state.shape, dtype=torch.float32, device=q.device)
