@@ -86,7 +86,7 @@ def log_multiplier_grads(q, k, dq, dk, cu_seqlens, at_end, log_decay, log_gates)
     db = (q.to(ct) * dq.to(ct)).sum(-1) - (k.to(ct) * dk.to(ct)).sum(-1)
     N, H, L = db.shape
     device = q.device
-    if at_end is not None:
+    if at_end is not None and L:
         starts = None if cu_seqlens is None else cu_seqlens[:-1]
         ends = (torch.full((N,), L, device=device) if cu_seqlens is None
                 else cu_seqlens[1:]) - 1  # fmt: skip

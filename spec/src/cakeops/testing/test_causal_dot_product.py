@@ -271,6 +271,21 @@ class TestCausalOptions:
         for name, a, b in zip(names, got, want, strict=True):
             assert_matches(a, b, f"d{name}", leaves[name].dtype)
 
+    def test_no_positions_hand_the_initial_state_on(self, backend, dtype, device):
+        """L = 0: the final states are the initial ones, and their gradient reaches them."""
+        q, k, v = (torch.zeros(1, 2, 0, d, device=device, dtype=dtype) for d in (3, 3, 4))
+        s0 = torch.randn(3, 2, 3, 4, device=device, dtype=dtype, requires_grad=True)
+        decay = torch.tensor([-0.1, -0.2], device=device, dtype=dtype, requires_grad=True)
+        out, final = cakeops.causal_dot_product(
+            q, k, v, log_decay=decay, initial_state=s0, output_final_state=True,
+            cu_seqlens=torch.tensor([0, 0, 0, 0], device=device))  # fmt: skip
+        assert out.shape == (1, 2, 0, 4)
+        torch.testing.assert_close(final, s0.detach(), rtol=0, atol=0)
+        g_final = torch.randn_like(final)
+        d_init, d_decay = torch.autograd.grad(final, (s0, decay), g_final)
+        torch.testing.assert_close(d_init, g_final, rtol=0, atol=0)
+        assert not d_decay.any()
+
     def test_wide_heads(self, backend, dtype, device):
         """Heads wider than 128 features with every option (kernels may split E, as Triton's
         float32 runs do): output, final state and every gradient against the scan."""
@@ -404,13 +419,19 @@ class TestCausalOptions:
         )  # fmt: skip
         assert torch.isfinite(out).all() and torch.isfinite(state).all()
 
-    @pytest.mark.parametrize("bad", ["positive-decay", "gates-shape", "cu-unsorted", "cu-n2",
-                                     "initial-shape", "cu-float"])  # fmt: skip
+    @pytest.mark.parametrize("bad", ["positive-decay", "positive-gates", "gates-shape",
+                                     "decay-int", "scale-nan", "cu-unsorted", "cu-past-end",
+                                     "cu-n2", "initial-shape", "cu-float"])  # fmt: skip
     def test_bad_options_raise(self, backend, device, bad):
         q = torch.randn(2, 2, 8, 4, device=device)
         cases = {
             "positive-decay": ({"log_decay": torch.tensor([0.1, -0.1])}, ValueError, "log_decay"),
+            "positive-gates": ({"log_gates": torch.full((2, 2, 8), 0.5)}, ValueError,
+                               "log_gates"),
             "gates-shape": ({"log_gates": -torch.ones(2, 2, 7)}, ValueError, "log_gates"),
+            "decay-int": ({"log_decay": torch.tensor([0, -1])}, TypeError, "log_decay"),
+            "scale-nan": ({"scale": float("nan")}, ValueError, "scale"),
+            "cu-past-end": ({"cu_seqlens": torch.tensor([0, 4, 9])}, ValueError, "cu_seqlens"),
             "cu-unsorted": ({"cu_seqlens": torch.tensor([0, 5, 3, 8])}, ValueError, "cu_seqlens"),
             "cu-n2": ({"cu_seqlens": torch.tensor([0, 8])}, ValueError, "cu_seqlens"),
             "initial-shape": ({"initial_state": torch.zeros(1, 2, 4, 4)}, ValueError,
@@ -418,7 +439,8 @@ class TestCausalOptions:
             "cu-float": ({"cu_seqlens": torch.tensor([0.0, 8.0])}, TypeError, "cu_seqlens"),
         }  # fmt: skip
         kwargs, error, argument = cases[bad]
-        x = q[:1] if bad in ("cu-unsorted", "cu-float") else q
-        kwargs = {n: t.to(device) for n, t in kwargs.items()}
+        x = q[:1] if bad.startswith("cu-") and bad != "cu-n2" else q
+        kwargs = {n: t.to(device) if isinstance(t, torch.Tensor) else t
+                  for n, t in kwargs.items()}  # fmt: skip
         call = lambda: cakeops.causal_dot_product(x, x, x, **kwargs)  # noqa: E731
         assert_bad_input_raises(OP, call, error, argument)
