@@ -9,7 +9,7 @@ written once here (the conformance guide names this module).
   (:func:`kept_rows`);
 - ``causal_dot_product``: the backward as three causal scans (:func:`backward_by_scans`), the
   per-position log multipliers (:func:`log_multipliers`) and their gradients
-  (:func:`log_multiplier_grads`);
+  (:func:`position_log_grads`, :func:`log_multiplier_grads`);
 - every op: :func:`cast_grads` (each gradient in its input's dtype) and
   :func:`cakeops.compute_dtype` (the precision to compute in).
 """
@@ -38,6 +38,7 @@ __all__ = [
     "kept_rows",
     "log_multiplier_grads",
     "log_multipliers",
+    "position_log_grads",
     "route",
     "routing_backward",
     "row_experts",
@@ -74,18 +75,23 @@ def log_multipliers(q, log_decay, log_gates, dtype=torch.float32) -> torch.Tenso
     return lm
 
 
-def log_multiplier_grads(q, k, dq, dk, cu_seqlens, at_end, log_decay, log_gates):
-    """``(dlog_decay, dlog_gates)`` (None for one not given) from the other gradients.
-
-    With ``b_t`` the log multipliers summed from a sequence's start, ``dL/db_t = q_t . dq_t -
-    k_t . dk_t`` (``dq``, ``dk`` the inputs' gradients, scale included), plus ``<g_final, S_T>``
-    at each sequence's last position (``at_end``, ``(sequences, H)``, None without a final
-    state's gradient). A log multiplier at ``t`` reaches every ``b_i``, ``i >= t``, of its
-    sequence: its gradient is the reverse sum over them. No host synchronisation."""
+def position_log_grads(q, k, dq, dk) -> torch.Tensor:
+    """``q_t . dq_t - k_t . dk_t`` per position ``(N, H, L)`` (float32, float64 for float64):
+    the gradient of ``b_t``, the log multipliers summed from a sequence's start (``dq``,
+    ``dk`` the inputs' gradients, scale included; equally ``g_t . out_t - v_t . dv_t``)."""
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    db = (q.to(ct) * dq.to(ct)).sum(-1) - (k.to(ct) * dk.to(ct)).sum(-1)
+    return (q.to(ct) * dq.to(ct)).sum(-1) - (k.to(ct) * dk.to(ct)).sum(-1)
+
+
+def log_multiplier_grads(db, cu_seqlens, at_end, log_decay, log_gates):
+    """``(dlog_decay, dlog_gates)`` (None for one not given) from ``db``, the gradient of each
+    ``b_t`` (:func:`position_log_grads`), plus ``<g_final, S_T>`` at each sequence's last
+    position (``at_end``, ``(sequences, H)``, None without a final state's gradient). A log
+    multiplier at ``t`` reaches every ``b_i``, ``i >= t``, of its sequence: its gradient is the
+    reverse sum over them. No host synchronisation."""
+    ct = db.dtype
     N, H, L = db.shape
-    device = q.device
+    device = db.device
     if at_end is not None and L:
         starts = None if cu_seqlens is None else cu_seqlens[:-1]
         ends = (torch.full((N,), L, device=device) if cu_seqlens is None

@@ -14,7 +14,7 @@ import itertools
 import torch
 
 from cakeops import compute_dtype
-from cakeops.helpers import log_multiplier_grads, log_multipliers
+from cakeops.helpers import log_multiplier_grads, log_multipliers, position_log_grads
 
 CHUNK = 64
 
@@ -80,8 +80,8 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
             at_end = torch.cat([(g_final[i].to(p[4].dtype) * p[4]).sum((-1, -2))
                                 for p, (_, i) in zip(parts, _sequences(q, cu_seqlens),
                                                      strict=True)])  # fmt: skip
-        d_decay, d_gates = log_multiplier_grads(q, k, dq, dk, cu_seqlens, at_end, log_decay,
-                                                log_gates)  # fmt: skip
+        db = position_log_grads(q, k, dq, dk)
+        d_decay, d_gates = log_multiplier_grads(db, cu_seqlens, at_end, log_decay, log_gates)
     if initial_state is not None:
         d_init = torch.cat([p[3] for p in parts]).to(initial_state.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_decay, d_gates, d_init

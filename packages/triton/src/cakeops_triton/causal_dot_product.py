@@ -16,7 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from cakeops.helpers import backward_by_scans, log_multiplier_grads, log_multipliers
+from cakeops.helpers import (
+    backward_by_scans,
+    log_multiplier_grads,
+    log_multipliers,
+    position_log_grads,
+)
 from cakeops_triton._common import (
     INTERPRET,
     dot,
@@ -340,8 +345,7 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
     out = _run_sliced(q, k, v, False, lm, initial_state, final, cu_seqlens)
     dv = _run_sliced(k, q, gs, True, lm, g_final, d_init, cu_seqlens)
     at_end = None if g_final is None else (g_final.float() * final).sum((-1, -2))
-    # the helper takes (q, k, dq, dk); (g, v, out, dv) give the same products
-    d_decay, d_gates = log_multiplier_grads(gs, v, out, dv, cu_seqlens, at_end, log_decay,
-                                            log_gates)  # fmt: skip
+    db = position_log_grads(gs, v, out, dv)  # g.out - v.dv = q.dq - k.dk
+    d_decay, d_gates = log_multiplier_grads(db, cu_seqlens, at_end, log_decay, log_gates)
     d_init = None if d_init is None else d_init.to(initial_state.dtype)
     return dq, dk, dv.to(v.dtype), d_decay, d_gates, d_init

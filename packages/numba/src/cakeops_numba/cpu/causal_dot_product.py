@@ -334,12 +334,13 @@ def _pass_decays(lf, D):  # pragma: no cover - compiled
 
 
 @_compiled(parallel=False)
-def _scan_with_logs(c, a, b, lm, h, start, end, state, y, scale):  # pragma: no cover - compiled
+def _scan_with_logs(c, a, b, lm, h, start, end, state, y, scale, dots, db):  # pragma: no cover
     """``X_t = exp(lm_t) X_{t-1} + a_t b_t^T`` and ``y_t = scale X_t^T c_t`` over positions
     ``start..end-1`` of head ``h`` (``c``, ``a``: ``(heads, L, P)``; ``b``, ``y``:
     ``(heads, L, Q)``), from the state ``X``, kept transposed in ``state`` ``(Q, P)`` as in
     :func:`_forward_head` and left at ``X_end``: the forward with ``(q, k, v)`` (``S^T``),
-    ``dq`` with ``(g, v, k)`` (``S``)."""
+    ``dq`` with ``(g, v, k)`` (``S``). With ``db`` not empty, ``db[h, t] += dots_t . y_t`` (the
+    log multipliers' gradient per position, ``q_t . dq_t``, with ``dots = q``)."""
     Q, P = state.shape
     XT = state.copy()  # a local array: the compiler knows nothing else writes it
     cb = np.zeros((4, P), np.float32)
@@ -395,15 +396,20 @@ def _scan_with_logs(c, a, b, lm, h, start, end, state, y, scale):  # pragma: no 
                     acc[t, j] += w * bb[i, j]
             for j in range(Q):
                 y[h, s0 + t, j] = scale * acc[t, j]
+            if db.shape[1]:
+                dot = np.float32(0.0)
+                for j in range(Q):
+                    dot += dots[h, s0 + t, j] * y[h, s0 + t, j]
+                db[h, s0 + t] += dot
     state[:, :] = XT
 
 
 @_compiled(parallel=False)
-def _reverse_with_logs(q, g, k, v, lm, h, start, end, grad, dk, dv):  # pragma: no cover - compiled
+def _reverse_with_logs(q, g, k, v, lm, h, start, end, grad, dk, dv, db):  # pragma: no cover
     """The reverse-time scan with log multipliers over positions ``start..end-1`` of head ``h``:
     ``R_t = exp(lm_{t+1}) R_{t+1} + q_t g_t^T`` from ``grad`` (the final state's gradient,
     with the scale in ``g``), ``dk_t = R_t v_t``, ``dv_t = R_t^T k_t``; leaves ``R_start`` in
-    ``grad``."""
+    ``grad``, and ``db[h, t] -= k_t . dk_t``."""
     E, M = grad.shape
     R = grad.copy()  # a local array: the compiler knows nothing else writes it
     qb = np.zeros((4, E), np.float32)
@@ -475,8 +481,11 @@ def _reverse_with_logs(q, g, k, v, lm, h, start, end, grad, dk, dv):  # pragma: 
                     yk[i, e] += wk * qb[j, e]
                 for m in range(M):
                     zv[i, m] += wv * gb[j, m]
+            dot = np.float32(0.0)
             for e in range(E):
                 dk[h, t, e] = yk[i, e]
+                dot += kb[i, e] * yk[i, e]
+            db[h, t] -= dot
             for m in range(M):
                 dv[h, t, m] = zv[i, m]
     grad[:, :] = R
@@ -491,11 +500,11 @@ def _forward_options(q, k, v, lm, cu, H, states, out, scale):  # pragma: no cove
     for task in prange(heads * S):
         nh, s = task // S, task % S
         X = states[((nh // H) * S + s) * H + nh % H]
-        _scan_with_logs(q, k, v, lm, nh, cu[s], cu[s + 1], X, out, scale)
+        _scan_with_logs(q, k, v, lm, nh, cu[s], cu[s + 1], X, out, scale, q, lm[:, :0])
 
 
 @_compiled(parallel=True)
-def _backward_options(g, q, k, v, lm, cu, H, states, grads, dq, dk, dv):  # pragma: no cover
+def _backward_options(g, q, k, v, lm, cu, H, states, grads, dq, dk, dv, db):  # pragma: no cover
     """``dq`` forward in time (``states``: the transposed initial states in, the transposed
     final ones out), then ``dk``, ``dv`` in reverse (``grads``: the final states' gradients in,
     those reaching each sequence's start out, before its first multiplier)."""
@@ -504,8 +513,8 @@ def _backward_options(g, q, k, v, lm, cu, H, states, grads, dq, dk, dv):  # prag
     for task in prange(heads * S):
         nh, s = task // S, task % S
         i = ((nh // H) * S + s) * H + nh % H
-        _scan_with_logs(g, v, k, lm, nh, cu[s], cu[s + 1], states[i], dq, np.float32(1.0))
-        _reverse_with_logs(q, g, k, v, lm, nh, cu[s], cu[s + 1], grads[i], dk, dv)
+        _scan_with_logs(g, v, k, lm, nh, cu[s], cu[s + 1], states[i], dq, np.float32(1.0), q, db)
+        _reverse_with_logs(q, g, k, v, lm, nh, cu[s], cu[s + 1], grads[i], dk, dv, db)
 
 
 #: Problems smaller than this (positions x E x M: a decoding step) run on one thread: waking
@@ -554,8 +563,8 @@ def forward_options(q, k, v, lm, initial_state, cu_seqlens, scale):
 
 
 def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
-    """``(dq, dk, dv float32, gradient reaching each initial state, final states)`` with the
-    options; ``g`` carries the scale, ``g_final`` None for none."""
+    """``(dq, dk, dv float32, gradient reaching each initial state, final states, q.dq - k.dk
+    per position)`` with the options; ``g`` carries the scale, ``g_final`` None for none."""
     N, H, L, E = q.shape
     M = v.shape[-1]
     lm, cu = _layout(q, lm, cu_seqlens)
@@ -567,11 +576,12 @@ def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
     if g_final is not None:
         grads.copy_(g_final.reshape(N * S * H, E, M))
     dq, dk, dv = torch.empty((N, H, L, E)), torch.empty((N, H, L, E)), torch.empty((N, H, L, M))
+    db = torch.zeros((N, H, L))
     if N * H * L:
         outs = (t.view(N * H, L, -1).numpy() for t in (dq, dk, dv))
         _launch(_backward_options, N * H * L * E * M, *(_heads(t) for t in (g, q, k, v)),
-                lm.numpy(), cu.numpy(),
-                H, states.numpy(), grads.numpy(), *outs)  # fmt: skip
+                lm.numpy(), cu.numpy(), H, states.numpy(), grads.numpy(), *outs,
+                db.view(N * H, L).numpy())  # fmt: skip
     # the gradient reaching S_0 is exp(lm_first) R_first (R_first itself for an empty sequence)
     first = torch.zeros((N, S, H))
     if L:
@@ -580,4 +590,4 @@ def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
         first = torch.where((cu[1:] > cu[:-1])[None, :, None], lead, 0.0)
     d_init = grads.view(N * S, H, E, M) * torch.exp(first).view(N * S, H, 1, 1)
     final = states.view(N * S, H, E, M)
-    return dq, dk, dv, d_init, final
+    return dq, dk, dv, d_init, final, db
