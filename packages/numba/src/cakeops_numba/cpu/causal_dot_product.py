@@ -374,7 +374,9 @@ def _scan_with_logs(c, a, b, lm, h, start, end, state, y, scale, dots, db):  # p
             w = D[4, 1 + t]
             for p in range(P):
                 aw[t, p] = w * aw[t, p]
-        f3 = D[4, 0]
+        f0, f1, f2, f3 = D[1, 0], D[2, 0], D[3, 0], D[4, 0]
+        w00, w10, w11, w20, w21, w22 = W[0, 0], W[1, 0], W[1, 1], W[2, 0], W[2, 1], W[2, 2]
+        w30, w31, w32, w33 = W[3, 0], W[3, 1], W[3, 2], W[3, 3]
         for j in range(Q):
             b0, b1, b2, b3 = bb[0, j], bb[1, j], bb[2, j], bb[3, j]
             s_0 = s_1 = s_2 = s_3 = np.float32(0.0)
@@ -385,15 +387,12 @@ def _scan_with_logs(c, a, b, lm, h, start, end, state, y, scale, dots, db):  # p
                 s_2 += cb[2, p] * x
                 s_3 += cb[3, p] * x
                 XT[j, p] = f3 * x + aw[0, p] * b0 + aw[1, p] * b1 + aw[2, p] * b2 + aw[3, p] * b3
-            acc[0, j], acc[1, j], acc[2, j], acc[3, j] = s_0, s_1, s_2, s_3
+            # the pass's own positions: only i <= t (a masked zero times a NaN would leak it)
+            acc[0, j] = f0 * s_0 + w00 * b0
+            acc[1, j] = f1 * s_1 + w10 * b0 + w11 * b1
+            acc[2, j] = f2 * s_2 + w20 * b0 + w21 * b1 + w22 * b2
+            acc[3, j] = f3 * s_3 + w30 * b0 + w31 * b1 + w32 * b2 + w33 * b3
         for t in range(n):
-            ft = D[1 + t, 0]
-            for j in range(Q):
-                acc[t, j] *= ft
-            for i in range(t + 1):  # only i <= t: a masked zero times a NaN would leak it
-                w = W[t, i]
-                for j in range(Q):
-                    acc[t, j] += w * bb[i, j]
             for j in range(Q):
                 y[h, s0 + t, j] = scale * acc[t, j]
             if db.shape[1]:
