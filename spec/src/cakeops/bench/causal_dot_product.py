@@ -196,48 +196,32 @@ def gpu_cases(device: torch.device, shape: tuple[int, ...]) -> list:
 
 
 def gpu_peers(inputs) -> dict[str, Any]:
-    """The masked composite, its ``torch.compile``, and flash-linear-attention's chunked kernel
-    when it imports (its layout is (B, T, H, D)); a string says why a peer is not compared."""
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    if inputs["log_gates"] is not None:
-        return _gated_peers(q, k, v, inputs["log_gates"])
-    compiled = torch.compile(masked, dynamic=False)
+    """The masked composite (with the gates' decay matrix when ``log_gates`` is given), its
+    ``torch.compile``, and flash-linear-attention's chunked kernel (``chunk_linear_attn``;
+    ``chunk_simple_gla`` with gates) when it imports (its layout is (B, T, H, D)); a string
+    says why a peer is not compared."""
+    q, k, v, gates = inputs["q"], inputs["k"], inputs["v"], inputs["log_gates"]
+    name = "masked" if gates is None else "masked decay"
+    composite = masked if gates is None else (lambda q, k, v: masked_decay(q, k, v, gates))
+    compiled = torch.compile(composite, dynamic=False)
     peers: dict[str, Any] = {
-        "masked composite": lambda: masked(q, k, v),
-        "torch.compile(masked)": lambda: compiled(q, k, v),
+        f"{name} composite": lambda: composite(q, k, v),
+        f"torch.compile({name})": lambda: compiled(q, k, v),
     }
     try:
-        from fla.ops.linear_attn import chunk_linear_attn
+        if gates is None:
+            from fla.ops.linear_attn import chunk_linear_attn as kernel
+        else:
+            from fla.ops.simple_gla import chunk_simple_gla as kernel
     except Exception as exc:  # not installed, or a different API
         peers["flash-linear-attention"] = f"does not import ({type(exc).__name__}: {exc})"[:200]
         return peers
 
     def fla():
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-        return chunk_linear_attn(qt, kt, vt, scale=1.0, normalize=False)[0].transpose(1, 2)
+        if gates is None:
+            return kernel(qt, kt, vt, scale=1.0, normalize=False)[0].transpose(1, 2)
+        return kernel(qt, kt, vt, g=gates.transpose(1, 2), scale=1.0)[0].transpose(1, 2)
 
     peers["flash-linear-attention"] = fla
-    return peers
-
-
-def _gated_peers(q, k, v, log_gates) -> dict[str, Any]:
-    """With per-position gates: the masked decay composite, its ``torch.compile``, and
-    flash-linear-attention's ``chunk_simple_gla`` when it imports."""
-    compiled = torch.compile(masked_decay, dynamic=False)
-    peers: dict[str, Any] = {
-        "masked decay composite": lambda: masked_decay(q, k, v, log_gates),
-        "torch.compile(masked decay)": lambda: compiled(q, k, v, log_gates),
-    }
-    try:
-        from fla.ops.simple_gla import chunk_simple_gla
-    except Exception as exc:  # not installed, or a different API
-        peers["flash-linear-attention"] = f"does not import ({type(exc).__name__}: {exc})"[:200]
-        return peers
-
-    def fla():
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-        out = chunk_simple_gla(qt, kt, vt, g=log_gates.transpose(1, 2), scale=1.0)[0]
-        return out.transpose(1, 2)
-
-    peers["flash-linear-attention (chunk_simple_gla)"] = fla
     return peers
