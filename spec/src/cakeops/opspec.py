@@ -546,24 +546,25 @@ class OpSpec:
         out = _checked(self.name, backend, "the output", out, like)
         if self.second is None:
             return out
-        second = self._second_like(inputs)
-        like = (second.shape, second.dtype, second.device)
+        wanted = self.second(inputs)  # type: ignore[misc]
+        shape, dtype = wanted if wanted is not None else ((0,), inputs.dtype)
+        like = (torch.Size(shape), dtype, inputs.selecting.device)
         return out, _checked(self.name, backend, "the second output", result[1], like)
 
     def _second_like(self, inputs: OpInputs) -> torch.Tensor:
-        """The second output's shape and dtype, empty (an ``(0,)`` placeholder when the call
-        does not ask for it)."""
+        """An uninitialised tensor of the second output's shape and dtype (an ``(0,)``
+        placeholder when the call does not ask for it)."""
         device = inputs.selecting.device
         wanted = self.second(inputs)  # type: ignore[misc]
         if wanted is None:
             return torch.empty(0, dtype=inputs.dtype, device=device)
         shape, dtype = wanted
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def _forward_fake(self, *values: Any) -> Any:
         inputs = self.validate(values)
         out = self.output_like(inputs)
-        return out if self.second is None else (out, torch.empty_like(self._second_like(inputs)))
+        return out if self.second is None else (out, self._second_like(inputs))
 
     def _check_grad_output(self, g: Any, inputs: OpInputs) -> None:
         shape, dtype = self.output(inputs)

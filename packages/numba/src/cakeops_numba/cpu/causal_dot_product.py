@@ -542,6 +542,17 @@ def _layout(q, lm, cu_seqlens):
     return lm.view(N * H, L), cu
 
 
+def _scratch(x, tasks: int, shape=None, transpose: bool = False) -> torch.Tensor:
+    """A float32 contiguous copy of the states ``x`` as ``(tasks, E, M)`` (``(tasks, M, E)``
+    with ``transpose``), which the kernels overwrite; zeros of ``shape`` when None."""
+    if x is None:
+        E, M = shape
+        return torch.zeros((tasks, M, E) if transpose else (tasks, E, M))
+    x = x.float().reshape(tasks, *x.shape[-2:])
+    x = x.transpose(-1, -2) if transpose else x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 def forward_options(q, k, v, lm, initial_state, cu_seqlens, scale):
     """``(out, final states float32)`` with the options (``lm``: the summed log multipliers
     ``(N, H, L)`` or None)."""
@@ -549,9 +560,8 @@ def forward_options(q, k, v, lm, initial_state, cu_seqlens, scale):
     M = v.shape[-1]
     lm, cu = _layout(q, lm, cu_seqlens)
     S = cu.numel() - 1
-    states = torch.zeros((N * S * H, M, E))  # transposed: the kernel's XT = S^T
-    if initial_state is not None:
-        states.copy_(initial_state.reshape(N * S * H, E, M).transpose(-1, -2))
+    # transposed: the kernel's XT = S^T (a final state handed back is laid out so already)
+    states = _scratch(initial_state, N * S * H, (E, M), transpose=True)
     out = torch.empty((N, H, L, M))
     if N * H * L:
         s = np.float32(1.0 if scale is None else scale)
@@ -568,12 +578,8 @@ def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
     M = v.shape[-1]
     lm, cu = _layout(q, lm, cu_seqlens)
     S = cu.numel() - 1
-    states = torch.zeros((N * S * H, E, M))  # the dq run's XT = S
-    if initial_state is not None:
-        states.copy_(initial_state.reshape(N * S * H, E, M))
-    grads = torch.zeros((N * S * H, E, M))
-    if g_final is not None:
-        grads.copy_(g_final.reshape(N * S * H, E, M))
+    states = _scratch(initial_state, N * S * H, (E, M))  # the dq run's XT = S
+    grads = _scratch(g_final, N * S * H, (E, M))  # R_T
     dq, dk, dv = torch.empty((N, H, L, E)), torch.empty((N, H, L, E)), torch.empty((N, H, L, M))
     db = torch.zeros((N, H, L))
     if N * H * L:
