@@ -352,16 +352,22 @@ def _scan_with_logs(c, a, b, lm, h, start, end, state, y, scale, dots, db):  # p
     W = np.zeros((4, 4), np.float32)
     for s0 in range(start, end, 4):
         n = min(4, end - s0)
-        for t in range(n):
-            lf[t + 1] = lm[h, s0 + t]
-            cb[t, :] = c[h, s0 + t, :]
-            aw[t, :] = a[h, s0 + t, :]
-            bb[t, :] = b[h, s0 + t, :]
-        for t in range(n, 4):
-            lf[t + 1] = 0.0
-            cb[t, :] = 0.0
-            aw[t, :] = 0.0
-            bb[t, :] = 0.0
+        # element loops: numba's slice assignments cost more than the pass's arithmetic here
+        for t in range(4):
+            live = t < n
+            lf[t + 1] = lm[h, s0 + t] if live else np.float32(0.0)
+            if live:
+                for p in range(P):
+                    cb[t, p] = c[h, s0 + t, p]
+                    aw[t, p] = a[h, s0 + t, p]
+                for j in range(Q):
+                    bb[t, j] = b[h, s0 + t, j]
+            else:
+                for p in range(P):
+                    cb[t, p] = 0.0
+                    aw[t, p] = 0.0
+                for j in range(Q):
+                    bb[t, j] = 0.0
         # D[1 + t, 0] = exp(B_t) (the state into step t), D[1 + t, 1 + j] = exp(B_t - B_j)
         _pass_decays(lf, D)
         for t in range(4):
@@ -423,20 +429,26 @@ def _reverse_with_logs(q, g, k, v, lm, h, start, end, grad, dk, dv, db):  # prag
     QK = np.zeros((4, 4), np.float32)
     for s1 in range(end, start, -4):  # the pass takes positions s1 - 1, s1 - 2, ... (step i)
         n = min(4, s1 - start)
-        zv[:, :] = 0.0
-        for i in range(n):
+        for i in range(4):  # element loops, as in _scan_with_logs
             t = s1 - 1 - i
-            lf[i + 1] = lm[h, t + 1] if t + 1 < end else np.float32(0.0)
-            qb[i, :] = q[h, t, :]
-            kb[i, :] = k[h, t, :]
-            gb[i, :] = g[h, t, :]
-            vb[i, :] = v[h, t, :]
-        for i in range(n, 4):
-            lf[i + 1] = 0.0
-            qb[i, :] = 0.0
-            kb[i, :] = 0.0
-            gb[i, :] = 0.0
-            vb[i, :] = 0.0
+            live = i < n
+            lf[i + 1] = lm[h, t + 1] if live and t + 1 < end else np.float32(0.0)
+            if live:
+                for e in range(E):
+                    qb[i, e] = q[h, t, e]
+                    kb[i, e] = k[h, t, e]
+                for m in range(M):
+                    gb[i, m] = g[h, t, m]
+                    vb[i, m] = v[h, t, m]
+                    zv[i, m] = 0.0
+            else:
+                for e in range(E):
+                    qb[i, e] = 0.0
+                    kb[i, e] = 0.0
+                for m in range(M):
+                    gb[i, m] = 0.0
+                    vb[i, m] = 0.0
+                    zv[i, m] = 0.0
         _pass_decays(lf, D)
         for i in range(4):
             for j in range(i + 1):
