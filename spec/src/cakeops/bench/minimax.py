@@ -34,7 +34,8 @@ NO_TRANSFORMERS = 2
 
 
 def layers(heads: int, head_dim: int, device, dtype):
-    """The Hugging Face layer, a copy on cakeops, and a copy without its core."""
+    """The Hugging Face layer and a copy on cakeops (same weights; :func:`without_core` takes
+    the copy's core out)."""
     import transformers as tf
 
     from cakeops.integrations import transformers as integration
