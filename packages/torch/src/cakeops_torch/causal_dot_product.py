@@ -66,11 +66,12 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
     g_final = g_final if output_final_state and g_final.numel() else None
     if lm is None and initial_state is None and g_final is None and cu_seqlens is None:
         return (*_backward(gs, q, k, v), None, None, None)
+    sequences = _sequences(q, cu_seqlens)  # once: cu_seqlens is read on the host
     parts = [
         _backward_options(gs[r], q[r], k[r], v[r], None if lm is None else lm[r],
                           None if initial_state is None else initial_state[i],
                           None if g_final is None else g_final[i])
-        for r, i in _sequences(q, cu_seqlens)
+        for r, i in sequences
     ]  # fmt: skip
     dq, dk, dv = (torch.cat(t, dim=2) for t in list(zip(*parts, strict=True))[:3])
     d_decay = d_gates = d_init = None
@@ -78,8 +79,7 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
         at_end = None
         if g_final is not None:
             at_end = torch.cat([(g_final[i].to(p[4].dtype) * p[4]).sum((-1, -2))
-                                for p, (_, i) in zip(parts, _sequences(q, cu_seqlens),
-                                                     strict=True)])  # fmt: skip
+                                for p, (_, i) in zip(parts, sequences, strict=True)])  # fmt: skip
         db = position_log_grads(q, k, dq, dk)
         d_decay, d_gates = log_multiplier_grads(db, cu_seqlens, at_end, log_decay, log_gates)
     if initial_state is not None:
