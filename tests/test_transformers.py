@@ -253,3 +253,36 @@ def test_minimax_greedy_generation_with_the_cache_is_the_model_s():
     got = patched.generate(prompt, **kwargs)
     assert want.shape == (1, 7 + 32)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", ["Qwen3-Next", "MiniMax"])
+def test_patched_model_pickles_and_saves_whole(tmp_path, family):
+    """``torch.save(model)``/``pickle`` of a model after ``apply_cakeops`` (its patched classes
+    are built at run time), loaded here and in a fresh process that imported nothing of
+    cakeops: the same classes, the same logits."""
+    import pickle
+    import subprocess
+    import sys
+
+    _, patched = pair(family)
+    ids = tokens()
+    with torch.no_grad():
+        want = patched(ids).logits
+    again = pickle.loads(pickle.dumps(patched))
+    assert [type(m).__name__ for m in again.modules()] == [
+        type(m).__name__ for m in patched.modules()
+    ]
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, want, rtol=0, atol=0)
+    torch.save(patched, tmp_path / "model.pt")
+    torch.save((ids, want), tmp_path / "want.pt")
+    script = (
+        "import torch\n"
+        f"m = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+        f"ids, want = torch.load({str(tmp_path / 'want.pt')!r})\n"
+        "names = {type(x).__name__ for x in m.modules()}\n"
+        "assert any(n.startswith('Cakeops') for n in names), names\n"
+        "with torch.no_grad():\n"
+        "    torch.testing.assert_close(m(ids).logits, want, rtol=0, atol=0)\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)

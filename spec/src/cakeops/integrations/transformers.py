@@ -289,10 +289,23 @@ PATCHED = {**GATED_NORMS, **LINEAR_ATTENTIONS}
 _patched: dict[type, type] = {}
 
 
+def _new_patched(cls: type) -> torch.nn.Module:
+    """Unpickling: an empty instance of ``cls``'s patched class (its state comes after)."""
+    return object.__new__(_patched_class(cls))
+
+
+def _reduce_ex(self: torch.nn.Module, protocol: int):
+    """Pickle a patched module by its model class, which is importable (the patched class is
+    built at run time and is not): unpickling, in any process, rebuilds the patched class."""
+    reduced = object.__reduce_ex__(self, max(protocol, 2))
+    return (_new_patched, (type(self).__cakeops_original__,), *reduced[2:])
+
+
 def _patched_class(cls: type) -> type:
     if cls not in _patched:
-        forward = PATCHED[cls.__name__]
-        _patched[cls] = type(f"Cakeops{cls.__name__}", (cls,), {"forward": forward})
+        body = {"forward": PATCHED[cls.__name__], "__reduce_ex__": _reduce_ex,
+                "__cakeops_original__": cls}  # fmt: skip
+        _patched[cls] = type(f"Cakeops{cls.__name__}", (cls,), body)
     return _patched[cls]
 
 
