@@ -126,19 +126,27 @@ def _grouped(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 def _runs(routing: Routing, bounds: list[int], width: int):
-    """Runs of consecutive experts ``(e0, e1, start, end, offs)``: rows ``start:end`` belong to
-    experts ``e0..e1-1``, ``offs`` their end offsets relative to ``start`` (int32), at most
-    ``GROUP_ELEMENTS`` elements of ``(rows, width)`` per run (a bigger expert runs alone)."""
+    """Runs of consecutive experts that received rows ``(e0, e1, start, end, offs)``: rows
+    ``start:end`` belong to experts ``e0..e1-1``, ``offs`` their end offsets relative to
+    ``start`` (int32), at most ``GROUP_ELEMENTS`` elements of ``(rows, width)`` per run (a bigger
+    expert runs alone). Experts without rows are in no run: a grouped matmul costs per group,
+    and the cost must follow the experts used, not ``E``."""
     E = len(bounds) - 1
     e0 = 0
     while e0 < E:
+        if bounds[e0 + 1] == bounds[e0]:
+            e0 += 1
+            continue
         e1 = e0 + 1
-        while e1 < E and (bounds[e1 + 1] - bounds[e0]) * width <= GROUP_ELEMENTS:
+        while (
+            e1 < E
+            and bounds[e1 + 1] > bounds[e1]
+            and (bounds[e1 + 1] - bounds[e0]) * width <= GROUP_ELEMENTS
+        ):
             e1 += 1
         start, end = bounds[e0], bounds[e1]
-        if end > start:
-            offs = torch.tensor(bounds[e0 + 1 : e1 + 1], dtype=torch.int32) - start
-            yield e0, e1, start, end, offs.to(routing.order.device)
+        offs = torch.tensor(bounds[e0 + 1 : e1 + 1], dtype=torch.int32) - start
+        yield e0, e1, start, end, offs.to(routing.order.device)
         e0 = e1
 
 
@@ -298,10 +306,7 @@ def _grouped_backward(routing, bounds, x, g, slot_w, ew, dx_slots, dw_flat, grad
         grads[1][e0:e1] = torch._grouped_mm(dhu.T, xe, offs=offs)
         dx = torch._grouped_mm(dhg, w_gate[e0:e1], offs=offs).to(acc)
         dx_slots[routing.order[s:t]] = dx.add_(torch._grouped_mm(dhu, w_up[e0:e1], offs=offs))
-    # An expert without rows: the grouped matmul's output for it is not guaranteed to be zero.
-    empty = [e for e in range(len(bounds) - 1) if bounds[e + 1] == bounds[e]]
-    for grad in grads[:3]:
-        grad[empty] = 0
+    # An expert without rows is in no run: its gradients stay the zeros they start as.
 
 
 def forward(x, top_k_index, top_k_weights, *weights):

@@ -41,14 +41,19 @@ def gated(gate, up, activation="silu", alpha=1.0, limit=None, up_offset=0.0):
 def math(x, top_k_index, top_k_weights, w_gate, w_up, w_down, b_gate=None, b_up=None,
          b_down=None, activation="silu", alpha=1.0, limit=None, up_offset=0.0):  # fmt: skip
     """The op in float64 (ids ``>= E`` add nothing); autograd of this is the reference
-    gradient."""
+    gradient. Only the experts the routing uses are visited: the cost follows the tokens, not
+    ``E``."""
     x, top_k_weights = x.double(), top_k_weights.double()
-    tensors = [None if t is None else t.double() for t in (w_gate, w_up, w_down, b_gate, b_up,
-                                                            b_down)]  # fmt: skip
+    used = top_k_index.unique()
+    used = used[(used >= 0) & (used < w_up.shape[0])]
+    # the used experts' weights, gathered once (one scatter of each gradient, not one per expert)
+    tensors = [None if t is None else t.index_select(0, used).double()
+               for t in (w_gate, w_up, w_down, b_gate, b_up, b_down)]  # fmt: skip
     out = torch.zeros_like(x)
-    for e in range(w_up.shape[0]):
+    for i, e in enumerate(used.tolist()):
+        _check_cancelled()
         token, slot = (top_k_index == e).nonzero(as_tuple=True)
-        y = expert(x[token], e, *tensors, activation, alpha, limit, up_offset)
+        y = expert(x[token], i, *tensors, activation, alpha, limit, up_offset)
         out = out.index_add(0, token, y * top_k_weights[token, slot, None])
     return out
 
@@ -57,24 +62,63 @@ def forward(x, top_k_index, top_k_weights, *rest):
     return math(x, top_k_index, top_k_weights, *rest).to(x.dtype)
 
 
+_worker = threading.local()
+
+
+def _check_cancelled() -> None:
+    """In a reference backward's worker: stop at the next expert once the caller is gone."""
+    cancel = getattr(_worker, "cancel", None)
+    if cancel is not None and cancel.is_set():
+        raise _Cancelled
+
+
+class _Cancelled(Exception):
+    pass
+
+
 def grads_by_autograd(fn, g, inputs, fixed):
     """Gradients of ``fn(*float64 inputs, **fixed)`` for ``g``, on a fresh thread (autograd is
     switched off, thread-locally, inside a custom op's kernel); unused inputs get zeros, inputs
-    that are None get None."""
+    that are None get None. An interruption of the caller (Ctrl-C) stops the worker and waits
+    for it before it propagates: no thread outlives the call."""
     result: list = []
+    errors: list[BaseException] = []
     given = [t for t in inputs if t is not None]
+    cancel, done = threading.Event(), threading.Event()
 
     def work():
-        leaves = [t.detach().double().requires_grad_() for t in given]
-        it = iter(leaves)
-        out = fn(*(None if t is None else next(it) for t in inputs), **fixed)
-        result.extend(torch.autograd.grad(out, leaves, g.double(), allow_unused=True))
+        _worker.cancel = cancel
+        try:
+            leaves = [t.detach().double().requires_grad_() for t in given]
+            it = iter(leaves)
+            out = fn(*(None if t is None else next(it) for t in inputs), **fixed)
+            result.extend(torch.autograd.grad(out, leaves, g.double(), allow_unused=True))
+        except _Cancelled:
+            pass
+        except BaseException as exc:  # handed to the caller's thread
+            errors.append(exc)
+        finally:
+            done.set()
 
-    thread = threading.Thread(target=work)
+    thread = threading.Thread(target=work, name="cakeops-reference-backward")
     thread.start()
+    # Events, not Thread.join: an interrupted join marks a live thread as finished (CPython
+    # 3.10-3.12), and the process then aborts at exit.
+    try:
+        done.wait()
+    except BaseException:
+        cancel.set()
+        while True:
+            try:
+                done.wait()
+                break
+            except KeyboardInterrupt:  # a second Ctrl-C: the worker stops at its next expert
+                continue
+        thread.join()
+        raise
     thread.join()
-    if len(result) != len(given):
-        raise RuntimeError("reference backward failed (see the thread's traceback)")
+    if errors:
+        raise errors[0]
     grads = iter(result)
     return tuple(
         None
