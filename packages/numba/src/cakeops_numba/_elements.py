@@ -7,15 +7,17 @@ elements converted as usual) and ``store(y, idx, v)`` writes a float32 value, ro
 even into an ``int16`` (bfloat16) array, as a GPU's conversion does; NaN stays NaN.
 
 On a GPU these are numba overloads chosen by the element type at compile time; in the CUDA
-simulator the kernels run as Python and call the Python versions below.
+simulator the kernels run as Python and call the Python versions below. ``sigmoid`` is the
+kernels' one elementwise function with an overflow to avoid.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
-from numba import float32, int32, types
+from numba import cuda, float32, int32, types
 
 from cakeops_numba import SIMULATOR
 
@@ -75,3 +77,14 @@ else:
             arr[idx] = v
 
         return impl
+
+
+@cuda.jit(device=True)
+def sigmoid(z):
+    """``1 / (1 + exp(-z))`` taking ``exp`` of non-positive numbers only: a GPU's ``exp`` of a
+    large argument gives inf, the simulator's (Python's ``math``) raises ``OverflowError``. NaN
+    stays NaN."""
+    if z >= float32(0.0):
+        return float32(1.0) / (float32(1.0) + math.exp(-z))
+    e = math.exp(z)
+    return e / (float32(1.0) + e)

@@ -14,7 +14,7 @@ import math
 import torch
 from numba import cuda, float32
 
-from cakeops_numba._elements import store, widen
+from cakeops_numba._elements import sigmoid, store, widen
 from cakeops_numba._launch import THREADS, blocks_for, on_stream, view
 
 SMALL_GROUP = 32
@@ -40,7 +40,7 @@ def _block_sum(buf, value):
 
 @cuda.jit(device=True)
 def _silu(z):
-    sig = float32(1.0) / (float32(1.0) + math.exp(-z))
+    sig = sigmoid(z)
     return sig, z * sig
 
 

@@ -23,8 +23,6 @@ gradients against a column of ones (each expert's rows in order: deterministic).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from numba import cuda, float32
 
@@ -42,7 +40,7 @@ from cakeops.helpers import (
     swiglu_backward,
 )
 from cakeops_numba import SIMULATOR
-from cakeops_numba._elements import widen
+from cakeops_numba._elements import sigmoid, widen
 from cakeops_numba._launch import on_stream, view
 
 # The simulator runs each thread as a Python thread: small tiles there.
@@ -86,7 +84,7 @@ def _grouped_mm(a, idx, w, w2, out, out2, tile_expert, tile_row, ends, gather, t
         cuda.syncthreads()
     if row_ok and col < N:
         if mode == SWIGLU:
-            out[row, col] = acc / (float32(1.0) + math.exp(-acc)) * acc2
+            out[row, col] = acc * sigmoid(acc) * acc2
         else:
             out[row, col] = acc
             if mode == BOTH:

@@ -143,6 +143,18 @@ class TestRMSNormSiLUGate:
         check_against_reference(x, z, w, g, 8, nbg, got)
 
     @pytest.mark.parametrize("nbg", [True, False])
+    def test_large_finite_gates(self, backend, dtype, device, nbg):
+        """Gates of +-10,000 (silu saturates to z and to -0): finite results as the
+        reference's, where a naive ``1 / (1 + exp(-z))`` overflows (an error in numba's
+        simulator, inf on a GPU)."""
+        x, z, w, g = make_inputs((4, 32), dtype, device)
+        with torch.no_grad():
+            z[:, ::2] = 1e4
+            z[:, 1::2] = -1e4
+        got = run(x, z, w, g, 16, nbg)
+        check_against_reference(x, z, w, g, 16, nbg, got)
+
+    @pytest.mark.parametrize("nbg", [True, False])
     def test_nan_propagates(self, backend, dtype, device, nbg):
         """NaN in x, Inf in z: the output and every gradient are non-finite exactly where the
         float64 reference's are; the rows without them are untouched."""

@@ -166,6 +166,15 @@ class TestRoutedExperts:
         got = run(tensors, g, **options)
         check_against_reference(tensors, g, got, **options)
 
+    def test_large_finite_gate_projections(self, backend, dtype, device):
+        """Gate pre-activations in the thousands, both signs (silu saturates): the reference's
+        finite result, where a naive ``1 / (1 + exp(-h))`` overflows (an error in numba's
+        simulator, inf on a GPU)."""
+        tensors, g = make_inputs(*FORM_SHAPE, dtype, device)
+        with torch.no_grad():
+            tensors[3].mul_(4000)
+        check_against_reference(tensors, g, run(tensors, g))
+
     def test_dropped_slots(self, backend, dtype, device):
         """Ids ``>= E`` (transformers' expert parallelism: experts on another rank) add nothing
         and get zero gradients; the rest is the op on the slots that are kept."""
