@@ -347,6 +347,18 @@ def _parse_names(names: str | Sequence[str], source: str) -> tuple[str, ...]:
     return parsed
 
 
+@torch.compiler.assume_constant_result
+def _refuse_inside_compile() -> None:
+    """Raised while Dynamo traces: a function it runs at trace time (assumed constant) raises
+    with this message first, where one it traces would be reported as Dynamo's own
+    "Observed exception" with this message in its debug context."""
+    raise RuntimeError(
+        "use_backend() cannot be entered inside a torch.compile'd function: enter it around "
+        "the call of the compiled function (the ops choose their backend when the compiled "
+        "code runs), or set CAKEOPS_BACKEND"
+    )
+
+
 @contextlib.contextmanager
 def use_backend(names: str | Sequence[str], *, op: str | None = None) -> Iterator[None]:
     """Force a backend (or a preference list) inside the block, for one op or all of them.
@@ -354,11 +366,7 @@ def use_backend(names: str | Sequence[str], *, op: str | None = None) -> Iterato
     The choice lives in a ``contextvars`` value, so it is private to this thread or task.
     """
     if torch.compiler.is_compiling():
-        raise RuntimeError(
-            "use_backend() cannot be entered inside a torch.compile'd function: enter it around "
-            "the call of the compiled function (the ops choose their backend when the compiled "
-            "code runs), or set CAKEOPS_BACKEND"
-        )
+        _refuse_inside_compile()
     if op is not None and op not in op_names():
         raise ValueError(f"use_backend: op must be one of {', '.join(op_names())}, got {op!r}")
     with forcing(_parse_names(names, "use_backend()"), op):
