@@ -286,3 +286,35 @@ def test_patched_model_pickles_and_saves_whole(tmp_path, family):
         "    torch.testing.assert_close(m(ids).logits, want, rtol=0, atol=0)\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+
+
+@pytest.mark.parametrize("order", ["cakeops-first", "transformers-first"])
+def test_experts_implementation_resolves_after_import_cakeops(order):
+    """``from_pretrained/from_config(..., experts_implementation="cakeops")`` with a plain
+    ``import cakeops`` (before or after transformers), no import of the integration: the name
+    resolves and the experts run on cakeops (transformers refused the name before)."""
+    import subprocess
+    import sys
+
+    imports = ["import cakeops", "import transformers as tf"]
+    if order == "transformers-first":
+        imports.reverse()
+        imports.append("tf.PreTrainedModel")  # transformers' model code imported before cakeops
+    config_class, sizes = FAMILIES["Qwen3-MoE"]
+    script = "\n".join(
+        [
+            *imports,
+            "import torch",
+            f"config = tf.{config_class.__name__}(**{COMMON!r}, **{sizes!r})",
+            "model = tf.AutoModelForCausalLM.from_config(config, experts_implementation='cakeops')",
+            "ids = torch.randint(0, 64, (2, 8))",
+            "with cakeops.use_backend('nope', op='routed_experts'):",
+            "    try:",
+            "        model(ids)",
+            "    except cakeops.BackendError:",
+            "        print('runs on cakeops')",
+        ]
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.stdout.strip() == "runs on cakeops", proc.stderr[-3000:]
