@@ -13,7 +13,7 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["lint", "tests"]
 
 CONSTRAINTS = ("-c", ".ci/constraints.txt")
-PACKAGES = ("./spec", "./packages/torch", "./packages/triton", "./packages/numba")
+PACKAGES = ("./spec", "./packages/torch", "./packages/triton", "./packages/numba[cuda]")
 EXAMPLE_BACKEND = "./tests/example_backend"
 
 
@@ -24,8 +24,9 @@ def install(session: nox.Session, *extra: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole suite: conformance on every in-tree backend, dispatch, CLI, packaging."""
+    # hatchling and twine: tests/test_packaging.py builds every sdist and wheel, twine checks them
     install(session, EXAMPLE_BACKEND, "pytest", "pytest-xdist", "pytest-timeout", "hatchling",
-            "numpy", "matplotlib", "transformers", "accelerate")  # fmt: skip
+            "twine", "numpy", "matplotlib", "transformers", "accelerate")  # fmt: skip
     session.run("pytest", *session.posargs)
     # Every op through the CPU benchmarks, small (integer inputs, peers, tables).
     session.run("cakeops", "bench", "--quick")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -187,3 +188,48 @@ def test_cuda_priorities_follow_expected_speed():
         assert prio(numba_backend, op) < prio(torch_backend, op) < prio(triton_backend, op)
     op = "rmsnorm_silu_gate"
     assert prio(torch_backend, op) < prio(numba_backend, op) < prio(triton_backend, op)
+
+
+def test_cpu_kernel_without_numba_cuda(tmp_path):
+    """``pip install cakeops-numba`` without the ``cuda`` extra: this environment less numba-cuda
+    and its CUDA packages (the site-packages entries linked, those left out): the backend is
+    available, the CPU kernel runs ``causal_dot_product``, and on CUDA the reason names the
+    extra to install."""
+    import site
+
+    skipped = ("numba_cuda", "_numba_cuda", "cuda", "nvidia")
+    paths = [str(tmp_path)]
+    for sp in site.getsitepackages():
+        if not os.path.isdir(sp):
+            continue
+        for name in os.listdir(sp):
+            if name.lower().startswith(skipped) or (tmp_path / name).exists():
+                continue
+            if name.endswith(".pth"):  # editable installs: their source folders
+                lines = (Path(sp) / name).read_text().splitlines()
+                paths += [ln.strip() for ln in lines if os.path.isdir(ln.strip())]
+                continue
+            (tmp_path / name).symlink_to(Path(sp) / name)
+    script = (
+        "import importlib.util, torch, cakeops\n"
+        "from cakeops import registry\n"
+        "assert importlib.util.find_spec('numba_cuda') is None\n"
+        "numba = registry.backends()['numba']\n"
+        "assert registry.why_unavailable(numba) is None\n"
+        "print(numba.cuda_unavailable_reason)\n"
+        "q = torch.randn(1, 2, 16, 8)\n"
+        "print(cakeops.explain(cakeops.causal_dot_product, q, q, q).backend)\n"
+        "with cakeops.use_backend('numba'):\n"
+        "    out = cakeops.causal_dot_product(q, q, q)\n"
+        "with cakeops.use_backend('reference'):\n"
+        "    want = cakeops.causal_dot_product(q, q, q)\n"
+        "assert cakeops.relative_error(out, want) <= cakeops.tolerance(torch.float32)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_", "CAKEOPS_"))}
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    proc = subprocess.run([sys.executable, "-S", "-c", script], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reason, chosen = proc.stdout.split("\n")[:2]
+    assert reason == "numba-cuda is not installed: pip install 'cakeops-numba[cuda]'"
+    assert chosen == "numba"

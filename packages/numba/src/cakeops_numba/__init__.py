@@ -11,8 +11,9 @@ On the CPU, ``njit`` kernels serve the ops where they beat the ``torch`` backend
 benchmark shapes (``causal_dot_product``, in every dtype; see ``packages/numba/benchmarks``),
 as the automatic choice there.
 
-With ``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported) the CUDA kernels run on CPU
-tensors in numba's CUDA simulator instead, only when the backend is chosen explicitly (the
+The CUDA kernels need numba-cuda (``pip install 'cakeops-numba[cuda]'``); the CPU kernels need
+numba only. With ``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported) the CUDA kernels run
+on CPU tensors in numba's CUDA simulator instead, only when the backend is chosen explicitly (the
 conformance suite does).
 
 bfloat16 reaches the CUDA kernels as an ``int16`` view of its bits (PyTorch's
@@ -52,7 +53,7 @@ def devices(cpu_kernel: bool, cuda: int = CUDA_PRIORITY) -> dict[str, int | None
 class NumbaBackend(Backend):
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("numba") is None:
-            return "numba is not installed (pip install numba numba-cuda)"
+            return "numba is not installed (pip install cakeops-numba, which brings it)"
         return None
 
     @functools.cached_property
@@ -60,8 +61,10 @@ class NumbaBackend(Backend):
         """Why the CUDA kernels cannot run here (the CPU kernels need numba only)."""
         if SIMULATOR:
             return None
-        if importlib.util.find_spec("numba.cuda") is None:
-            return "numba-cuda is not installed (pip install numba-cuda)"
+        # numba still ships a deprecated built-in CUDA target; the kernels are tested on
+        # numba-cuda's, the `cuda` extra
+        if importlib.util.find_spec("numba_cuda") is None:
+            return "numba-cuda is not installed: pip install 'cakeops-numba[cuda]'"
         if not torch.cuda.is_available():
             return "no CUDA device (NUMBA_ENABLE_CUDASIM=1 runs the kernels on CPU tensors)"
         from numba import cuda
