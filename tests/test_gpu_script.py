@@ -99,3 +99,21 @@ def test_suite_stops_at_once_without_the_device():
     assert "no cuda device on this machine" in run.stdout + run.stderr
     assert "failed" not in run.stdout
     assert time.monotonic() - start < 60
+
+
+def test_source_tree_shims_on_a_machine_without_cakeops_installed(monkeypatch, tmp_path):
+    """The GPU image runs the sources uninstalled: a ``.dist-info`` shim per distribution with
+    the one version (VERSION) and the entry points, and each ``src`` folder on the path."""
+    script = _script()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "cakeops" else real(name, *a))  # fmt: skip
+    paths = script.source_tree_paths()
+    shims = Path(paths[0])
+    version = (ROOT / "VERSION").read_text().strip()
+    infos = sorted(p.name for p in shims.iterdir())
+    dists = ("cakeops", "cakeops_numba", "cakeops_torch", "cakeops_triton")
+    assert infos == sorted(f"{d}-{version}.dist-info" for d in dists)
+    entry_points = (shims / f"cakeops_numba-{version}.dist-info" / "entry_points.txt").read_text()
+    assert "[cakeops.backends]\nnumba = cakeops_numba:backend" in entry_points
+    assert str(ROOT / "spec" / "src") in paths

@@ -72,10 +72,10 @@ def source_tree_paths() -> list[str]:
     shims = Path(tempfile.mkdtemp(prefix="cakeops-shims-"))
     paths = [str(shims)]
     projects = [ROOT / "spec" / "pyproject.toml", *sorted(ROOT.glob("packages/*/pyproject.toml"))]
+    version = (ROOT / "VERSION").read_text().strip()  # every distribution's one version
     for project in projects:
         text = project.read_text()
         name = re.search(r'^name = "([^"]+)"', text, re.M).group(1)
-        version = re.search(r'^version = "([^"]+)"', text, re.M).group(1)
         groups = re.findall(
             r'^\[project\.entry-points\."?([\w.]+)"?\]\n((?:\w+ = "[^"]+"\n)+)', text, re.M
         )
