@@ -5,6 +5,10 @@ edit of ``mkdocs.yml``).
 A page line ``<!-- cakeops:dtypes OP -->`` becomes a table of every installed backend that
 implements OP: the input dtypes it declares and the devices it serves with their priority
 (``explicit only`` where it runs only when chosen). The docs build installs the in-tree backends.
+
+A page line ``<!-- cakeops:ops -->`` becomes the table of every op in the specs: its page, what
+it computes (its function's summary line), the tensors it differentiates and the backends that
+implement it. A new op appears there with no edit of the page.
 """
 
 from __future__ import annotations
@@ -14,6 +18,31 @@ from pathlib import Path
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 MARKER = re.compile(r"^<!-- cakeops:dtypes (\w+) -->$", re.M)
+OPS_MARKER = re.compile(r"^<!-- cakeops:ops -->$", re.M)
+
+
+def _summary(doc: str | None) -> str:
+    """A docstring's first paragraph, one line, in Markdown (``x`` becomes `x`)."""
+    first = (doc or "").strip().split("\n\n")[0]
+    return " ".join(first.split()).replace("``", "`")
+
+
+def _ops_table() -> str:
+    import importlib
+
+    from cakeops import registry
+    from cakeops.ops import SPECS
+
+    lines = ["| op | what | gradients for | backends |", "| --- | --- | --- | --- |"]
+    for op, spec in SPECS.items():
+        function = getattr(importlib.import_module(f"cakeops.ops.{op}"), op)
+        grads = ", ".join(f"`{n}`" for n in spec.differentiable)
+        backends = ", ".join(
+            f"`{name}`" for name, b in sorted(registry.backends().items()) if op in b.ops
+        )
+        lines.append(f"| [`{op}`](ops/{op}.md) | {_summary(function.__doc__)} | {grads} | "
+                     f"{backends} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def _table(op: str) -> str:
@@ -44,6 +73,7 @@ def _table(op: str) -> str:
 
 
 def on_page_markdown(markdown: str, **_kwargs) -> str:
+    markdown = OPS_MARKER.sub(lambda m: _ops_table(), markdown)
     return MARKER.sub(lambda m: _table(m.group(1)), markdown)
 
 

@@ -268,3 +268,39 @@ def test_import_cakeops_loads_the_ops_on_first_use():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_every_plot_gives_a_contender_the_same_colour(tmp_path, monkeypatch):
+    """Two ops whose rows come in different orders and mixes: each label keeps one colour in
+    both plots (colours were handed out per plot before), and no two labels share one."""
+    from cakeops.bench import plots
+
+    def row(labels):
+        results = {name: {"time_s": 1.0 + i, "peak_bytes": 2**20, "saved_bytes": 0}
+                   for i, name in enumerate(labels)}  # fmt: skip
+        return {"case": "c", "dtype": "float32", "backend": "torch", "baseline": labels[0],
+                "results": results}  # fmt: skip
+
+    record = {
+        "date": "2026-12-02T00:00:00+00:00", "command": "cakeops bench",
+        "machine": {"platform": "Linux", "processor": "x86_64", "torch": "2.13.0",
+                    "threads": 2, "device": "cpu"},
+        "results": {
+            "rmsnorm_silu_gate": [row(["eager composite", "cakeops [torch]", "torch.compile"])],
+            "causal_dot_product": [row(["cakeops [numba]", "torch.compile", "cakeops [torch]",
+                                        "eager composite", "fast-transformers"])],
+        },
+    }  # fmt: skip
+    seen: dict[str, set] = {}
+    bars = plots._bars
+
+    def spy(ax, labels, values, text, colors, title, **kw):
+        for label, colour in zip(labels, colors, strict=True):
+            seen.setdefault(label, set()).add(colour)
+        return bars(ax, labels, values, text, colors, title, **kw)
+
+    monkeypatch.setattr(plots, "_bars", spy)
+    assert len(plots.write_plots(record, tmp_path)) == 2
+    assert all(len(c) == 1 for c in seen.values()), seen
+    assert len({next(iter(c)) for c in seen.values()}) == len(seen) == 5
+    assert seen["cakeops [torch]"] == {plots.BACKEND_COLOURS["cakeops [torch]"]}

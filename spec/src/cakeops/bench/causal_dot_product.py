@@ -9,7 +9,9 @@ from typing import Any
 import torch
 
 import cakeops
-from cakeops.bench import Work, cakeops_rows, format_table, measure, result_row
+from cakeops.bench.limits import Work
+from cakeops.bench.tables import format_table
+from cakeops.bench.timing import cakeops_rows, measure, result_row
 
 # name -> (N, H, L, E, M)
 CASES = {

@@ -35,9 +35,9 @@ import torch
 
 import cakeops
 from cakeops import registry
-from cakeops.bench import step_of
 from cakeops.bench.limits import NAMES as LIMIT_NAMES
 from cakeops.bench.limits import measure_limits
+from cakeops.bench.timing import step_of
 from cakeops.measure import peak_memory, sync
 from cakeops.ops import SPECS
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from cakeops.bench import format_table, measure
+from cakeops.bench.tables import format_table
+from cakeops.bench.timing import measure
 
 COMMON = {"vocab_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "max_position_embeddings": 1024}  # fmt: skip

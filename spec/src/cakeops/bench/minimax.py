@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from cakeops.bench import format_table, measure
+from cakeops.bench.tables import format_table
+from cakeops.bench.timing import measure
 from cakeops.measure import alternating_times
 
 #: (L, heads, head size) of the training step; the layer's hidden size is heads x head size

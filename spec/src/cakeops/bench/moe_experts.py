@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import cakeops
-from cakeops.bench import Work, cakeops_rows, format_table, measure, result_row
+from cakeops.bench.limits import Work
+from cakeops.bench.tables import format_table
+from cakeops.bench.timing import cakeops_rows, measure, result_row
 
 # name -> (T, D, F, E, top_k)
 CASES = {

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from cakeops.bench import example_run
 from cakeops.bench.moe_experts import gpu_inputs, grouped_mm_experts, softmax_top_k
+from cakeops.bench.timing import example_run
 
 OP = "routed_experts"
 
