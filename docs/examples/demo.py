@@ -11,8 +11,9 @@ each key to its value in one step. It fails (exit 1) unless the loss falls by at
 and the query accuracy on held-out sequences reaches 0.9; with matplotlib installed it saves the
 loss and accuracy curve as a PNG and prints where.
 
-Afterwards a few steps run again from the same weights on every installed backend, side by side:
-loss, largest gradient difference from the ``torch`` backend, time per step.
+Afterwards a few steps run again from the same weights with each installed backend as the first
+choice, side by side: loss, largest gradient difference from the ``torch`` backend, time per step,
+and under each row which backend ran each op (``torch`` where the first choice cannot, and why).
 
 ``CAKEOPS_BACKEND=name python docs/examples/demo.py`` (or ``nox -s demo``) trains on that backend.
 """
@@ -42,7 +43,6 @@ CURVE = os.path.join(os.environ.get("OUT", "bench-results"), "demo-curve.png")
 
 
 #: The ops the demo model calls.
-MODEL_OPS = ("rmsnorm_silu_gate", "causal_dot_product", "moe_experts")
 
 
 def mqar_batch(batch: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,47 +183,67 @@ def train(model: Model) -> tuple[float, float, float, list[tuple[int, float, flo
     return first, last, accuracy, history
 
 
+def op_calls(model: Model) -> list[tuple[str, tuple, dict]]:
+    """Each op the model calls, with inputs of the model's shapes (for ``cakeops.explain``)."""
+    tokens, _ = mqar_batch(2, torch.Generator().manual_seed(0))
+    h = model.embed(tokens).reshape(-1, DIM)
+    block = model.blocks[0]
+    q = torch.rand(2, HEADS, SEQ, DIM // HEADS)
+    return [
+        ("rmsnorm_silu_gate", (q, q, block.gated_norm.weight), {}),
+        ("causal_dot_product", (q, q, q), {}),
+        ("moe_experts", (h, block.router(h), *block.experts.parameters()), {"top_k": TOP_K}),
+    ]
+
+
 def backend_table(model: Model, steps: int = 3) -> None:
-    """A few steps from the same weights on every installed backend, against ``torch``."""
+    """A few steps from the same weights with each installed backend first in the preference
+    list, against ``torch``: where a backend cannot run an op here, ``torch`` does, and the
+    line under its row says which backend ran each op, and why."""
     generator = torch.Generator().manual_seed(2)
     batches = [mqar_batch(BATCH, generator) for _ in range(steps)]
-    results = {}
+    calls = op_calls(model)
+    results, ran = {}, {}
     names = sorted(registry.backends(), key=lambda n: n != "torch")  # torch first: the baseline
     for name, backend in ((n, registry.backends()[n]) for n in names):
         reason = backend.unavailable_reason()
-        if reason is None:
-            missing = [op for op in MODEL_OPS if op not in backend.ops]
-            reason = f"does not implement {', '.join(missing)}" if missing else None
         if reason is not None:
             results[name] = reason
             continue
-        replica = copy.deepcopy(model)
-        losses, grads, start = [], None, time.perf_counter()
-        try:
-            with cakeops.use_backend(name):
-                for tokens, targets in batches:
-                    replica.zero_grad(set_to_none=True)
-                    loss, _ = loss_and_accuracy(replica, tokens, targets)
-                    loss.backward()
-                    losses.append(loss.item())
-        except cakeops.BackendError as e:  # an op it does not serve here: its own reason
-            op, *lines = str(e).splitlines()
-            own = [line.strip() for line in lines if line.strip().startswith(f"{name}: ")]
-            results[name] = own[0].removeprefix(f"{name}: ") if own else op
-            continue
+        preference = name if name == "torch" else f"{name},torch"
+        with cakeops.use_backend(preference):
+            ran[name] = []
+            for op, args, kwargs in calls:
+                explanation = cakeops.explain(getattr(cakeops, op), *args, **kwargs)
+                why = "; ".join(explanation.reasons.get(name, []))
+                note = "" if explanation.backend == name else f" ({name}: {why})"
+                ran[name].append(f"{op} on {explanation.backend}{note}")
+            replica = copy.deepcopy(model)
+            loss_and_accuracy(replica, *batches[0])[0].backward()  # warm-up: compiles, caches
+            losses, start = [], time.perf_counter()
+            for tokens, targets in batches:
+                replica.zero_grad(set_to_none=True)
+                loss, _ = loss_and_accuracy(replica, tokens, targets)
+                loss.backward()
+                losses.append(loss.item())
         grads = {n: p.grad.detach().clone() for n, p in replica.named_parameters()}
         results[name] = (sum(losses) / steps, grads, (time.perf_counter() - start) / steps)
     base = results.get("torch")
-    print(f"\n  {'backend':<10} {'loss':>8} {'max |grad - torch|':>19} {'ms/step':>8}")
+    print(
+        f"\n  {'first choice':<12} {'loss':>8} {'max |grad - torch|':>19} {'ms/step':>8}"
+        "   (torch runs the ops the first choice cannot run here)"
+    )
     for name, r in results.items():
         if isinstance(r, str):
-            print(f"  {name:<10} {'-':>8} {'-':>19} {'-':>8}  ({r})")
+            print(f"  {name:<12} {'-':>8} {'-':>19} {'-':>8}  (unavailable: {r})")
             continue
         loss, grads, seconds = r
         diff = "-"
         if isinstance(base, tuple):
             diff = f"{max((grads[n] - base[1][n]).abs().max().item() for n in grads):.2e}"
-        print(f"  {name:<10} {loss:8.4f} {diff:>19} {seconds * 1e3:8.1f}")
+        print(f"  {name:<12} {loss:8.4f} {diff:>19} {seconds * 1e3:8.1f}")
+        for line in ran[name]:
+            print(f"      {line}")
 
 
 def main() -> int:
@@ -237,16 +257,7 @@ def main() -> int:
     if forced:
         print(f"CAKEOPS_BACKEND={forced}: every op runs on that choice")
     model = Model()
-    tokens, _ = mqar_batch(2, torch.Generator().manual_seed(0))
-    x = model.embed(tokens)
-    h = x.reshape(-1, DIM)
-    block = model.blocks[0]
-    q = torch.rand(2, HEADS, SEQ, DIM // HEADS)
-    for op, args, kwargs in (
-        ("rmsnorm_silu_gate", (q, q, block.gated_norm.weight), {}),
-        ("causal_dot_product", (q, q, q), {}),
-        ("moe_experts", (h, block.router(h), *block.experts.parameters()), {"top_k": TOP_K}),
-    ):
+    for op, args, kwargs in op_calls(model):
         print(f"  {op:<20} -> {cakeops.explain(getattr(cakeops, op), *args, **kwargs).backend}")
     reference = copy.deepcopy(model)
     start = time.perf_counter()
