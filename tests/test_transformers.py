@@ -121,7 +121,7 @@ def test_training_steps(mode, family):
     model, patched = pair(family)
     if mode == "checkpointing":
         for m in (model, patched):
-            m.gradient_checkpointing_enable({"use_reentrant": False})
+            m.activation_checkpointing_enable({"use_reentrant": False})
             m.train()
     losses = {}
     for name, m in (("model", model), ("cakeops", patched)):
