@@ -413,3 +413,11 @@ def test_hostile_backend_packages_break_nothing(tmp_path, monkeypatch):
     finally:
         monkeypatch.undo()
         cakeops.rediscover()
+
+
+def test_install_hint_of_numba_names_its_cuda_extra():
+    """numba's CUDA kernels come with ``cakeops-numba[cuda]``: the hint says so."""
+    hint = registry.install_hint("numba")
+    assert hint.startswith("`pip install cakeops-numba`")
+    assert "its CUDA kernels with `pip install 'cakeops-numba[cuda]'`" in hint
+    assert "[" not in registry.install_hint("torch")

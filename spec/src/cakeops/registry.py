@@ -59,11 +59,19 @@ KNOWN_DISTRIBUTIONS = {
 }
 
 
+#: a first-party backend's optional part: name -> (its extra, what the extra adds)
+KNOWN_EXTRAS = {"numba": ("cuda", "its CUDA kernels")}
+
+
 def install_hint(name: str) -> str:
     """How to install the first-party backend ``name``: from the package index, or from a
-    checkout of the repository (``packages/<name>``)."""
+    checkout of the repository (``packages/<name>``), and its extra if it has one."""
     dist = KNOWN_DISTRIBUTIONS[name]
-    return f"`pip install {dist}` (from a checkout of cakeops: `pip install ./packages/{name}`)"
+    hint = f"`pip install {dist}` (from a checkout of cakeops: `pip install ./packages/{name}`)"
+    if name in KNOWN_EXTRAS:
+        extra, adds = KNOWN_EXTRAS[name]
+        hint += f"; {adds} with `pip install '{dist}[{extra}]'`"
+    return hint
 
 
 def did_you_mean(name: str) -> str:
