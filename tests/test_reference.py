@@ -21,10 +21,14 @@ INTERRUPTED = textwrap.dedent(
     main_saw = threading.Event()
     original = ref.expert
 
+    sent = []
+
     def expert(*args):
-        # The first expert of the backward's recomputation: Ctrl-C arrives in the caller's
-        # thread, then this waits until the caller has seen it (or the op cancelled the work).
-        if threading.current_thread() is not threading.main_thread():
+        # The first expert of the backward's recomputation: one Ctrl-C, which arrives in the
+        # caller's thread (while it waits for the worker, or still starts it), then this waits
+        # until the caller has seen it (or the op cancelled the work).
+        if threading.current_thread() is not threading.main_thread() and not sent:
+            sent.append(1)
             os.kill(os.getpid(), signal.SIGINT)
             cancel = getattr(ref, "_worker", None)
             while not main_saw.is_set() and not (
@@ -34,6 +38,14 @@ INTERRUPTED = textwrap.dedent(
         return original(*args)
 
     ref.expert = expert
+    if WHEN == "starting":  # the Ctrl-C arrives while start() still runs in the caller
+
+        class SlowStart(threading.Thread):
+            def start(self):
+                super().start()
+                time.sleep(5)
+
+        threading.Thread = SlowStart
     T, D, F, E, K = 4, 8, 8, 4, 2
     g = torch.Generator().manual_seed(0)
     x = torch.randn(T, D, generator=g, requires_grad=True)
@@ -57,12 +69,14 @@ INTERRUPTED = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("when", ["waiting", "starting"])
 @pytest.mark.parametrize("op", ["routed", "moe"])
-def test_interrupted_reference_backward_leaves_no_thread(op):
-    """Ctrl-C during a reference backward of the expert ops: a KeyboardInterrupt in the caller,
-    no worker thread left, a clean exit (it aborted at exit with SIGABRT before)."""
+def test_interrupted_reference_backward_leaves_no_thread(op, when):
+    """Ctrl-C during a reference backward of the expert ops, while the caller waits for the
+    worker or still starts it: a KeyboardInterrupt in the caller, no worker thread left, a
+    clean exit (it aborted at exit with SIGABRT before)."""
     proc = subprocess.run(
-        [sys.executable, "-c", f"OP = {op!r}\n" + INTERRUPTED],
+        [sys.executable, "-c", f"OP, WHEN = {op!r}, {when!r}\n" + INTERRUPTED],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -101,20 +101,22 @@ def grads_by_autograd(fn, g, inputs, fixed):
             done.set()
 
     thread = threading.Thread(target=work, name="cakeops-reference-backward")
-    thread.start()
     # Events, not Thread.join: an interrupted join marks a live thread as finished (CPython
-    # 3.10-3.12), and the process then aborts at exit.
+    # 3.10-3.12), and the process then aborts at exit. The interruption may come while start()
+    # waits for the thread to run, too.
     try:
+        thread.start()
         done.wait()
     except BaseException:
         cancel.set()
-        while True:
-            try:
-                done.wait()
-                break
-            except KeyboardInterrupt:  # a second Ctrl-C: the worker stops at its next expert
-                continue
-        thread.join()
+        if thread.ident is not None:  # it runs, and sets `done` whatever happens
+            while True:
+                try:
+                    done.wait()
+                    break
+                except KeyboardInterrupt:  # another Ctrl-C: it stops at its next expert
+                    continue
+            thread.join()
         raise
     thread.join()
     if errors:
