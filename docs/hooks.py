@@ -28,14 +28,13 @@ def _summary(doc: str | None) -> str:
 
 
 def _ops_table() -> str:
-    import importlib
-
+    import cakeops
     from cakeops import registry
     from cakeops.ops import SPECS
 
     lines = ["| op | what | gradients for | backends |", "| --- | --- | --- | --- |"]
     for op, spec in SPECS.items():
-        function = getattr(importlib.import_module(f"cakeops.ops.{op}"), op)
+        function = getattr(cakeops, op)
         grads = ", ".join(f"`{n}`" for n in spec.differentiable)
         backends = ", ".join(
             f"`{name}`" for name, b in sorted(registry.backends().items()) if op in b.ops

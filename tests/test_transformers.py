@@ -297,9 +297,8 @@ def test_experts_implementation_resolves_after_import_cakeops(order):
     import sys
 
     imports = ["import cakeops", "import transformers as tf"]
-    if order == "transformers-first":
-        imports.reverse()
-        imports.append("tf.PreTrainedModel")  # transformers' model code imported before cakeops
+    if order == "transformers-first":  # transformers' model code imported before cakeops
+        imports = ["import transformers as tf", "tf.PreTrainedModel", "import cakeops"]
     config_class, sizes = FAMILIES["Qwen3-MoE"]
     script = "\n".join(
         [

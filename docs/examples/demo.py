@@ -42,9 +42,6 @@ HELD_OUT, MIN_ACCURACY = 1024, 0.9
 CURVE = os.path.join(os.environ.get("OUT", "bench-results"), "demo-curve.png")
 
 
-#: The ops the demo model calls.
-
-
 def mqar_batch(batch: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens ``k1 v1 ... kP vP q1 ... qQ`` and targets (-100 except at the queries)."""
     keys = torch.stack([torch.randperm(KEYS, generator=generator)[:PAIRS] for _ in range(batch)])

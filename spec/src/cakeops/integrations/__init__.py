@@ -21,14 +21,13 @@ def register_with_transformers() -> None:
     user's import of transformers must not fail because of cakeops."""
     try:
         import cakeops.integrations.transformers  # noqa: F401
-    except ImportError as exc:
-        if "ExpertsInterface" not in str(exc) and "moe" not in str(exc):
-            warnings.warn(f"cakeops: experts_implementation='cakeops' is not registered with "
-                          f"transformers: {exc}", RuntimeWarning, stacklevel=2)  # fmt: skip
     except Exception as exc:
-        warnings.warn(f"cakeops: experts_implementation='cakeops' is not registered with "
-                      f"transformers: {type(exc).__name__}: {exc}", RuntimeWarning,
-                      stacklevel=2)  # fmt: skip
+        too_old = isinstance(exc, ImportError) and ("ExpertsInterface" in str(exc)
+                                                    or "moe" in str(exc))  # fmt: skip
+        if not too_old:
+            warnings.warn(f"cakeops: experts_implementation='cakeops' is not registered with "
+                          f"transformers: {type(exc).__name__}: {exc}", RuntimeWarning,
+                          stacklevel=2)  # fmt: skip
 
 
 class _AfterTransformersModels(importlib.abc.MetaPathFinder):
