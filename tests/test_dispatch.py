@@ -336,6 +336,17 @@ def test_use_backend_rejects_bad_arguments():
         pass
 
 
+@pytest.mark.parametrize("names", [None, 3, {"torch"}, b"torch"])
+def test_use_backend_names_what_it_takes(names):
+    """Not a name, a string or a list: a TypeError saying what use_backend takes (it was
+    "'NoneType' object is not iterable" from inside the registry)."""
+    with pytest.raises(TypeError) as info, cakeops.use_backend(names):
+        pass
+    message = str(info.value)
+    assert message.startswith("use_backend(): expected a backend name"), message
+    assert repr(names) in message, message
+
+
 @pytest.mark.parametrize("value", [",", " , ", "torch,,", ",torch"])
 def test_a_malformed_backend_variable_is_named_in_the_error(value, monkeypatch):
     monkeypatch.setenv("CAKEOPS_BACKEND", value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -111,4 +112,10 @@ def check_number(op: str, name: str, value: Any) -> float:
     """A real number (not a bool, not a tensor), returned as float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{op}: argument '{name}' expected a float, got {describe(value)}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond the float range (10**400)
+        raise ValueError(
+            f"{op}: argument '{name}' expected a number within the float range (magnitude "
+            f"below {sys.float_info.max:.4g}), got an int of {value.bit_length()} bits"
+        ) from None

@@ -83,6 +83,16 @@ def position_log_grads(q, k, dq, dk) -> torch.Tensor:
     return (q.to(ct) * dq.to(ct)).sum(-1) - (k.to(ct) * dk.to(ct)).sum(-1)
 
 
+def _zero_multipliers(log_decay, log_gates, shape, dtype) -> torch.Tensor:
+    """Where ``exp(log_decay + log_gates)`` is exactly 0 in ``dtype``, ``shape`` (N, H, L)."""
+    lm = torch.zeros((), dtype=dtype, device=(log_decay if log_gates is None else log_gates).device)
+    if log_decay is not None:
+        lm = lm + log_decay.to(dtype)[None, :, None]
+    if log_gates is not None:
+        lm = lm + log_gates.to(dtype)
+    return (torch.exp(lm) == 0).expand(shape)
+
+
 def log_multiplier_grads(db, cu_seqlens, at_end, log_decay, log_gates):
     """``(dlog_decay, dlog_gates)`` (None for one not given) from ``db``, the gradient of each
     ``b_t`` (:func:`position_log_grads`), plus ``<g_final, S_T>`` at each sequence's last
@@ -107,8 +117,13 @@ def log_multiplier_grads(db, cu_seqlens, at_end, log_decay, log_gates):
     if cu_seqlens is not None:  # minus what lies past each position's sequence end
         padded = torch.cat([total, total.new_zeros(N, H, 1)], -1)
         pos = torch.arange(L, device=device)
-        seq_end = cu_seqlens[torch.searchsorted(cu_seqlens, pos, right=True)]
+        cu = cu_seqlens.contiguous()
+        seq_end = cu[torch.searchsorted(cu, pos, right=True)]
         total = total - padded[..., seq_end]
+    # A multiplier that is exactly 0 (a log multiplier of -inf, or one whose exp underflows) has
+    # a gradient of exactly 0: exp(lm_t) <R_t, S_{t-1}>. The sum above gives it only up to the
+    # rounding of the terms it cancels.
+    total = total.masked_fill(_zero_multipliers(log_decay, log_gates, (N, H, L), ct), 0.0)
     d_decay = None if log_decay is None else total.sum((0, 2)).to(log_decay.dtype)
     d_gates = None if log_gates is None else total.to(log_gates.dtype)
     return d_decay, d_gates
@@ -178,7 +193,9 @@ def route(router_logits, top_k, renormalize, scale, dtype=torch.float32) -> Rout
 
 def given_routing(experts: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Routing:
     """The :class:`Routing` of experts and combine weights chosen elsewhere (``routed_experts``):
-    rows sorted by expert, stable (no ``probs`` or ``r``: their backward is the caller's)."""
+    rows sorted by expert, stable (no ``probs`` or ``r``: their backward is the caller's). A
+    dropped slot's weight is 0, whatever was given (a NaN there must not reach anything)."""
+    weights = weights.masked_fill(experts >= num_experts, 0)
     flat = experts.flatten()
     by_expert, order = torch.sort(flat, stable=True)
     # each expert's first sorted row (no bincount: its output size would wait for the device)

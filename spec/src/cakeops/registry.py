@@ -346,6 +346,11 @@ def _parse_names(names: str | Sequence[str], source: str) -> tuple[str, ...]:
     given = names
     if isinstance(names, str):
         names = names.split(",")
+    elif not isinstance(names, (list, tuple)):
+        raise TypeError(
+            f"{source}: expected a backend name, a comma-separated string of names or a list "
+            f"or tuple of names, got {type(names).__name__} {names!r}"
+        )
     parsed = tuple(n.strip() for n in names if isinstance(n, str) and n.strip())
     if not parsed or len(parsed) != len(names):
         raise ValueError(

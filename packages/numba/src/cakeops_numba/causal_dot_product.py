@@ -36,13 +36,20 @@ CHUNK = 16
 
 
 @cuda.jit
-def _causal(a, b, c, out, state, reverse, lm, has_lm, cu):
+def _causal(a, b, c, out, state, reverse, lm, has_lm, cu, scale):
     """``a, b``: (N, H, L, E); ``c``, ``out``: (N, H, L, M); ``state``: (N * S * H, E, M), the
     starting states (zeros, or the initial ones), left holding the last ones; ``lm``:
     (N * H, L) log multipliers when ``has_lm``; ``cu``: (S + 1,) offsets of the sequences
-    along L (``[0, L]`` unpacked). One block per (row, sequence, head)."""
+    along L (``[0, L]`` unpacked); ``scale``: what ``out`` is multiplied by before it is
+    rounded. One block per (row, sequence, head)."""
     scores = cuda.shared.array((CHUNK, CHUNK), float32)
-    cum = cuda.shared.array(CHUNK, float32)  # log multipliers summed from the chunk's start
+    # The chunk's log multipliers (0 past its end), their sums from the chunk's start to each
+    # position, and from after each position to the chunk's end: every factor below is the sum
+    # of exactly the steps it spans, never a difference of sums (that loses a small gate beside
+    # a large one, and gives NaN for a gate of -inf).
+    steps = cuda.shared.array(CHUNK, float32)
+    cum = cuda.shared.array(CHUNK, float32)
+    tail = cuda.shared.array(CHUNK, float32)
     tid = cuda.threadIdx.x
     task = cuda.blockIdx.x
     H, E = a.shape[1], a.shape[3]
@@ -62,9 +69,13 @@ def _causal(a, b, c, out, state, reverse, lm, has_lm, cu):
             if tid == 0:
                 acc = float32(0.0)
                 for i in range(CHUNK):
-                    if i < size:
-                        acc += lm[nh, start + i]
+                    steps[i] = lm[nh, start + i] if i < size else float32(0.0)
+                    acc += steps[i]
                     cum[i] = acc
+                acc = float32(0.0)
+                for i in range(CHUNK - 1, -1, -1):
+                    tail[i] = acc
+                    acc += steps[i]
             cuda.syncthreads()
             last = cum[CHUNK - 1]
         # The chunk's masked scores, computed once by the whole block.
@@ -75,8 +86,11 @@ def _causal(a, b, c, out, state, reverse, lm, has_lm, cu):
             if causal and i < size and j < size:
                 for e in range(E):
                     x += widen(a[n, h, start + i, e]) * widen(b[n, h, start + j, e])
-                if has_lm:  # exp(b_i - b_j) (exp(b_j - b_i) in reverse): never above 1
-                    x *= math.exp(cum[j] - cum[i] if reverse else cum[i] - cum[j])
+                if has_lm:  # the steps from j to i (from i to j in reverse): never above 1
+                    gap = float32(0.0)
+                    for u in range(i + 1, j + 1) if reverse else range(j + 1, i + 1):
+                        gap += steps[u]
+                    x *= math.exp(gap)
             scores[i, j] = x
         cuda.syncthreads()
         if m < M:
@@ -92,21 +106,22 @@ def _causal(a, b, c, out, state, reverse, lm, has_lm, cu):
                 for e in range(E):
                     carried += widen(a[n, h, start + i, e]) * state[task, e, m]
                 if has_lm:  # the state's decay to (from) position i
-                    carried *= math.exp(last - cum[i] if reverse else cum[i])
-                store(out, (n, h, start + i, m), acc + carried)
+                    carried *= math.exp(tail[i] if reverse else cum[i])
+                store(out, (n, h, start + i, m), (acc + carried) * scale)
             for e in range(E):
                 acc = float32(0.0)
                 for j in range(size):
                     w = widen(b[n, h, start + j, e]) * col[j]
                     if has_lm:  # to the chunk's end (its start, before the chunk, in reverse)
-                        w *= math.exp(cum[j] if reverse else last - cum[j])
+                        w *= math.exp(cum[j] if reverse else tail[j])
                     acc += w
                 x = state[task, e, m]
                 state[task, e, m] = (x * math.exp(last) if has_lm else x) + acc
         cuda.syncthreads()  # the next chunk's scores and sums overwrite these
 
 
-def _run(a, b, c, reverse: bool, lm=None, states=None, cu=None, out_dtype=None) -> torch.Tensor:
+def _run(a, b, c, reverse: bool, lm=None, states=None, cu=None, out_dtype=None,
+         scale=None) -> torch.Tensor:  # fmt: skip
     """One scan (see the kernel). ``states`` (N * S * H, E, M) float32: the starting states,
     left holding the last ones (zeros when None)."""
     N, H, L, E = a.shape
@@ -125,7 +140,9 @@ def _run(a, b, c, reverse: bool, lm=None, states=None, cu=None, out_dtype=None) 
     lm_ = lm.view(N * H, L) if lm is not None else states.new_zeros((1, 1))
     with on_stream(c.device) as stream:
         arrays = (view(a), view(b), view(c), view(out), view(states))
-        _causal[grid, THREADS, stream](*arrays, reverse, view(lm_), lm is not None, view(cu.long()))
+        s = float32(1.0 if scale is None else scale)
+        _causal[grid, THREADS, stream](*arrays, reverse, view(lm_), lm is not None, view(cu.long()),
+                                       s)  # fmt: skip
     return out
 
 
@@ -144,9 +161,7 @@ def _run_options(q, k, v, lm, initial_state, cu_seqlens, scale):
     M = v.shape[-1]
     S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
     states = _states(initial_state, N * S * H, E, M).to(q.device)
-    out = _run(q, k, v, False, lm, states, cu_seqlens)
-    if scale is not None:
-        out = out * scale
+    out = _run(q, k, v, False, lm, states, cu_seqlens, scale=scale)
     return out, states.view(N * S, H, E, M)
 
 

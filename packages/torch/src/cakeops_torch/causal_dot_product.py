@@ -45,7 +45,7 @@ def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=N
             output_final_state=False, cu_seqlens=None):  # fmt: skip
     lm = log_multipliers(q, log_decay, log_gates, compute_dtype(q.dtype))
     if lm is None and initial_state is None and not output_final_state and cu_seqlens is None:
-        out = _forward(q, k, v) if scale is None else _forward(q, k, v).mul_(scale)
+        out = _forward(q, k, v, scale)
     else:
         outs, finals = zip(*(_forward_options(q[r], k[r], v[r], None if lm is None else lm[r],
                                               None if initial_state is None else initial_state[i],
@@ -97,20 +97,21 @@ def _sequences(q, cu_seqlens):
             for i, (s, e) in enumerate(itertools.pairwise(bounds))]  # fmt: skip
 
 
-def _decays(b: torch.Tensor, reverse: bool = False) -> torch.Tensor:
-    """``[i, j] = exp(b_i - b_j)`` for ``j <= i`` (transposed with ``reverse``), 0 elsewhere:
-    ``b`` falls along the chunk, so no exponent is positive."""
-    C = b.shape[-1]
-    causal = torch.ones(C, C, dtype=torch.bool, device=b.device).tril()
-    gaps = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, -torch.inf)
-    return _t(torch.exp(gaps)) if reverse else torch.exp(gaps)
-
-
 def _chunk_logs(lm, c):
-    """The chunk's log multipliers summed from its start ``(.., C)``, and their last entry
-    ``(.., 1)`` (zeros without multipliers)."""
-    b = torch.cumsum(lm[:, :, c], dim=-1)
-    return b, b[..., -1:]
+    """The chunk's log multipliers as sums of exactly the steps each factor spans (never a
+    difference of running sums, which loses a small gate beside a large one and gives NaN for a
+    gate of ``-inf``): ``(pairs, b, last, tail)`` with ``pairs[i, j] = lm_{j+1} + ... + lm_i``
+    for ``j <= i`` (``-inf`` above the diagonal), ``b_i = lm_0 + ... + lm_i`` (the state into
+    position ``i``), ``last`` ``(.., 1)`` the chunk's sum and ``tail_j = lm_{j+1} + ... +
+    lm_{C-1}`` (position ``j`` to the chunk's end)."""
+    x = lm[:, :, c]
+    C = x.shape[-1]
+    later = torch.ones(C, C, dtype=torch.bool, device=x.device).tril(-1)  # [s, j]: s > j
+    pairs = torch.where(later, x[..., :, None], 0.0).cumsum(-2)
+    tail = pairs[..., -1, :]
+    pairs = pairs.masked_fill(~torch.ones_like(later).tril(), -torch.inf)
+    b = torch.cumsum(x, dim=-1)
+    return pairs, b, b[..., -1:], tail
 
 
 def _forward_options(q, k, v, lm, init, scale):
@@ -130,12 +131,10 @@ def _forward_options(q, k, v, lm, init, scale):
             oc = _causal_mm((qc @ _t(kc)).tril_(), vc).add_(qc @ state)
             state = state + _t(kc) @ vc
         else:
-            b, last = _chunk_logs(lm, c)
-            oc = _causal_mm(_masked(qc @ _t(kc), _decays(b)), vc)
+            pairs, b, last, tail = _chunk_logs(lm, c)
+            oc = _causal_mm(_masked(qc @ _t(kc), torch.exp(pairs)), vc)
             oc.add_(torch.exp(b)[..., None] * (qc @ state))
-            state = (
-                torch.exp(last)[..., None] * state + _t(kc * torch.exp(last - b)[..., None]) @ vc
-            )
+            state = _carry(state, last, kc * torch.exp(tail)[..., None], vc)
         out[:, :, c] = oc if scale is None else oc.mul_(scale)
     return out, state
 
@@ -170,12 +169,10 @@ def _backward_options(g, q, k, v, lm, init, g_final):
             dqc = _causal_mm((gc @ _t(vc)).tril_(), kc).add_(gc @ _t(state))
             state = state + _t(kc) @ vc
         else:
-            b, last = _chunk_logs(lm, c)
-            dqc = _causal_mm(_masked(gc @ _t(vc), _decays(b)), kc)
+            pairs, b, last, tail = _chunk_logs(lm, c)
+            dqc = _causal_mm(_masked(gc @ _t(vc), torch.exp(pairs)), kc)
             dqc.add_(torch.exp(b)[..., None] * (gc @ _t(state)))
-            state = (
-                torch.exp(last)[..., None] * state + _t(kc * torch.exp(last - b)[..., None]) @ vc
-            )
+            state = _carry(state, last, kc * torch.exp(tail)[..., None], vc)
         dq[:, :, c] = dqc
     final = state
     carry = (torch.zeros((N, H, E, M), dtype=ct, device=q.device) if g_final is None
@@ -189,9 +186,9 @@ def _backward_options(g, q, k, v, lm, init, g_final):
             dvc = _causal_mm(_t(qk), gc, reverse=True).add_(kc @ carry)
             carry = carry + _t(qc) @ gc
         else:
-            b, last = _chunk_logs(lm, c)
-            decays_t = _decays(b, reverse=True)  # [j, i] = exp(b_i - b_j), i >= j
-            tail = torch.exp(last - b)[..., None]  # exp(b_C - b_j)
+            pairs, b, last, tail = _chunk_logs(lm, c)
+            decays_t = _t(torch.exp(pairs))  # [j, i]: the factors from j to i >= j
+            tail = torch.exp(tail)[..., None]  # from j to the chunk's end
             dkc = _causal_mm(_masked(vc @ _t(gc), decays_t), qc, reverse=True)
             dkc.add_(tail * (vc @ _t(carry)))
             dvc = _causal_mm(_masked(kc @ _t(qc), decays_t), gc, reverse=True)
@@ -201,7 +198,8 @@ def _backward_options(g, q, k, v, lm, init, g_final):
     return dq, dk, dv, carry, final
 
 
-def _forward(q, k, v):
+def _forward(q, k, v, scale=None):
+    """The plain op (times ``scale``, applied in float32 before the output is rounded)."""
     ct = compute_dtype(q.dtype)
     N, H, L, E = q.shape
     out = torch.empty((N, H, L, v.shape[-1]), dtype=q.dtype, device=q.device)
@@ -211,7 +209,7 @@ def _forward(q, k, v):
         scores = (qc @ _t(kc)).tril_()
         oc = _causal_mm(scores, vc)
         oc.add_(qc @ state)
-        out[:, :, c] = oc
+        out[:, :, c] = oc if scale is None else oc.mul_(scale)
         state.add_(_t(kc) @ vc)
     return out
 

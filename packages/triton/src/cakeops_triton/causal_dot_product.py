@@ -125,7 +125,7 @@ def _prune(configs, args, **kwargs):
 
 def _causal_kernel(
     A, B, C, OUT, LM, INIT, FINAL, CU,
-    L, H, E, M, M_BUCKET,
+    L, H, E, M, M_BUCKET, SCALE,
     sa_n, sa_h, sa_l, sb_n, sb_h, sb_l, sc_n, sc_h, sc_l,
     si_s, si_h, si_e, si_m, sf_s, sf_h, sf_e, sf_m,
     REVERSE: tl.constexpr, PRECISION: tl.constexpr,
@@ -183,16 +183,21 @@ def _causal_kernel(
         out = dot(a, round_to(state, dtype), zero, PRECISION)
         scores = dot(a, tl.trans(b), tl.zeros((BLOCK_L, BLOCK_L), dtype=tl.float32), PRECISION)
         if HAS_LM:
-            # log multipliers summed from the chunk's start (<= 0, falling): every exponent
-            # below is <= 0, so a strong decay underflows to zero and nothing overflows
+            # Each factor is the sum of exactly the steps it spans, never a difference of
+            # running sums (which loses a small gate beside a large one and gives NaN for a
+            # gate of -inf); every sum is <= 0, so a strong decay underflows to zero and
+            # nothing overflows. cum: from the chunk's start; tail: from a position to its end.
             lm = tl.load(LM + (n * H + h) * L + pos64, mask=ok, other=0.0)
             cum = tl.cumsum(lm, axis=0)
             last = tl.sum(lm, axis=0)
-            if REVERSE:  # [i, j] = exp(b_j - b_i) for j >= i; the state by exp(b_last - b_i)
-                gap = cum[None, :] - cum[:, None]
-                out = out * tl.exp(last - cum)[:, None]
-            else:  # [i, j] = exp(b_i - b_j) for j <= i; the state by exp(b_i)
-                gap = cum[:, None] - cum[None, :]
+            later = t[:, None] > t[None, :]  # [s, j]: step s comes after position j
+            steps = tl.where(later, lm[:, None], 0.0)
+            tail = tl.sum(steps, axis=0)
+            if REVERSE:  # [i, j] = exp(lm_{i+1} + .. + lm_j) for j >= i; the state by the tail
+                gap = tl.cumsum(tl.trans(steps), axis=1)
+                out = out * tl.exp(tail)[:, None]
+            else:  # [i, j] = exp(lm_{j+1} + .. + lm_i) for j <= i; the state by exp(cum_i)
+                gap = tl.cumsum(steps, axis=0)
                 out = out * tl.exp(cum)[:, None]
             scores = scores * tl.exp(tl.where(keep, gap, -float("inf")))
         scores = round_to(tl.where(keep, scores, 0.0), dtype)
@@ -202,13 +207,15 @@ def _causal_kernel(
         out = dot(scores, tl.where(finite, v, 0.0), out, PRECISION)
         bad = tl.where(finite, 0.0, v.to(tl.float32))
         out += tl.cumsum(bad, axis=0, reverse=REVERSE)
-        tl.store(out_base + pos64[:, None] * M + m[None, :], round_to(out, OUT.dtype.element_ty),
-                 mask=cm)  # fmt: skip
+        # scaled before it is rounded: a 16-bit output holds the scaled value, whatever the
+        # unscaled one's range
+        tl.store(out_base + pos64[:, None] * M + m[None, :],
+                 round_to(out * SCALE, OUT.dtype.element_ty), mask=cm)  # fmt: skip
         if HAS_LM:
             if REVERSE:  # carried to the chunk before: exp(b_last) S + sum_j exp(b_j) b_j c_j^T
                 weight = tl.exp(cum)
-            else:  # carried on: exp(b_last) S + sum_j exp(b_last - b_j) b_j c_j^T
-                weight = tl.exp(last - cum)
+            else:  # carried on: exp(b_last) S + sum_j exp(tail_j) b_j c_j^T
+                weight = tl.exp(tail)
             bw = round_to(b.to(tl.float32) * weight[:, None], dtype)
             state = dot(tl.trans(bw), v, state * tl.exp(last), PRECISION)
         else:
@@ -245,11 +252,13 @@ def _block_e(a: torch.Tensor, E: int, decays: bool) -> int:
 
 
 def _run(a, b, c, reverse: bool, lm=None, init=None, final=None, cu=None,
-         out_dtype=None) -> torch.Tensor:  # fmt: skip
+         out_dtype=None, scale=None) -> torch.Tensor:  # fmt: skip
     """One scan (see the kernel): ``lm`` float32 ``(N, H, L)`` log multipliers, ``init`` the
     starting states ``(S, H, E, M)`` read through their strides, ``final`` a float32 tensor
-    the last states are written to (through its strides), ``cu`` packed sequences' offsets."""
+    the last states are written to (through its strides), ``cu`` packed sequences' offsets,
+    ``scale`` what the output is multiplied by before it is rounded."""
     a, b, c = _strides(a), _strides(b), _strides(c)
+    cu = None if cu is None else cu.contiguous()  # the kernel reads offsets one after another
     N, H, L, E = a.shape
     M = c.shape[-1]
     out = torch.empty((N, H, L, M), dtype=out_dtype or c.dtype, device=c.device)
@@ -263,7 +272,7 @@ def _run(a, b, c, reverse: bool, lm=None, init=None, final=None, cu=None,
     args = (
         a, b, c, out, out if lm is None else lm, out if init is None else init,
         out if final is None else final, out if cu is None else cu,
-        L, H, E, M, triton.next_power_of_2(M),
+        L, H, E, M, triton.next_power_of_2(M), 1.0 if scale is None else float(scale),
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1), c.stride(2), *init_strides, *final_strides,
@@ -287,10 +296,11 @@ def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=N
     if output_final_state:
         final = torch.empty((sequences, q.shape[1], q.shape[3], v.shape[3]), dtype=torch.float32,
                             device=q.device)  # fmt: skip
-    run = _run_sliced if _sliced(q, lm) else _run
-    out = run(q, k, v, False, lm, initial_state, final, cu_seqlens)
-    if scale is not None:
-        out = out * scale
+    if _sliced(q, lm):
+        out = _run_sliced(q, k, v, False, lm, initial_state, final, cu_seqlens)
+        out = out if scale is None else out.mul_(scale)  # float32 sums: the scale after them
+    else:
+        out = _run(q, k, v, False, lm, initial_state, final, cu_seqlens, scale=scale)
     if final is None:
         return out, q.new_empty(0)
     dtype = initial_state.dtype if initial_state is not None else torch.float32

@@ -92,7 +92,10 @@ def grads_by_autograd(fn, g, inputs, fixed):
             leaves = [t.detach().double().requires_grad_() for t in given]
             it = iter(leaves)
             out = fn(*(None if t is None else next(it) for t in inputs), **fixed)
-            result.extend(torch.autograd.grad(out, leaves, g.double(), allow_unused=True))
+            if out.requires_grad:
+                result.extend(torch.autograd.grad(out, leaves, g.double(), allow_unused=True))
+            else:  # nothing reaches the output (every slot dropped): zero gradients
+                result.extend([None] * len(leaves))
         except _Cancelled:
             pass
         except BaseException as exc:  # handed to the caller's thread

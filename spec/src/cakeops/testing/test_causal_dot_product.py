@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import cakeops
+from cakeops._spec import tolerance
 from cakeops.reference import causal_dot_product as ref
 from cakeops.testing import (
     assert_bad_input_raises,
@@ -228,6 +229,33 @@ def _option_inputs(given, dtype, device, N=2, H=2, L=45, E=6, M=5, seed=0):
     return (q, k, v), tensors, fixed, g, g_final if "final" in given else None
 
 
+def log_multiplier_scale(exact, want, g_final=None, final_state=None) -> torch.Tensor:
+    """``Gamma_t = sum_{i >= t} (|q_i . dq_i| + |k_i . dk_i|)`` (plus ``|<g_final, S_T>|`` at
+    the end) ``(N, H, L)``, from the float64 inputs ``exact`` and their gradients ``want`` (q, k
+    first): what the log multipliers' gradients are accurate relative to (the op's page)."""
+    q, k = exact["q"].detach(), exact["k"].detach()
+    size = (q * want[0]).sum(-1).abs() + (k * want[1]).sum(-1).abs()
+    if g_final is not None and size.shape[-1]:
+        size[..., -1] += (g_final.double() * final_state.detach()).sum((-1, -2)).abs()
+    return size.flip(-1).cumsum(-1).flip(-1).cpu()
+
+
+def assert_log_grads_match(got, want, gamma, dtype, names=("log_decay", "log_gates")) -> None:
+    """The log multipliers' gradients within the tolerance relative to ``gamma``: each head's
+    ``log_decay`` entry against its ``sum_t Gamma_t``, ``log_gates`` normwise against
+    ``Gamma``."""
+    tol = tolerance(dtype)
+    for name, a, b in zip(names, got, want, strict=True):
+        err = a.detach().double().cpu() - b.detach().cpu()
+        assert torch.isfinite(a).all(), f"d{name}: not finite"
+        if name == "log_decay":
+            bound = tol * gamma.sum((0, 2))
+            assert (err.abs() <= bound).all(), f"d{name}: errors {err} beyond {bound}"
+        else:
+            bound = tol * gamma.norm()
+            assert err.norm() <= bound, f"d{name}: error {err.norm():.3g} beyond {bound:.3g}"
+
+
 class TestCausalOptions:
     op = OP
 
@@ -418,6 +446,133 @@ class TestCausalOptions:
             output_final_state=True,
         )  # fmt: skip
         assert torch.isfinite(out).all() and torch.isfinite(state).all()
+
+    @pytest.mark.parametrize("reset", ["gates-inf", "decay-inf", "gates-1e30"])
+    def test_hard_reset(self, backend, dtype, device, reset):
+        """A log multiplier of -inf (or -1e30) cuts the state: a multiplier of exactly 0.
+        Output, final state and every gradient finite and equal to the scan's (they were NaN)."""
+        given = ("log_decay", "log_gates", "initial_state", "final")
+        (q, k, v), tensors, _, g, g_final = _option_inputs(given, dtype, device, L=45)
+        with torch.no_grad():
+            if reset == "decay-inf":
+                tensors["log_decay"][1] = -torch.inf
+            else:  # mid-chunk, at a chunk's start, at the last position
+                cut = -torch.inf if reset == "gates-inf" else -1e30
+                tensors["log_gates"][0, 0, 20] = cut
+                tensors["log_gates"][1, 1, 16] = cut
+                tensors["log_gates"][1, 0, 44] = cut
+        self._check_against_scan((q, k, v), tensors, {}, g, g_final)
+
+    def test_a_large_gate_keeps_the_small_ones(self, backend, dtype, device):
+        """One gate of -1e4 among small ones: the factors across the small ones keep their
+        accuracy (a chunk's running sum of the gates lost them: errors of 4e-4 in float32)."""
+        given = ("log_gates", "initial_state", "final")
+        (q, k, v), tensors, _, g, g_final = _option_inputs(given, dtype, device, L=45)
+        with torch.no_grad():
+            tensors["log_gates"].mul_(0.01)
+            tensors["log_gates"][:, :, 5] = -1e4
+            tensors["log_gates"][0, 1, 33] = -1e4
+        self._check_against_scan((q, k, v), tensors, {}, g, g_final)
+
+    @pytest.mark.cakeops_dtypes(torch.float32, torch.float64)  # the decay's gradient: ~1e8
+    def test_weak_decay_over_a_long_sequence(self, backend, dtype, device):
+        """A factor just below 1 over thousands of steps (exp(-1e-4), 4,096 of them; 1,024
+        under the emulators) with positive inputs, whose sums do not cancel: a float32 factor
+        rounded the same way at every step compounded to 3e-5 (numba's CPU kernel)."""
+        L = 1024 if EMULATED else 4096
+        gen = torch.Generator().manual_seed(0)
+        q, k = (torch.rand(1, 2, L, 8, generator=gen, dtype=torch.float64) / 8 for _ in "qk")
+        v, g = (torch.rand(1, 2, L, 8, generator=gen, dtype=torch.float64) for _ in "vg")
+        tensors = {"log_decay": torch.full((2,), -1e-4, dtype=torch.float64),
+                   "log_gates": torch.zeros(1, 2, L, dtype=torch.float64)}  # fmt: skip
+        leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+        tensors = {n: t.to(device, dtype).requires_grad_() for n, t in tensors.items()}
+        self._check_against_scan(leaves, tensors, {}, g.to(device, dtype), None)
+
+    def test_scale_is_applied_before_rounding(self, backend, dtype, device):
+        """16-bit outputs hold the scaled value: an unscaled product beyond float16's range
+        (65504) with a scaled one of about 1600 is finite and within the tolerance."""
+        gen = torch.Generator().manual_seed(0)
+        q, k = (torch.randn(1, 2, 40, 8, generator=gen, dtype=torch.float64) * 40 for _ in "qk")
+        v = torch.randn(1, 2, 40, 8, generator=gen, dtype=torch.float64)
+        q, k, v = (t.to(device, dtype) for t in (q, k, v))
+        ref_out, _ = ref.scan(q, k, v, scale=1 / 64)
+        assert ref_out.abs().max() * 64 > 65504  # unscaled, float16 would overflow
+        for options in ({}, {"log_decay": torch.zeros(2, device=device, dtype=dtype)}):
+            out = cakeops.causal_dot_product(q, k, v, scale=1 / 64, **options)
+            assert_matches(out, ref_out, "out", dtype)
+
+    @pytest.mark.parametrize("decay", [-10.0, -30.0])
+    def test_log_multiplier_gradient_accuracy(self, backend, dtype, device, decay):
+        """The stated accuracy of the log multipliers' gradients (the op's page): within the
+        tolerance relative to ``Gamma_t = sum_{i >= t} (|q_i . dq_i| + |k_i . dk_i|)``, the
+        size of the terms whose difference they are, not relative to the gradient itself,
+        which a strong decay makes many times smaller (exp(-10) per step)."""
+        given = ("log_decay", "log_gates")
+        (q, k, v), tensors, _, g, _ = _option_inputs(given, dtype, device, N=1, L=256, E=8,
+                                                     M=8)  # fmt: skip
+        with torch.no_grad():
+            tensors["log_decay"].fill_(decay)
+        leaves = {"q": q, "k": k, "v": v, **tensors}
+        out = cakeops.causal_dot_product(q, k, v, **tensors)
+        got = torch.autograd.grad((out.double() * g.double()).sum(), list(leaves.values()))
+        exact = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
+        ref_out, _ = ref.scan(exact["q"], exact["k"], exact["v"], log_decay=exact["log_decay"],
+                              log_gates=exact["log_gates"])  # fmt: skip
+        want = torch.autograd.grad((ref_out * g.double()).sum(), list(exact.values()))
+        assert_matches(out, ref_out, "out", dtype)
+        for name, a, b in zip("qkv", got, want, strict=False):
+            assert_matches(a, b, f"d{name}", dtype)
+        assert_log_grads_match(got[3:], want[3:], log_multiplier_scale(exact, want), dtype)
+
+    def test_strided_cu_seqlens(self, backend, device):
+        """``cu_seqlens`` as a strided view (every other element of a buffer) gives the results
+        of its contiguous copy (Triton read it as contiguous: out of bounds)."""
+        given = ("cu_seqlens", "log_decay", "initial_state", "final")
+        (q, k, v), tensors, fixed, g, g_final = _option_inputs(given, torch.float32, device)
+        buffer = torch.stack([fixed["cu_seqlens"], torch.full_like(fixed["cu_seqlens"], 999)], 1)
+        strided = buffer.reshape(-1)[::2]
+        assert not strided.is_contiguous() and torch.equal(strided, fixed["cu_seqlens"])
+        results = []
+        for cu in (fixed["cu_seqlens"], strided):
+            out, state = cakeops.causal_dot_product(q, k, v, **tensors, cu_seqlens=cu,
+                                                    output_final_state=True)  # fmt: skip
+            loss = (out * g).sum() + (state * g_final.float()).sum()
+            results.append((out, state, *torch.autograd.grad(loss, [q, k, v, *tensors.values()])))
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    @staticmethod
+    def _check_against_scan(qkv, tensors, fixed, g, g_final):
+        """Output, final state (with ``g_final``) and every gradient against the float64
+        scan, within the spec's tolerance."""
+        leaves = {"q": qkv[0], "k": qkv[1], "v": qkv[2], **tensors}
+        final = g_final is not None
+        dtype = qkv[0].dtype
+        result = cakeops.causal_dot_product(*qkv, **tensors, **fixed, output_final_state=final)
+        out, state = result if final else (result, None)
+        loss = (out.double() * g.double()).sum()
+        if final:
+            loss = loss + (state.double() * g_final.double()).sum()
+        got = torch.autograd.grad(loss, list(leaves.values()))
+        exact = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
+        ref_out, ref_state = ref.scan(*(exact[n] for n in "qkv"), **{
+            n: exact[n] for n in tensors}, **fixed)  # fmt: skip
+        ref_loss = (ref_out * g.double()).sum()
+        if final:
+            ref_loss = ref_loss + (ref_state * g_final.double()).sum()
+        want = torch.autograd.grad(ref_loss, list(exact.values()))
+        assert_matches(out, ref_out, "out", dtype)
+        if final:
+            assert_matches(state, ref_state, "final_state", state.dtype)
+        logs = [n for n in leaves if n.startswith("log_")]
+        for name, a, b in zip(leaves, got, want, strict=True):
+            if name not in logs:
+                assert_matches(a, b, f"d{name}", leaves[name].dtype)
+        gamma = log_multiplier_scale(exact, want, g_final, ref_state)
+        index = [list(leaves).index(n) for n in logs]
+        assert_log_grads_match([got[i] for i in index], [want[i] for i in index], gamma, dtype,
+                               logs)  # fmt: skip
 
     @pytest.mark.parametrize("bad", ["positive-decay", "positive-gates", "gates-shape",
                                      "decay-int", "scale-nan", "cu-unsorted", "cu-past-end",

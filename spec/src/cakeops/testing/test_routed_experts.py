@@ -175,18 +175,24 @@ class TestRoutedExperts:
             tensors[3].mul_(4000)
         check_against_reference(tensors, g, run(tensors, g))
 
-    def test_dropped_slots(self, backend, dtype, device):
+    @pytest.mark.parametrize("weight", ["finite", "nan", "inf"])
+    def test_dropped_slots(self, backend, dtype, device, weight):
         """Ids ``>= E`` (transformers' expert parallelism: experts on another rank) add nothing
-        and get zero gradients; the rest is the op on the slots that are kept."""
+        and get zero gradients, whatever their weight (a NaN or inf there made the output NaN);
+        the rest is the op on the slots that are kept."""
         tensors, g = make_inputs(*FORM_SHAPE, dtype, device)
         x, index, weights, *w = tensors
         dropped = index.clone()
         dropped[::3, 1] = 4  # E: the first id past the local experts
         dropped[1::5, 0] = 1000
+        if weight != "finite":
+            with torch.no_grad():
+                signs = (-1.0) ** torch.arange(int((dropped >= 4).sum()), device=device)
+                weights[dropped >= 4] = (float(weight) * signs).to(weights.dtype)
         got = run((x, dropped, weights, *w), g)
         # the same tokens with those slots' weights at zero and any valid id: the same result
         kept = dropped < 4
-        zeroed = (weights * kept).detach().requires_grad_()
+        zeroed = torch.where(kept, weights, 0).detach().requires_grad_()
         want = run((x, torch.where(kept, dropped, 0), zeroed, *w), g)
         t.assert_matches(got[0], want[0].double(), "out", x.dtype)
         for name, a, b in zip(("dx", "dtop_k_weights", "dw_gate", "dw_up", "dw_down"), got[1:],
@@ -195,6 +201,15 @@ class TestRoutedExperts:
                 assert torch.equal(a[~kept], torch.zeros_like(a[~kept])), name
                 a, b = a[kept], b[kept]
             t.assert_matches(a, b.double(), name, a.dtype)
+
+    def test_every_slot_dropped(self, backend, dtype, device):
+        """No slot kept: the output and every gradient are exactly zero (the reference's
+        backward raised "element 0 of tensors does not require grad")."""
+        tensors, g = make_inputs(*FORM_SHAPE, dtype, device)
+        x, index, *rest = tensors
+        got = run((x, torch.full_like(index, 4), *rest), g)
+        for value, like in zip(got, (x, x, *rest), strict=True):
+            assert value.shape == like.shape and torch.equal(value, torch.zeros_like(value))
 
     def test_packed_gate_up_views(self, backend, dtype, device):
         """Hugging Face's ``gate_up_proj[:, :F]`` and ``[:, F:]``: no copy needed, and the
