@@ -6,9 +6,12 @@ experts, rank ``r`` the global ids ``[r E/W, (r+1) E/W)``; the weights a rank pa
 block. ``top_k_index`` holds global ids (``>= E``: a dropped slot, as in the single-process op).
 
 A call makes two all-to-all exchanges of token rows: each kept ``(token, slot)`` row goes to the
-rank that owns its expert (sorted by destination, with its local expert id), runs through that
-rank's :func:`cakeops.routed_experts` with weight one, and the expert outputs come back in a
-second all-to-all; the combine ``out_t = sum_s w_ts y_ts`` runs at home, in slot order. Autograd
+rank that owns its expert (sorted by destination, with its local expert id and its combine
+weight), runs through that rank's :func:`cakeops.routed_experts`, which weighs its float32 slot
+outputs (and computes the weights' gradient from them) as the single-process op does, and the
+weighted outputs come back in a second all-to-all, summed at home in float32, in slot order.
+Every rank must hold the same number of experts (checked within the exchange of the counts: all
+ranks raise alike); a rank may have no tokens. Autograd
 flows back through both exchanges (each the reverse all-to-all of the other): ``x``, the local
 experts' weights and biases, and ``top_k_weights``. Only the split sizes cross to the host
 (one small all-to-all of counts); rows never do.
@@ -89,30 +92,69 @@ def routed_experts(
 ) -> torch.Tensor:
     """:func:`cakeops.routed_experts` with the experts sharded over ``group`` (None: the
     default group): ``x (T, D)`` and ``top_k_index``/``top_k_weights (T, k)`` are this rank's
-    tokens with global expert ids; ``w_gate``, ``w_up (E/W, F, D)``, ``w_down (E/W, D, F)`` and
-    the biases in ``options`` are this rank's experts (``options``: those of
+    tokens with global expert ids (``T = 0`` is fine: the last micro-batch, an empty shard);
+    ``w_gate``, ``w_up (E/W, F, D)``, ``w_down (E/W, D, F)`` and the biases in ``options`` are
+    this rank's experts, the same number on every rank (``options``: those of
     :func:`cakeops.routed_experts`). Returns this rank's ``(T, D)``."""
     world = _check(x, top_k_index, top_k_weights, w_up, group)
     local = w_up.shape[0]
     T, k = top_k_index.shape
+    D = x.shape[1]
     ids = top_k_index.reshape(-1)
     # each kept (token, slot) row, sorted by the rank that owns its expert (dropped: sorted last)
     dest = torch.where(ids < local * world, ids // local, world)
     order = torch.sort(dest, stable=True).indices
     counts = torch.bincount(dest, minlength=world + 1)[:world]
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)
-    split_in, split_out = counts.tolist(), recv_counts.tolist()  # the only host transfer
+    # the counts and this rank's number of experts to every rank, in one exchange: each rank
+    # then knows every block's size and refuses uneven ones, all ranks alike (no hang)
+    mine = torch.stack([counts, torch.full_like(counts, local)], 1)
+    theirs = torch.empty_like(mine)
+    dist.all_to_all_single(theirs, mine, group=group)
+    host = torch.cat([counts, theirs.reshape(-1)]).tolist()  # the only host transfer
+    split_in, split_out, blocks = host[:world], host[world::2], host[world + 1 :: 2]
+    if any(b != local for b in blocks):
+        raise ValueError(
+            f"{OP}: argument 'w_up' expected the same number of experts on every rank (a "
+            f"contiguous block of E / W each), got blocks of {blocks} experts on ranks "
+            f"0..{world - 1}"
+        )
     sent = order[: sum(split_in)]
-    rows = _exchange(x.index_select(0, sent // k), split_in, split_out, group)
+    rows = _exchange(_gather_rows(x, sent // k), split_in, split_out, group)
     local_ids = _exchange((ids[sent] - dest[sent] * local).unsqueeze(1), split_in, split_out, group)
-    ones = torch.ones(local_ids.shape, dtype=top_k_weights.dtype, device=x.device)
-    y = _routed_experts(rows, local_ids, ones, w_gate, w_up, w_down, **options)
+    # each row's combine weight travels with it: the experts' op weighs its float32 slot
+    # outputs and computes the weights' gradient from them, as the single-process op does
+    # (weighing at home would round each slot's output to x's dtype first)
+    w_rows = _exchange(top_k_weights.reshape(-1)[sent].unsqueeze(1), split_in, split_out, group)
+    y = _routed_experts(rows, local_ids, w_rows, w_gate, w_up, w_down, **options)
     back = _exchange(y, split_out, split_in, group)  # this rank's kept slots, in `sent` order
-    # the combine at home, each token's slots in slot order (dropped slots: zero rows)
-    slots = back.new_zeros((T * k, back.shape[1])).index_copy(0, sent, back)
-    weights = top_k_weights.to(slots.dtype).reshape(T, k, 1)
-    return (slots.view(T, k, -1) * weights).sum(1).to(x.dtype)
+    # The sum at home in float32 (float64 for float64), each token's slots in slot order;
+    # dropped slots (never sent, their weights unread) are zero rows.
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    slots = x.new_zeros((T * k, D), dtype=ct).index_copy(0, sent, back.to(ct))
+    return slots.view(T, k, D).sum(1).to(x.dtype)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x[index]``, whose backward sums each row's gradients in float32 (rounded once, as the
+    single-process op's ``dx``), not in ``x``'s dtype one slot at a time."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor):
+        ctx.save_for_backward(index)
+        ctx.shape, ctx.dtype = x.shape, x.dtype
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        dx = grad.new_zeros(ctx.shape, dtype=torch.float32)
+        return dx.index_add_(0, index, grad.float()).to(ctx.dtype), None
+
+
+def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if x.requires_grad and x.dtype in (torch.float16, torch.bfloat16) and torch.is_grad_enabled():
+        return _GatherRows.apply(x, index)
+    return x.index_select(0, index)
 
 
 def scale_expert_grads(parameters, group: dist.ProcessGroup | None = None) -> None:
