@@ -1,11 +1,13 @@
 """Every dev task: ``nox -s tests``, ``lint``, ``demo``, ``bench``, ``docs``, ``gpu_compile``,
-``gpu``.
+``gpu``, ``gpu_dry_run_image``.
 
 Each session builds and installs the distributions (wheels, not editable) into its own venv, with
 torch pinned by ``.ci/constraints.txt``.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import nox
 
@@ -116,6 +118,25 @@ def gpu_compile(session: nox.Session) -> None:
         session.run("python", "tests/gpu_compile/run_all.py", "--sweep")
     # The predicted H200 table (roofline per launch at the benchmark shapes).
     session.run("python", "tests/gpu_compile/predict.py", "--docs", "docs/content/gpu.md")
+
+
+#: The GPU image's versions where a CPU machine can have them: its Triton, numba, numba-cuda and
+#: transformers, and the newest NumPy that ``pip install numpy`` gives (the image's own torch,
+#: 2.11 with CUDA, is a multi-GB download: the pinned CPU torch stands in).
+DEVICE_IMAGE = ("triton==3.6.0", "numba==0.68.1", "numba-cuda==0.30.4", "transformers==5.17.0",
+                "numpy", "pytest", "pytest-xdist", "pytest-timeout", "matplotlib")  # fmt: skip
+
+
+@nox.session
+def gpu_dry_run_image(session: nox.Session) -> None:
+    """``tests/gpu/run.py --dry-run`` as the GPU machine runs it: the sources uninstalled (the
+    script's shims), on the device image's versions (:data:`DEVICE_IMAGE`), not the pins."""
+    pins = Path(".ci/constraints.txt").read_text().splitlines()
+    torch_pin = next(line for line in pins if line.startswith("torch=="))
+    session.install(torch_pin.strip(), *DEVICE_IMAGE)
+    session.run("python", "-c", "import numpy, transformers; print('numpy', numpy.__version__, "
+                "'transformers', transformers.__version__)")  # fmt: skip
+    session.run("python", "tests/gpu/run.py", "--dry-run", "--out", f"{session.create_tmp()}/gpu")
 
 
 @nox.session

@@ -26,6 +26,32 @@ PROGRAMS_PER_SM = 4
 INTERPRETER_SMS = 2
 
 
+def _interpreter_loop_bounds_on_numpy_2_4() -> None:
+    """Triton 3.6's interpreter holds every scalar argument as a one-element array and turns a
+    loop bound (``range(0, D, G)``, ``D`` an argument) into an int with ``int(array)``, which
+    NumPy 2.4 refuses for an array of one dimension ("only 0-dimensional arrays can be
+    converted to Python scalars"). Its tensors' ``__index__`` takes the array's one element
+    instead. Interpreter only: compiled kernels never run this Python, and the arguments a GPU
+    launch gets are the same Python ints either way."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "cakeops_patched", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        # through the scope, so that it is restored with the interpreter's own patches
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor.cakeops_patched = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if INTERPRET:
+    _interpreter_loop_bounds_on_numpy_2_4()
+
+
 # The interpreter keeps its state in process globals: concurrent calls from several Python
 # threads break it, so under the interpreter the ops take turns.
 _INTERPRETER_LOCK = threading.RLock()
