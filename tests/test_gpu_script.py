@@ -32,13 +32,94 @@ def _script():
 
 @pytest.mark.parametrize("dry_run, total", [(False, 480), (True, 180)])
 def test_steps_fit_the_whole_run(tmp_path, dry_run, total):
+    """The steps' limits add up to at most the run's (the last step had 540 s of limits
+    against a 480 s stop); on a GPU the plumbing checks run first in the conformance step, and
+    preflight checks only Triton and torch in bfloat16."""
     steps = _script().plan(tmp_path, dry_run)
     assert [s.name for s in steps] == ["preflight", "bench", "conformance", "hf"]
-    limits = {s.name: s.limit_s for s in steps}
-    if not dry_run:  # the issue's per-step limits
-        assert limits == {"preflight": 60, "bench": 180, "conformance": 240, "hf": 60}
-    # the sum may exceed the whole run's limit only because the run stops at its own deadline
-    assert all(s.limit_s <= total for s in steps)
+    assert sum(s.limit_s for s in steps) <= total
+    preflight = steps[0].commands[-1]
+    assert preflight[preflight.index("--dtype") + 1] == "bfloat16"
+    assert [preflight[i + 1] for i, a in enumerate(preflight) if a == "--backend"] == [
+        "triton", "torch"]  # fmt: skip
+    if not dry_run:
+        first = steps[2].commands[0]
+        assert str(ROOT / "tests" / "gpu" / "test_numba_cuda.py") in first
+        assert str(ROOT / "tests" / "gpu" / "test_triton_cuda.py") in first
+
+
+def test_what_preflight_finds_missing_is_skipped_with_its_reason(tmp_path):
+    """No C compiler: Triton cannot build its launchers, so the bench lists Triton's rows with
+    the reason and the conformance step runs torch alone, without Triton's plumbing; no
+    libNVVM: numba's suite and plumbing are left out."""
+    script = _script()
+    (tmp_path / "environment.json").write_text(json.dumps(
+        {"c_compiler": "no C compiler on PATH", "python_h": None, "nvvm": "libNVVM not usable",
+         "cache": None}))  # fmt: skip
+    skipped = script.missing_backends(tmp_path)
+    assert skipped == {"triton": "no C compiler on PATH", "numba": "libNVVM not usable"}
+    steps = script.without(script.plan(tmp_path, dry_run=False)[1:], skipped)
+    bench, conformance = steps[0].commands[0], steps[1].commands
+    assert bench[-4:] == ["--skip", "triton=no C compiler on PATH", "--skip",
+                          "numba=libNVVM not usable"]  # fmt: skip
+    flat = [a for cmd in conformance for a in cmd]
+    assert "--cakeops-backend=torch" in flat
+    assert not any("triton" in a or "numba" in a for a in flat if a.startswith("--cakeops"))
+    assert not any(a.endswith(("test_triton_cuda.py", "test_numba_cuda.py")) for a in flat)
+    assert len(conformance) == 1
+
+
+def test_preflight_names_the_images_unknowns():
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    try:
+        import preflight
+    finally:
+        sys.path.pop(0)
+    found = preflight.environment(simulated=True)
+    assert set(found) == {"c_compiler", "python_h", "nvvm", "cache"}
+    assert all(v is None or isinstance(v, str) for v in found.values())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has the device")
+def test_the_script_stops_before_any_step_without_cuda(tmp_path, capsys):
+    """No CUDA: one line and the no-device status before any step (under load, a machine
+    without CUDA went through all four steps)."""
+    start = time.monotonic()
+    assert _script().main(["--out", str(tmp_path)]) == 3
+    assert "no CUDA: torch.cuda.is_available() is False" in capsys.readouterr().out
+    assert not (tmp_path / "preflight.log").exists()
+    assert time.monotonic() - start < 60
+
+
+def test_a_skipped_backend_is_a_row_with_its_reason(tmp_path):
+    recorder = gpu.Recorder(tmp_path, {"device": "cpu", "torch": torch.__version__, "rows": []})
+    case = gpu.GpuCase("bfloat16", SPECS["rmsnorm_silu_gate"].example("cpu", torch.bfloat16))
+    inputs = gpu._inputs("rmsnorm_silu_gate", case)
+    contender = gpu.Contender("rmsnorm_silu_gate", case, inputs, "cakeops [triton]",
+                              lambda: None, "triton")  # fmt: skip
+    gpu._time_contender(contender, torch.device("cpu"), 1, {}, recorder, time.monotonic() + 60,
+                        {"triton": "no C compiler on PATH"})  # fmt: skip
+    [row] = recorder.record["rows"]
+    assert row["impl"] == "cakeops [triton]"
+    assert row["skipped"] == "skipped: no C compiler on PATH"
+
+
+def test_the_bench_times_every_ops_triton_row_first():
+    """Every op's Triton row before any other (rmsnorm, moe, routed, causal), then torch's,
+    then the other backends', the peers, torch.compile's, numba's matrix products last."""
+    cases = [(op, case) for op in gpu.ORDER for case in gpu._cases(op, torch.device("cpu"), True)]
+    order = gpu.schedule(cases)
+    labels = [(c.op, c.label) for c in order]
+    triton = [i for i, (_, label) in enumerate(labels) if label == "cakeops [triton]"]
+    if triton:  # the interpreter (TRITON_INTERPRET=1) or a GPU
+        assert triton == list(range(len(triton)))
+        assert [labels[i][0] for i in triton] == [op for op, _ in cases]
+    compiled = [i for i, (_, label) in enumerate(labels) if "torch.compile" in label]
+    ours = [i for i, (_, label) in enumerate(labels) if label.startswith("cakeops")]
+    slow = [i for i, (op, label) in enumerate(labels)
+            if label == "cakeops [numba]" and op in gpu.NUMBA_MATMUL]  # fmt: skip
+    assert compiled and max(i for i in ours if i not in slow) < min(compiled)
+    assert all(i > max(compiled) for i in slow)
 
 
 def test_a_step_past_its_limit_is_cut_short_and_keeps_what_it_wrote(tmp_path):

@@ -98,6 +98,54 @@ def test_cuda_reason_is_reported_without_a_device():
         assert "no CUDA device" in numba_backend.cuda_unavailable_reason
 
 
+def test_numba_cuda_loads_on_a_numpy_without_row_stack():
+    """NumPy 2.5 removed ``np.row_stack``; numba-cuda 0.30 registers an overload of it when its
+    target first loads, so every compile failed. Without ``row_stack`` (removed here, as 2.5
+    does), importing cakeops_numba loads that module, and numpy is left as it was."""
+    script = textwrap.dedent("""
+        import importlib, sys
+        import numpy
+        del numpy.row_stack
+        import cakeops_numba
+        from cakeops_numba._compat import ARRAYOBJ
+        assert ARRAYOBJ in sys.modules
+        importlib.import_module(ARRAYOBJ)
+        assert not hasattr(numpy, "row_stack")
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    # without the stand-in, the import fails as it does on NumPy 2.5
+    bare = "import numpy; del numpy.row_stack; import numba.cuda.np.arrayobj"
+    proc = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, env=env,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode != 0 and "row_stack" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_cuda_reason_reports_a_failing_first_compile(monkeypatch):
+    """A device and a driver, but the first compile fails (no NVVM, an incompatible NumPy):
+    the reason names the cause, and the backend is not chosen for CUDA tensors."""
+    import numba.cuda
+
+    import cakeops_numba
+
+    def fail():
+        raise AttributeError("module 'numpy' has no attribute 'row_stack'")
+
+    monkeypatch.setattr(cakeops_numba, "SIMULATOR", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(numba.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cakeops_numba, "_first_compile", fail)
+    backend = cakeops_numba.NumbaBackend(name="numba-probe", distribution="cakeops-numba",
+                                         description="", ops={})  # fmt: skip
+    assert backend.cuda_unavailable_reason == (
+        "numba-cuda cannot compile a kernel here: AttributeError: module 'numpy' has no "
+        "attribute 'row_stack'"
+    )
+
+
 def test_concurrent_calls_from_threads():
     """Two Python threads calling at once both get the right answer (the launches take turns:
     numba's workqueue threading layer would abort on concurrent parallel launches)."""

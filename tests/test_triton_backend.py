@@ -113,6 +113,27 @@ def test_compile_check_reads_how_each_dot_lowers(monkeypatch):
     ]
 
 
+def test_compile_check_fails_a_max_that_drops_nan(monkeypatch):
+    """``tl.maximum``'s default on a GPU (``arith.maxnumf``) returns the other operand for a
+    NaN, where the interpreter's NumPy propagates it: only the compiled IR shows it, so the
+    compile check fails on it (relu and relu² used it)."""
+    monkeypatch.syspath_prepend(str(HERE / "gpu_compile"))
+    from report import problems
+
+    row = {"ok": True, "dtype": "float32", "target": "sm_90", "dots": [], "nan_dropping": 2}
+    assert any("drop NaN" in p for p in problems(row))
+    assert problems({**row, "nan_dropping": 0}) == []
+
+
+def test_the_tuned_grouped_matmul_zeroes_its_partials_between_configs():
+    """The ``<h, u>`` partials of ``routed_experts``' backward: a config writes the rows of its
+    own column tiles only, so the autotuner zeroes them before timing each config and before
+    the chosen one runs (stale rows of a narrower config would be summed otherwise)."""
+    from cakeops_triton import routed_experts
+
+    assert routed_experts._grouped_mm_tuned.reset_to_zero == ["DWP"]
+
+
 THREADS = textwrap.dedent(
     """
     import sys, threading, torch, cakeops

@@ -2,16 +2,23 @@
 and dtype on the device, each checked against the float64 reference, with the time of its first
 call (Triton's compile and tuning, numba-cuda's first compile) and of its second.
 
-    python tests/gpu/preflight.py --device cuda --out DIR
+    python tests/gpu/preflight.py --device cuda --out DIR [--backend B] [--dtype D] [--once]
 
-Exits 3 with one line when the device is not there, 1 when any call fails.
+First, in its first seconds, what the image may lack (a C compiler and ``Python.h`` for
+Triton, libNVVM for numba-cuda, writable caches): a line each, and ``DIR/environment.json``
+for the steps after it. Exits 3 with one line when the device is not there, 1 when any call
+fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,13 +72,54 @@ def check_one(
     return row
 
 
+def environment(simulated: bool) -> dict[str, str | None]:
+    """What the image may lack, each ``None`` when present or why it is missing: a C compiler
+    and ``Python.h`` (Triton builds its launchers with them, on first use of each kernel),
+    libNVVM (numba-cuda compiles through it; not needed by the simulator), writable cache
+    directories (Triton's, inductor's, numba's). ``environment.json`` carries them to run.py,
+    which skips what needs a missing one."""
+    found: dict[str, str | None] = {}
+    cc = os.environ.get("CC") or next(
+        (shutil.which(c) for c in ("cc", "gcc", "clang") if shutil.which(c)), None
+    )
+    found["c_compiler"] = None if cc else "no C compiler (cc, gcc, clang, or $CC) on PATH"
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    found["python_h"] = None if header.exists() else f"no Python.h at {header}"
+    if simulated:
+        found["nvvm"] = None
+    else:
+        try:
+            from numba.cuda.cudadrv import nvvm
+
+            nvvm.NVVM().get_version()
+            found["nvvm"] = None
+        except Exception as exc:
+            found["nvvm"] = f"libNVVM not usable: {type(exc).__name__}: {exc}"[:300]
+    caches = {
+        "triton": os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache"),
+        "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR") or tempfile.gettempdir(),
+        "numba": os.environ.get("NUMBA_CACHE_DIR") or tempfile.gettempdir(),
+    }
+    unwritable = []
+    for name, path in caches.items():
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path):
+                pass
+        except OSError as exc:
+            unwritable.append(f"{name} ({path}: {exc.strerror or exc})")
+    found["cache"] = f"not writable: {', '.join(unwritable)}" if unwritable else None
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--backend", action="append", help="only these (default: every one)")
-    parser.add_argument("--quick", action="store_true",
-                        help="bfloat16 only, one call each (for the simulator)")  # fmt: skip
+    parser.add_argument("--dtype", action="append", choices=["bfloat16", "float16", "float32"],
+                        help="only these (default: every one the backend serves)")  # fmt: skip
+    parser.add_argument("--once", action="store_true", help="one call each (for the simulator)")
     args = parser.parse_args(argv)
     missing = device_missing(args.device)
     if missing:
@@ -79,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         return NO_DEVICE
     device = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
+    # the image's unknowns first, each a line: the steps that need a missing one skip it
+    found = environment(simulated=device.type == "cpu")
+    (args.out / "environment.json").write_text(json.dumps(found, indent=2))
+    for name, why in found.items():
+        print(f"  {'ok  ' if why is None else 'MISS'} {name}" + (f": {why}" if why else ""),
+              flush=True)  # fmt: skip
     rows = []
     for name, backend in registry.backends().items():
         if name == "reference" or (args.backend and name not in args.backend):
@@ -90,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             if op not in SPECS or not kernels.serves(device.type):
                 continue
             for dtype in kernels.dtypes_on(device.type):
-                if dtype == torch.float64 or (args.quick and dtype != torch.bfloat16):
+                wanted = args.dtype is None or str(dtype).removeprefix("torch.") in args.dtype
+                if dtype == torch.float64 or not wanted:
                     continue
-                row = check_one(op, name, dtype, device, again=not args.quick)
+                row = check_one(op, name, dtype, device, again=not args.once)
                 rows.append(row)
                 first = f"{row.get('first_s', 0):.2f} s first" + (
                     f", {row['second_s']:.3f} s then" if "second_s" in row else ""

@@ -125,16 +125,21 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
         hf += ["--quick"]
     else:
         conformance = [
+            # the checks that exist only on a GPU (zero-copy, streams, no host synchronisation)
+            pytest("plumbing", str(HERE / "test_numba_cuda.py"), str(HERE / "test_triton_cuda.py")),
             pytest("suite-triton-torch", *suite, "--cakeops-backend=triton,torch"),
             pytest("suite-numba", *suite, "--cakeops-backend=numba", "-k",
                    "test_matches_reference or test_deterministic or test_non_finite"),
-            pytest("plumbing", str(HERE / "test_numba_cuda.py"), str(HERE / "test_triton_cuda.py")),
         ]  # fmt: skip
-        limits = {"preflight": 60, "bench": 180, "conformance": 240, "hf": 60}
+        # within the whole run's 480 s, so that the last step has its time too
+        limits = {"preflight": 45, "bench": 180, "conformance": 205, "hf": 50}
         bench += ["--budget", str(limits["bench"] - 40)]
     progress = {"CAKEOPS_PROGRESS": str(out / "conformance-progress.jsonl")}
-    preflight = [py, str(HERE / "preflight.py"), "--device", device, "--out", str(out)]
-    preflight += ["--quick"] if dry_run else []
+    # what the GPU run needs of preflight: Triton and torch, in bfloat16 (the conformance step
+    # checks every backend and dtype)
+    preflight = [py, str(HERE / "preflight.py"), "--device", device, "--out", str(out),
+                 "--backend", "triton", "--backend", "torch", "--dtype", "bfloat16"]  # fmt: skip
+    preflight += ["--once"] if dry_run else []
     return [
         Step("preflight", limits["preflight"],
              [[py, "-m", "cakeops", "info"], preflight], kernel_env),
@@ -143,6 +148,69 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
         # without transformers hf_models exits 2 and says so: not a failure of the GPU
         Step("hf", limits["hf"], [hf], kernel_env, ok_codes=(0, 2)),
     ]  # fmt: skip
+
+
+#: What each of preflight's findings (``environment.json``) stops: backends that cannot run.
+NEEDED_BY = {"c_compiler": "triton", "python_h": "triton", "nvvm": "numba"}
+#: The conformance commands and plumbing files of each backend.
+PLUMBING = {"triton": "test_triton_cuda.py", "numba": "test_numba_cuda.py"}
+
+
+def missing_backends(out: Path) -> dict[str, str]:
+    """``backend -> why it cannot run here``, from preflight's ``environment.json``."""
+    path = out / "environment.json"
+    if not path.exists():
+        return {}
+    found = json.loads(path.read_text())
+    skipped: dict[str, str] = {}
+    for key, why in found.items():
+        if why and key in NEEDED_BY:
+            skipped.setdefault(NEEDED_BY[key], why)
+    return skipped
+
+
+def without(steps: list[Step], skipped: dict[str, str]) -> list[Step]:
+    """The steps after preflight without what needs a missing backend: the bench lists its rows
+    as skipped with the reason, the conformance step leaves out its suite and plumbing tests."""
+    if not skipped:
+        return steps
+    files = [PLUMBING[n] for n in skipped if n in PLUMBING]
+    kept = []
+    for step in steps:
+        commands = []
+        for cmd in step.commands:
+            if "cakeops.bench.gpu" in cmd:
+                cmd = [*cmd, *(a for n, why in skipped.items() for a in ("--skip", f"{n}={why}"))]
+            elif "pytest" in cmd:
+                tests = [a for a in cmd if a.endswith(".py") and not a.endswith(tuple(files))]
+                had_tests = any(a.endswith(".py") for a in cmd)
+                cmd = [a for a in cmd if not a.endswith(tuple(files))]
+                for i, a in enumerate(cmd):
+                    if a.startswith("--cakeops-backend="):
+                        left = [n for n in a.split("=", 1)[1].split(",") if n not in skipped]
+                        cmd[i] = f"--cakeops-backend={','.join(left)}" if left else ""
+                if "" in cmd or (had_tests and not tests):
+                    continue  # nothing of it can run here
+            commands.append(cmd)
+        kept.append(Step(step.name, step.limit_s, commands, step.env, step.ok_codes))
+    return kept
+
+
+def cuda_missing(env: dict[str, str]) -> str | None:
+    """Why CUDA is not usable here (None when it is), asked of torch in a process of its own
+    (this script imports no torch), in seconds."""
+    code = ("import torch, sys\n"
+            "sys.exit(0 if torch.cuda.is_available() else 3)")  # fmt: skip
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return "torch took over 120 s to answer whether CUDA is available"
+    if proc.returncode == 0:
+        return None
+    if proc.returncode == NO_DEVICE:
+        return "torch.cuda.is_available() is False: no CUDA device or driver"
+    return f"torch does not import: {proc.stderr.strip().splitlines()[-1:]}"
 
 
 def run_step(step: Step, base_env: dict[str, str], log: Path, deadline: float) -> Outcome:
@@ -194,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="results here (default $OUT or bench-results/gpu)")
     parser.add_argument("--dry-run", action="store_true", help="the same steps on the CPU, tiny")
+    parser.add_argument("--cache-dir", type=Path,
+                        help="compile caches here (default: a fresh temporary folder)")  # fmt: skip
     args = parser.parse_args(argv)
     default = Path(os.environ.get("OUT") or ROOT / "bench-results" / "gpu")
     out = (args.out or (default / "dry-run" if args.dry_run else default)).resolve()
@@ -207,9 +277,29 @@ def main(argv: list[str] | None = None) -> int:
     paths = [*source_tree_paths(), str(HERE), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     env["PYTHONUNBUFFERED"] = "1"
-    print(f"cakeops GPU check{' (dry run, on the CPU)' if args.dry_run else ''}: results in {out}")
+    # fresh compile caches of this run's own (Triton's, inductor's, numba's), so that first-call
+    # times are cold and a read-only home does not matter; not under the results, whose files
+    # are few and come back whole
+    cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="cakeops-gpu-cache-"))
+    for var, sub in (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+                     ("NUMBA_CACHE_DIR", "numba")):  # fmt: skip
+        env[var] = str(cache / sub)
+    print(f"cakeops GPU check{' (dry run, on the CPU)' if args.dry_run else ''}: results in {out}"
+          f", compile caches in {cache}")  # fmt: skip
+    if not args.dry_run:
+        why = cuda_missing(env)
+        if why is not None:
+            print(f"no CUDA: {why}; nothing runs")
+            return NO_DEVICE
     outcomes = []
-    for step in plan(out, args.dry_run):
+    steps = plan(out, args.dry_run)
+    for index, step in enumerate(steps):
+        if index == 1:  # what preflight found missing stops what needs it
+            skipped = missing_backends(out)
+            for name, why in skipped.items():
+                print(f"skipping {name} in the steps after preflight: {why}")
+            steps[1:] = without(steps[1:], skipped)
+            step = steps[1]
         if time.monotonic() > deadline:
             outcomes.append(Outcome(step.name, "not run: out of time", 0.0, []))
             continue

@@ -4,6 +4,7 @@ a GPU would reject or run badly:
 
 - a compile error;
 - a spill in a config the autotuner can choose for 16-bit inputs;
+- a max or min that drops NaN (``arith.maxnumf``/``minnumf``: a GPU's ``tl.maximum`` default);
 - shared memory above the target's per-block limit in a config not pruned before launch (every
   compiled config was one the autotuner kept);
 - a ``tl.dot`` on 16-bit operands that lowers to FMA instead of tensor cores.
@@ -38,23 +39,35 @@ def problems(row: dict) -> list[str]:
     limit = SHARED_LIMIT.get(row["target"])
     if limit is not None and (row.get("shared_bytes") or 0) > limit:
         found.append(f"{row['shared_bytes']} bytes of shared memory (limit {limit})")
+    if row.get("nan_dropping"):
+        found.append(f"{row['nan_dropping']} max/min that drop NaN (arith.maxnumf/minnumf): "
+                     "the non-finite contract needs NaN to propagate")  # fmt: skip
     for dot in row.get("dots", []):
         if dot["operands"] in ("bf16", "f16") and dot["lowering"] == "fma":
             found.append(f"tl.dot on {dot['operands']} at {dot['source']} lowers to FMA")
     return found
 
 
+def _gpu_run_rows(rows: list[dict], sources=("suite", "gpu-bench")) -> list[dict]:
+    return [r for r in rows if r["backend"] == "triton" and r["target"] == "sm_90"
+            and "TF32" not in r["dtype"] and r.get("source") in sources]  # fmt: skip
+
+
 def suite_compilations(rows: list[dict]) -> int:
     """Triton compilations an H200 run of the CUDA suite and the benchmarks triggers: the sm_90
     rows at their shapes, without the TF32 path (which only a user's setting turns on)."""
-    return sum(
-        1
-        for r in rows
-        if r["backend"] == "triton"
-        and r["target"] == "sm_90"
-        and "TF32" not in r["dtype"]
-        and r.get("source") in ("suite", "gpu-bench")
-    )
+    return len(_gpu_run_rows(rows))
+
+
+def compile_cost(rows: list[dict]) -> str:
+    """What compiling costs the GPU run, from this check's own timings (one compilation after
+    another on the machine that ran it): the benchmark step's share and the suite's."""
+    bench, suite = _gpu_run_rows(rows, ("gpu-bench",)), _gpu_run_rows(rows, ("suite",))
+    seconds = lambda rs: sum(r.get("seconds") or 0 for r in rs)  # noqa: E731
+    return (f"{len(bench)} of them at the GPU benchmark's shapes, {seconds(bench):.0f} s of "
+            f"compiling one after another here (the step times for 140 s, every op's Triton row "
+            f"first), and {len(suite)} at the suite's, {seconds(suite):.0f} s here, spread over "
+            f"its 8 workers")  # fmt: skip
 
 
 def summary(rows: list[dict]) -> str:
@@ -117,14 +130,16 @@ def main() -> None:
             f"(Triton {versions.get('triton')}, numba-cuda kernels through numba "
             f"{versions.get('numba')}); {len(rows)} compilations, {len(failures)} failing; "
             f"an H200 run of the CUDA suite and the benchmarks triggers "
-            f"{suite_compilations(rows)} Triton compilations (goal: under {COMPILE_GOAL})."
+            f"{suite_compilations(rows)} Triton compilations (goal: under {COMPILE_GOAL}): "
+            f"{compile_cost(rows)}."
         )
         args.docs.write_text(f"{head}{START}\n{stamp}\n\n{table}\n{END}{tail}")
     print(table)
     print(f"\n{len(rows)} compilations, {len(failures)} failing the check")
     if any(r.get("source") in ("suite", "gpu-bench") for r in rows):
         print(f"Triton compilations of the CUDA suite and benchmarks on sm_90: "
-              f"{suite_compilations(rows)} (goal: under {COMPILE_GOAL})")  # fmt: skip
+              f"{suite_compilations(rows)} (goal: under {COMPILE_GOAL}): "
+              f"{compile_cost(rows)}")  # fmt: skip
     for row in failures:
         where = f"{row['backend']} {row['kernel']} {row['target']} {row['dtype']} ({row['call']})"
         for problem in row["problems"]:

@@ -144,6 +144,9 @@ def inputs(call: Call) -> tuple[tuple, tuple]:
             v = empty(N, L, H, M).transpose(1, 2)
         else:
             q, k, v = empty(N, H, L, E), empty(N, H, L, E), empty(N, H, L, M)
+        if call.variant == "gates":  # the GPU bench's gated case: log_gates alone
+            opts = (None, None, -torch.rand(N, H, L) * 0.1, None, False, None)
+            return (q, k, v, *opts), (empty(N, H, L, M), empty(0), q, k, v, *opts)
         if call.variant in ("options", "packed"):
             cu = torch.tensor([0, 10, 10, L]) if call.variant == "packed" else None
             S = N if cu is None else cu.numel() - 1

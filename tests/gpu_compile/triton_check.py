@@ -129,6 +129,10 @@ class Recorder:
             row.update(_resources(log))
             row["shared_bytes"] = kernel.metadata.shared
             row["dots"] = dots(kernel.asm["ttgir"])
+            # max/min that return the other operand for a NaN (tl.maximum's default on a GPU;
+            # the interpreter's NumPy propagates it, so only the GPU's IR shows them)
+            ir = kernel.asm["ttgir"]
+            row["nan_dropping"] = len(re.findall(r"arith\.(?:maxnumf|minnumf)", ir))
         self.rows.append(row)
 
 

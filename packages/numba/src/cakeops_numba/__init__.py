@@ -37,6 +37,11 @@ from cakeops.registry import package_kernels
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
+
+if not SIMULATOR and importlib.util.find_spec("numba_cuda") is not None:
+    from cakeops_numba._compat import numba_cuda_on_numpy_2_5
+
+    numba_cuda_on_numpy_2_5()  # before any kernel compiles; nothing on NumPy < 2.5
 CUDA_PRIORITY = 50  # below triton (100), above torch (10): memory-bound kernels
 CUDA_MATMUL_PRIORITY = 5  # below torch (10): products on FMA against torch's tensor cores
 CPU_PRIORITY = 20  # above torch (10), for the ops with a CPU kernel
@@ -48,6 +53,25 @@ def devices(cpu_kernel: bool, cuda: int = CUDA_PRIORITY) -> dict[str, int | None
     if SIMULATOR:
         return {"cuda": cuda, "cpu": None}
     return {"cuda": cuda, **({"cpu": CPU_PRIORITY} if cpu_kernel else {})}
+
+
+def _first_compile() -> None:
+    """Compile and run a one-thread kernel: what every numba-cuda kernel needs first (its
+    target, NVVM, the driver's linker), on the device PyTorch uses."""
+    from numba import cuda
+
+    from cakeops_numba._launch import on_stream, view
+
+    @cuda.jit
+    def write_one(out):
+        out[0] = 1.0
+
+    out = torch.zeros(1, device="cuda")
+    with on_stream(out.device) as stream:
+        write_one[1, 1, stream](view(out))
+    torch.cuda.current_stream().synchronize()
+    if out.item() != 1.0:
+        raise RuntimeError("a one-thread test kernel ran but did not write its output")
 
 
 class NumbaBackend(Backend):
@@ -67,10 +91,16 @@ class NumbaBackend(Backend):
             return "numba-cuda is not installed: pip install 'cakeops-numba[cuda]'"
         if not torch.cuda.is_available():
             return "no CUDA device (NUMBA_ENABLE_CUDASIM=1 runs the kernels on CPU tensors)"
-        from numba import cuda
-
+        try:
+            from numba import cuda
+        except Exception as exc:  # an import-time failure, with its cause
+            return f"numba-cuda does not import here: {type(exc).__name__}: {exc}"
         if not cuda.is_available():
             return "numba-cuda finds no usable CUDA driver"
+        try:
+            _first_compile()
+        except Exception as exc:  # NVVM missing, an incompatible NumPy, ...: the cause
+            return f"numba-cuda cannot compile a kernel here: {type(exc).__name__}: {exc}"
         return None
 
     def not_supported_reasons(self, op: str, inputs: OpInputs) -> list[str]:

@@ -83,12 +83,13 @@ def _block_m(args) -> int:
 def fits(block_l: int, block_e: int, block_m: int, warps: int, operands_in_registers: bool,
          decays: bool = False):  # fmt: skip
     """The resource rule of a 16-bit config: its tiles fit the register budgets per thread
-    (with log multipliers, ``decays``, the ``BLOCK_L x BLOCK_L`` float32 square counts four
-    times: the scores, the gaps, their exps and the masked product)."""
+    (with log multipliers, ``decays``, the ``BLOCK_L x BLOCK_L`` float32 square counts five
+    times: the scores, the gaps' two parts (high and low sums), their exps and the masked
+    product)."""
     if block_e >= WIDE_BLOCK_E:
         return block_l == 16 and warps == 8
     threads = 32 * warps
-    squares = 4 if decays else 1
+    squares = 5 if decays else 1
     f32 = (block_e * block_m + squares * block_l * block_l + block_l * block_m) / threads
     operands = (2 * block_l * block_e + block_l * block_m) / (2 * threads)
     return f32 <= F32_REGISTERS and (not operands_in_registers or operands <= OPERAND_REGISTERS)
@@ -121,6 +122,22 @@ def _prune(configs, args, **kwargs):
         )
     ]
     return kept or [c for c in configs if c.kwargs["BLOCK_L"] == 16 and c.num_warps == 8][:1]
+
+
+@triton.jit
+def _two_sum(hi_a, lo_a, hi_b, lo_b):
+    """``(hi, lo)`` of ``(hi_a + lo_a) + (hi_b + lo_b)``: ``hi`` the rounded sum of the high
+    parts, ``lo`` the low parts plus the error of that rounding (Knuth's TwoSum)."""
+    s = hi_a + hi_b
+    b = s - hi_a
+    err = (hi_a - (s - b)) + (hi_b - b)
+    return s, lo_a + lo_b + err
+
+
+@triton.jit
+def _floored(lm):
+    """Log multipliers with ``-inf`` as ``-1e30`` (both multiply by exactly 0); NaN kept."""
+    return tl.where(lm < -1e30, -1e30, lm)
 
 
 def _causal_kernel(
@@ -187,17 +204,24 @@ def _causal_kernel(
             # running sums (which loses a small gate beside a large one and gives NaN for a
             # gate of -inf); every sum is <= 0, so a strong decay underflows to zero and
             # nothing overflows. cum: from the chunk's start; tail: from a position to its end.
-            lm = tl.load(LM + (n * H + h) * L + pos64, mask=ok, other=0.0)
-            cum = tl.cumsum(lm, axis=0)
+            lm_row = LM + (n * H + h) * L
+            # -inf (a hard reset) as -1e30: the same multiplier, exp gives 0 either way, and a
+            # difference of sums then never meets -inf - -inf (a NaN stays NaN)
+            lm = _floored(tl.load(lm_row + pos64, mask=ok, other=0.0))
+            # the sums from the chunk's start as pairs hi + lo (lo: what rounding hi lost), so
+            # that a difference of two keeps its small steps beside a large one
+            hi, lo = tl.associative_scan((lm, tl.zeros_like(lm)), 0, _two_sum)
+            cum = hi + lo
             last = tl.sum(lm, axis=0)
-            later = t[:, None] > t[None, :]  # [s, j]: step s comes after position j
-            steps = tl.where(later, lm[:, None], 0.0)
-            tail = tl.sum(steps, axis=0)
+            # tail_j = lm_{j+1} + ... (to the chunk's end): the reverse sum of the next steps
+            after = (t + 1 < BLOCK_L) & (pos + 1 < end)
+            nxt = _floored(tl.load(lm_row + pos64 + 1, mask=after, other=0.0))
+            tail = tl.cumsum(nxt, axis=0, reverse=True)
             if REVERSE:  # [i, j] = exp(lm_{i+1} + .. + lm_j) for j >= i; the state by the tail
-                gap = tl.cumsum(tl.trans(steps), axis=1)
+                gap = (hi[None, :] - hi[:, None]) + (lo[None, :] - lo[:, None])
                 out = out * tl.exp(tail)[:, None]
             else:  # [i, j] = exp(lm_{j+1} + .. + lm_i) for j <= i; the state by exp(cum_i)
-                gap = tl.cumsum(steps, axis=0)
+                gap = (hi[:, None] - hi[None, :]) + (lo[:, None] - lo[None, :])
                 out = out * tl.exp(cum)[:, None]
             scores = scores * tl.exp(tl.where(keep, gap, -float("inf")))
         scores = round_to(tl.where(keep, scores, 0.0), dtype)

@@ -202,11 +202,11 @@ def _act(g, ACT, ALPHA):
         d_inner = 0.7978845608028654 * (1.0 + 0.134145 * g * g)
         a = 0.5 * g * (1.0 + th)
         da = 0.5 * (1.0 + th) + 0.5 * g * (1.0 - th * th) * d_inner
-    elif ACT == 3:  # relu
-        a = tl.maximum(g, 0.0)
+    elif ACT == 3:  # relu: a NaN stays NaN (a GPU's tl.maximum would return the 0)
+        a = tl.where(g < 0.0, 0.0, g)
         da = tl.where(g > 0.0, 1.0, 0.0)
-    else:  # relu2
-        p = tl.maximum(g, 0.0)
+    else:  # relu2, NaN kept as in relu
+        p = tl.where(g < 0.0, 0.0, g)
         a = p * p
         da = 2.0 * p
     return a, da
@@ -425,6 +425,9 @@ def _slot_sum_kernel(SLOTS, IDS, OUT, D, E, TOP_K: tl.constexpr, BLOCK_D: tl.con
 _RUNTIME_MM = ["ROWS", "N_BUCKET", "K_BUCKET", "LAYOUT", "ACT", "CLAMP", "HAS_B1", "HAS_B2"]
 _grouped_mm_tuned = triton.autotune(
     configs=_CONFIGS,
+    # the <h, u> partials: a config writes the rows of its own column tiles only, so a wider
+    # one timed after a narrower one would leave the narrower one's rows behind
+    reset_to_zero=["DWP"],
     key=[
         "N_BUCKET",
         "K_BUCKET",
@@ -500,7 +503,10 @@ def _mm(
     stores_products = mode in (SWIGLU.value, SWIGLU_BWD.value)
     out = torch.empty((rows, n_out), dtype=compute if stores_products else torch.float32,
                       device=a.device)  # fmt: skip
-    out2, out3, dwp = out, out, out
+    out2, out3 = out, out
+    # the partials exist in SWIGLU_BWD alone; elsewhere one element the kernel never reads (the
+    # autotuner zeroes it between configs: see _grouped_mm_tuned)
+    dwp = torch.zeros(1, dtype=torch.float32, device=a.device)
     gated = form is None or form.gated
     if mode == SWIGLU_BWD.value:
         out2, out3 = (torch.empty_like(out) if gated else out), torch.empty_like(out)

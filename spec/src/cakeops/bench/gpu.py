@@ -14,7 +14,11 @@ flash-linear-attention when it imports). On CUDA each row has three times:
 
 Every row is written to ``DIR/gpu-rows.jsonl`` as soon as it is measured and ``DIR/gpu.json`` /
 ``DIR/gpu.md`` are rewritten after each, so a run cut short keeps what it measured. Past
-``--budget`` the remaining contenders are listed as not timed. ``--quick`` takes small shapes
+``--budget`` the remaining contenders are listed as not timed: every op's Triton row comes
+first (the ops in the order of :data:`ORDER`: rmsnorm, moe, routed, causal), then ``torch``'s,
+then the other backends', then the peers, the ``torch.compile`` ones, numba's matrix products
+last; a slow contender takes fewer repeats (about :data:`ROW_SECONDS` of timed steps),
+numba's matrix-product kernels one timed step (:func:`schedule`). ``--quick`` takes small shapes
 and runs on any device (the CPU too: Triton's interpreter, numba's simulator), to check the
 script itself.
 """
@@ -101,14 +105,19 @@ def time_step(step: Callable[[], Any], device: torch.device, repeats: int) -> di
     to queue one) and ``kernels`` (a CUDA graph of one step replayed, or ``None`` with the
     reason in ``graph``). On a CPU the first two are the same wall time and there is no graph."""
     for _ in range(2 if repeats > 1 else 1):  # warm-up: compiles, autotunes, fills caches
+        warm = time.perf_counter()
         step()
-    sync(device)
+        sync(device)
+        warm = time.perf_counter() - warm
+    # a slow contender takes fewer repeats: about ROW_SECONDS of timed steps, at least one
+    repeats = max(1, min(repeats, int(ROW_SECONDS / max(warm, 1e-9))))
     if device.type != "cuda":
         start = time.perf_counter()
         for _ in range(repeats):
             step()
         seconds = (time.perf_counter() - start) / repeats
-        return {"back_to_back": seconds, "host": seconds, "kernels": None, "graph": "no GPU"}
+        return {"back_to_back": seconds, "host": seconds, "kernels": None, "graph": "no GPU",
+                "repeats": repeats}  # fmt: skip
     start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start_ev.record()
     host0 = time.perf_counter()
@@ -117,7 +126,8 @@ def time_step(step: Callable[[], Any], device: torch.device, repeats: int) -> di
     host = (time.perf_counter() - host0) / repeats
     end_ev.record()
     torch.cuda.synchronize(device)
-    result = {"back_to_back": start_ev.elapsed_time(end_ev) / 1e3 / repeats, "host": host}
+    result = {"back_to_back": start_ev.elapsed_time(end_ev) / 1e3 / repeats, "host": host,
+              "repeats": repeats}  # fmt: skip
     result.update(_graph_time(step, device, repeats))
     return result
 
@@ -172,9 +182,32 @@ class Recorder:
             (self.out / "gpu.md").write_text(summary(self.record) + "\n")
 
 
-def _time_case(op, case, device, repeats, limits, recorder, deadline) -> None:
+#: The order the ops are timed in, what must be shown first: rmsnorm (the plainest target,
+#: copy bandwidth), the two expert ops, then causal (the slowest to time).
+ORDER = ("rmsnorm_silu_gate", "moe_experts", "routed_experts", "causal_dot_product")
+#: The backends of each op in the order they are timed: Triton first (the row a GPU run must
+#: show), numba last (its matrix products run on FMA: slow).
+BACKEND_ORDER = ("triton", "torch")
+#: Seconds of timed steps a row aims at: a slow contender takes fewer repeats.
+ROW_SECONDS = 1.0
+#: Ops whose numba-cuda kernels are matrix products on FMA: one timed step there.
+NUMBA_MATMUL = ("causal_dot_product", "moe_experts", "routed_experts")
+
+
+class Contender(NamedTuple):
+    """One row to time: ``fn`` (or why it is not compared) on ``backend`` (None: a peer)."""
+
+    op: str
+    case: GpuCase
+    inputs: Any
+    label: str
+    fn: Callable[[], Any] | str
+    backend: str | None
+
+
+def _inputs(op: str, case: GpuCase):
     spec = SPECS[op]
-    inputs = spec.inputs(
+    return spec.inputs(
         **{
             k: v.detach().requires_grad_(k in spec.differentiable)
             if isinstance(v, torch.Tensor)
@@ -182,36 +215,82 @@ def _time_case(op, case, device, repeats, limits, recorder, deadline) -> None:
             for k, v in case.inputs.items()
         }
     )
-    contenders: dict[str, tuple[Callable[[], Any] | str, str | None]] = {
-        f"cakeops [{name}]": (lambda: spec(**inputs), name)
-        for name in _backends_for(op, case.inputs)
-    }
-    for label, fn in _peers(op, inputs).items():
-        contenders[label] = (fn, None)
-    for label, (fn, backend) in contenders.items():
-        row: dict[str, Any] = {"op": op, "case": case.name, "impl": label}
-        if isinstance(fn, str):
-            recorder.add({**row, "skipped": fn})
-            continue
-        if time.monotonic() > deadline:
-            recorder.add({**row, "skipped": "out of time (--budget)"})
-            continue
-        try:
-            with cakeops.use_backend(backend) if backend else contextlib.nullcontext():
-                step = step_of(op, inputs, fn)
-                row.update({f"{k}_s" if k != "graph" else k: v
-                            for k, v in time_step(step, device, repeats).items()})  # fmt: skip
-                # on a CPU the profiler it takes would cost more than these tiny steps
-                row["peak_bytes"] = peak_memory(step, device) if device.type == "cuda" else None
-        except Exception as exc:  # a peer's failure is a row, not the end of the run
-            recorder.add({**row, "skipped": f"failed: {type(exc).__name__}: {exc}"[:300]})
-            continue
-        seconds = row["kernels_s"] or row["back_to_back_s"]
-        row["time_s"] = seconds
-        if case.work:
-            row["fraction"] = case.work / seconds / limits[case.limit]
-            row["of"] = LIMIT_NAMES[case.limit]
-        recorder.add(row)
+
+
+def _contenders(op: str, case: GpuCase) -> tuple[list[Contender], list[Contender]]:
+    """``(cakeops rows, peers)`` of a case: cakeops' backends in :data:`BACKEND_ORDER`, then
+    any other; the peers as the op's bench module lists them."""
+    spec, inputs = SPECS[op], _inputs(op, case)
+    names = _backends_for(op, case.inputs)
+    rank = {n: i for i, n in enumerate(BACKEND_ORDER)}
+    names.sort(key=lambda n: rank.get(n, len(rank)))
+    ours = [Contender(op, case, inputs, f"cakeops [{n}]", lambda: spec(**inputs), n)
+            for n in names]  # fmt: skip
+    peers = [Contender(op, case, inputs, label, fn, None)
+             for label, fn in _peers(op, inputs).items()]  # fmt: skip
+    return ours, peers
+
+
+def schedule(cases: list[tuple[str, GpuCase]]) -> list[Contender]:
+    """Every row in the order it is timed: every op's Triton row (the ops in :data:`ORDER`),
+    then every op's ``torch`` row, then the other backends', then the peers, the
+    ``torch.compile`` ones (minutes of compiling) after them, and numba's matrix-product rows
+    (FMA kernels, the slowest and the least telling) last: a run out of time loses those,
+    never an op's Triton row."""
+    # tiers: Triton, torch, other backends, peers, torch.compile peers, numba's FMA products
+    tiers: list[list[Contender]] = [[] for _ in range(len(BACKEND_ORDER) + 4)]
+    rank = {n: i for i, n in enumerate(BACKEND_ORDER)}
+    for op, case in cases:
+        ours, peers = _contenders(op, case)
+        for c in ours:
+            slow = c.backend == "numba" and op in NUMBA_MATMUL
+            tiers[-1 if slow else rank.get(c.backend, len(rank))].append(c)
+        for c in peers:
+            tiers[len(rank) + 1 + ("torch.compile" in c.label)].append(c)
+    return [c for tier in tiers for c in tier]
+
+
+def _repeats(contender: Contender, repeats: int) -> int:
+    """numba's matrix-product kernels: one timed step (they run on FMA, seconds a step)."""
+    if contender.backend == "numba" and contender.op in NUMBA_MATMUL:
+        return 1
+    return repeats
+
+
+def _time_contender(contender: Contender, device, repeats, limits, recorder, deadline,
+                    skip: dict[str, str] | None = None) -> None:  # fmt: skip
+    op, case, inputs, label, fn, backend = contender
+    row: dict[str, Any] = {"op": op, "case": case.name, "impl": label}
+    if backend in (skip or {}):
+        fn = f"skipped: {skip[backend]}"  # type: ignore[index]
+    if isinstance(fn, str):
+        recorder.add({**row, "skipped": fn})
+        return
+    if time.monotonic() > deadline:
+        recorder.add({**row, "skipped": "out of time (--budget)"})
+        return
+    if device.type == "cpu" and backend == "numba" and op in NUMBA_MATMUL:
+        # the simulator runs every thread's every product in Python: tens of seconds a step
+        recorder.add({**row, "skipped": "numba's CUDA simulator: too slow to time (the "
+                      "conformance step runs these kernels)"})  # fmt: skip
+        return
+    try:
+        with cakeops.use_backend(backend) if backend else contextlib.nullcontext():
+            step = step_of(op, inputs, fn)
+            timed = time_step(step, device, _repeats(contender, repeats))
+            row.update({f"{k}_s" if k not in ("graph", "repeats") else k: v
+                        for k, v in timed.items()})  # fmt: skip
+            # on a CPU the profiler it takes would cost more than these tiny steps
+            row["peak_bytes"] = peak_memory(step, device) if device.type == "cuda" else None
+    except Exception as exc:  # a peer's failure is a row, not the end of the run
+        recorder.add({**row, "skipped": f"failed: {type(exc).__name__}: {exc}"[:300]})
+        return
+    seconds = row["kernels_s"] or row["back_to_back_s"]
+    row["time_s"] = seconds
+    if case.work:
+        row["fraction"] = case.work / seconds / limits[case.limit]
+        row["of"] = LIMIT_NAMES[case.limit]
+    recorder.add(row)
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -235,6 +314,7 @@ def run(
     out: Path | None = None,
     budget_s: float = float("inf"),
     ops: list[str] | None = None,
+    skip: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     deadline = time.monotonic() + budget_s
     record: dict[str, Any] = {
@@ -249,9 +329,11 @@ def run(
     print(_limits_line(record), flush=True)
     # a quick run on a CPU may be Triton's interpreter or numba's simulator: one timed step
     repeats = (1 if device.type == "cpu" else 3) if quick else 20
-    for op in ops or list(SPECS):
-        for case in _cases(op, device, quick):
-            _time_case(op, case, device, repeats, record["limits"], recorder, deadline)
+    chosen = ops or list(SPECS)
+    ordered = [op for op in ORDER if op in chosen] + [op for op in chosen if op not in ORDER]
+    cases = [(op, case) for op in ordered for case in _cases(op, device, quick)]
+    for contender in schedule(cases):
+        _time_contender(contender, device, repeats, record["limits"], recorder, deadline, skip)
     recorder.save()
     return record
 
@@ -286,7 +368,12 @@ def summary(record: dict[str, Any]) -> str:
         "| of the device limit | vs cakeops [torch] | peak (MiB) |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for r in record["rows"]:
+    rank = {op: i for i, op in enumerate(ORDER)}
+    # grouped by op (and case) for reading, in the order they were timed within each
+    cases = list(dict.fromkeys((r["op"], r["case"]) for r in record["rows"]))
+    rows = sorted(record["rows"], key=lambda r: (rank.get(r["op"], len(rank)),
+                                                 cases.index((r["op"], r["case"]))))  # fmt: skip
+    for r in rows:
         if "skipped" in r:
             lines.append(f"| {r['op']} | {r['case']} | {r['impl']} | not compared: "
                          f"{r['skipped']} | | | | | |")  # fmt: skip
@@ -310,12 +397,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the whole record here")
     parser.add_argument("--budget", type=float, default=float("inf"), metavar="SECONDS",
                         help="time no contender after this many seconds")  # fmt: skip
+    parser.add_argument("--skip", action="append", default=[], metavar="BACKEND=WHY",
+                        help="list this backend's rows as not compared, and why")  # fmt: skip
     args = parser.parse_args(argv)
+    skip = dict(item.split("=", 1) for item in args.skip if "=" in item)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark", file=sys.stderr)
         return 2
-    record = run(device, args.quick, args.out, args.budget, args.op)
+    record = run(device, args.quick, args.out, args.budget, args.op, skip)
     print(summary(record))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -256,6 +256,41 @@ def assert_log_grads_match(got, want, gamma, dtype, names=("log_decay", "log_gat
             assert err.norm() <= bound, f"d{name}: error {err.norm():.3g} beyond {bound:.3g}"
 
 
+def check_against_scan(qkv, tensors, fixed, g, g_final, plain_logs=False):
+    """Output, final state (with ``g_final``) and every gradient against the float64 scan,
+    within the spec's tolerance: the log multipliers' gradients relative to their scale
+    (:func:`log_multiplier_scale`), or relative to themselves with ``plain_logs``."""
+    leaves = {"q": qkv[0], "k": qkv[1], "v": qkv[2], **tensors}
+    final = g_final is not None
+    dtype = qkv[0].dtype
+    result = cakeops.causal_dot_product(*qkv, **tensors, **fixed, output_final_state=final)
+    out, state = result if final else (result, None)
+    loss = (out.double() * g.double()).sum()
+    if final:
+        loss = loss + (state.double() * g_final.double()).sum()
+    got = torch.autograd.grad(loss, list(leaves.values()))
+    exact = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
+    ref_out, ref_state = ref.scan(*(exact[n] for n in "qkv"), **{
+        n: exact[n] for n in tensors}, **fixed)  # fmt: skip
+    ref_loss = (ref_out * g.double()).sum()
+    if final:
+        ref_loss = ref_loss + (ref_state * g_final.double()).sum()
+    want = torch.autograd.grad(ref_loss, list(exact.values()))
+    assert_matches(out, ref_out, "out", dtype)
+    if final:
+        assert_matches(state, ref_state, "final_state", state.dtype)
+    logs = [] if plain_logs else [n for n in leaves if n.startswith("log_")]
+    for name, a, b in zip(leaves, got, want, strict=True):
+        if name not in logs:
+            assert_matches(a, b, f"d{name}", leaves[name].dtype)
+    if not logs:
+        return
+    gamma = log_multiplier_scale(exact, want, g_final, ref_state)
+    index = [list(leaves).index(n) for n in logs]
+    assert_log_grads_match([got[i] for i in index], [want[i] for i in index], gamma, dtype,
+                           logs)  # fmt: skip
+
+
 class TestCausalOptions:
     op = OP
 
@@ -265,39 +300,9 @@ class TestCausalOptions:
         against the float64 scan (``S_t = exp(log_decay + log_gates_t) S_{t-1} + k_t v_t^T``)."""
         if backend in NOT_YET:
             pytest.xfail(NOT_YET[backend])
-        scan = ref.scan
         (q, k, v), tensors, fixed, g, g_final = _option_inputs(OPTION_CASES[case], dtype, device)
-        leaves = {"q": q, "k": k, "v": v, **tensors}
-        names = list(leaves)
-        final = g_final is not None
-
-        def run(*values, math=False):
-            given = dict(zip(names, values, strict=True))
-            q_, k_, v_ = given.pop("q"), given.pop("k"), given.pop("v")
-            if math:
-                out, state = scan(q_, k_, v_, **given, **fixed)
-            else:
-                result = cakeops.causal_dot_product(q_, k_, v_, **given, **fixed,
-                                                    output_final_state=final)  # fmt: skip
-                out, state = result if final else (result, None)
-            return out, state
-
-        out, state = run(*leaves.values())
-        loss = (out.double() * g.double()).sum()
-        if final:
-            loss = loss + (state.double() * g_final.double()).sum()
-        got = torch.autograd.grad(loss, list(leaves.values()))
-        exact = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
-        ref_out, ref_state = run(*exact.values(), math=True)
-        ref_loss = (ref_out * g.double()).sum()
-        if final:
-            ref_loss = ref_loss + (ref_state * g_final.double()).sum()
-        want = torch.autograd.grad(ref_loss, list(exact.values()))
-        assert_matches(out, ref_out, "out", dtype)
-        if final:
-            assert_matches(state, ref_state, "final_state", state.dtype)
-        for name, a, b in zip(names, got, want, strict=True):
-            assert_matches(a, b, f"d{name}", leaves[name].dtype)
+        # at these sizes the log multipliers' gradients meet the plain tolerance too
+        check_against_scan((q, k, v), tensors, fixed, g, g_final, plain_logs=True)
 
     def test_no_positions_hand_the_initial_state_on(self, backend, dtype, device):
         """L = 0: the final states are the initial ones, and their gradient reaches them."""
@@ -461,7 +466,7 @@ class TestCausalOptions:
                 tensors["log_gates"][0, 0, 20] = cut
                 tensors["log_gates"][1, 1, 16] = cut
                 tensors["log_gates"][1, 0, 44] = cut
-        self._check_against_scan((q, k, v), tensors, {}, g, g_final)
+        check_against_scan((q, k, v), tensors, {}, g, g_final)
 
     def test_a_large_gate_keeps_the_small_ones(self, backend, dtype, device):
         """One gate of -1e4 among small ones: the factors across the small ones keep their
@@ -472,7 +477,7 @@ class TestCausalOptions:
             tensors["log_gates"].mul_(0.01)
             tensors["log_gates"][:, :, 5] = -1e4
             tensors["log_gates"][0, 1, 33] = -1e4
-        self._check_against_scan((q, k, v), tensors, {}, g, g_final)
+        check_against_scan((q, k, v), tensors, {}, g, g_final)
 
     @pytest.mark.cakeops_dtypes(torch.float32, torch.float64)  # the decay's gradient: ~1e8
     def test_weak_decay_over_a_long_sequence(self, backend, dtype, device):
@@ -487,7 +492,7 @@ class TestCausalOptions:
                    "log_gates": torch.zeros(1, 2, L, dtype=torch.float64)}  # fmt: skip
         leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
         tensors = {n: t.to(device, dtype).requires_grad_() for n, t in tensors.items()}
-        self._check_against_scan(leaves, tensors, {}, g.to(device, dtype), None)
+        check_against_scan(leaves, tensors, {}, g.to(device, dtype), None)
 
     def test_scale_is_applied_before_rounding(self, backend, dtype, device):
         """16-bit outputs hold the scaled value: an unscaled product beyond float16's range
@@ -541,38 +546,6 @@ class TestCausalOptions:
             results.append((out, state, *torch.autograd.grad(loss, [q, k, v, *tensors.values()])))
         for a, b in zip(*results, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-    @staticmethod
-    def _check_against_scan(qkv, tensors, fixed, g, g_final):
-        """Output, final state (with ``g_final``) and every gradient against the float64
-        scan, within the spec's tolerance."""
-        leaves = {"q": qkv[0], "k": qkv[1], "v": qkv[2], **tensors}
-        final = g_final is not None
-        dtype = qkv[0].dtype
-        result = cakeops.causal_dot_product(*qkv, **tensors, **fixed, output_final_state=final)
-        out, state = result if final else (result, None)
-        loss = (out.double() * g.double()).sum()
-        if final:
-            loss = loss + (state.double() * g_final.double()).sum()
-        got = torch.autograd.grad(loss, list(leaves.values()))
-        exact = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
-        ref_out, ref_state = ref.scan(*(exact[n] for n in "qkv"), **{
-            n: exact[n] for n in tensors}, **fixed)  # fmt: skip
-        ref_loss = (ref_out * g.double()).sum()
-        if final:
-            ref_loss = ref_loss + (ref_state * g_final.double()).sum()
-        want = torch.autograd.grad(ref_loss, list(exact.values()))
-        assert_matches(out, ref_out, "out", dtype)
-        if final:
-            assert_matches(state, ref_state, "final_state", state.dtype)
-        logs = [n for n in leaves if n.startswith("log_")]
-        for name, a, b in zip(leaves, got, want, strict=True):
-            if name not in logs:
-                assert_matches(a, b, f"d{name}", leaves[name].dtype)
-        gamma = log_multiplier_scale(exact, want, g_final, ref_state)
-        index = [list(leaves).index(n) for n in logs]
-        assert_log_grads_match([got[i] for i in index], [want[i] for i in index], gamma, dtype,
-                               logs)  # fmt: skip
 
     @pytest.mark.parametrize("bad", ["positive-decay", "positive-gates", "gates-shape",
                                      "decay-int", "scale-nan", "cu-unsorted", "cu-past-end",

@@ -175,6 +175,22 @@ class TestRoutedExperts:
             tensors[3].mul_(4000)
         check_against_reference(tensors, g, run(tensors, g))
 
+    @pytest.mark.parametrize("form", ["relu", "relu2", "no-gate-relu2", "swiglu-default"])
+    def test_nan_in_a_token_reaches_its_output(self, backend, dtype, device, form):
+        """A NaN in one token's hidden state makes that token's output NaN and leaves the
+        others as they are, in every activation (a GPU's ``tl.maximum`` returns 0 for a NaN:
+        relu and relu² dropped it)."""
+        options, make = FORMS.get(form, ({}, {}))
+        tensors, g = make_inputs(*FORM_SHAPE, dtype, device, **make)
+        bad = tensors[0].detach().clone()
+        bad[3] = float("nan")
+        out = run((bad.requires_grad_(), *tensors[1:]), g, **options)[0]
+        assert torch.isnan(out[3]).all(), out[3]
+        others = torch.ones(out.shape[0], dtype=torch.bool)
+        others[3] = False
+        clean = run(tensors, g, **options)[0]
+        assert torch.equal(out[others], clean[others])
+
     @pytest.mark.parametrize("weight", ["finite", "nan", "inf"])
     def test_dropped_slots(self, backend, dtype, device, weight):
         """Ids ``>= E`` (transformers' expert parallelism: experts on another rank) add nothing
