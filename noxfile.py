@@ -7,8 +7,6 @@ torch pinned by ``.ci/constraints.txt``.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -120,22 +118,22 @@ def gpu_compile(session: nox.Session) -> None:
     session.run("python", "tests/gpu_compile/predict.py", "--docs", "docs/content/gpu.md")
 
 
-#: The GPU image's versions where a CPU machine can have them: its Triton, numba, numba-cuda and
-#: transformers, and the newest NumPy that ``pip install numpy`` gives (the image's own torch,
-#: 2.11 with CUDA, is a multi-GB download: the pinned CPU torch stands in).
-DEVICE_IMAGE = ("triton==3.6.0", "numba==0.68.1", "numba-cuda==0.30.4", "transformers==5.17.0",
-                "numpy", "pytest", "pytest-xdist", "pytest-timeout", "matplotlib")  # fmt: skip
+#: The GPU image's versions: its torch (2.11, the CUDA build from PyPI: on a machine without a
+#: GPU it runs on the CPU), Triton, numba, numba-cuda and transformers, and the newest NumPy that
+#: ``pip install numpy`` gives.
+DEVICE_IMAGE = ("torch==2.11.0", "triton==3.6.0", "numba==0.68.1", "numba-cuda==0.30.4",
+                "transformers==5.17.0", "numpy", "pytest", "pytest-xdist", "pytest-timeout",
+                "matplotlib")  # fmt: skip
 
 
 @nox.session
 def gpu_dry_run_image(session: nox.Session) -> None:
     """``tests/gpu/run.py --dry-run`` as the GPU machine runs it: the sources uninstalled (the
     script's shims), on the device image's versions (:data:`DEVICE_IMAGE`), not the pins."""
-    pins = Path(".ci/constraints.txt").read_text().splitlines()
-    torch_pin = next(line for line in pins if line.startswith("torch=="))
-    session.install(torch_pin.strip(), *DEVICE_IMAGE)
-    session.run("python", "-c", "import numpy, transformers; print('numpy', numpy.__version__, "
-                "'transformers', transformers.__version__)")  # fmt: skip
+    session.install(*DEVICE_IMAGE)
+    session.run("python", "-c", "import numpy, torch, transformers; print('torch', "
+                "torch.__version__, 'numpy', numpy.__version__, 'transformers', "
+                "transformers.__version__)")  # fmt: skip
     session.run("python", "tests/gpu/run.py", "--dry-run", "--out", f"{session.create_tmp()}/gpu")
 
 
