@@ -293,13 +293,13 @@ def main(argv: list[str] | None = None) -> int:
             return NO_DEVICE
     outcomes = []
     steps = plan(out, args.dry_run)
-    for index, step in enumerate(steps):
+    for index in range(len(steps)):
         if index == 1:  # what preflight found missing stops what needs it
             skipped = missing_backends(out)
             for name, why in skipped.items():
                 print(f"skipping {name} in the steps after preflight: {why}")
             steps[1:] = without(steps[1:], skipped)
-            step = steps[1]
+        step = steps[index]
         if time.monotonic() > deadline:
             outcomes.append(Outcome(step.name, "not run: out of time", 0.0, []))
             continue

@@ -83,16 +83,6 @@ def position_log_grads(q, k, dq, dk) -> torch.Tensor:
     return (q.to(ct) * dq.to(ct)).sum(-1) - (k.to(ct) * dk.to(ct)).sum(-1)
 
 
-def _zero_multipliers(log_decay, log_gates, shape, dtype) -> torch.Tensor:
-    """Where ``exp(log_decay + log_gates)`` is exactly 0 in ``dtype``, ``shape`` (N, H, L)."""
-    lm = torch.zeros((), dtype=dtype, device=(log_decay if log_gates is None else log_gates).device)
-    if log_decay is not None:
-        lm = lm + log_decay.to(dtype)[None, :, None]
-    if log_gates is not None:
-        lm = lm + log_gates.to(dtype)
-    return (torch.exp(lm) == 0).expand(shape)
-
-
 def log_multiplier_grads(db, cu_seqlens, at_end, log_decay, log_gates):
     """``(dlog_decay, dlog_gates)`` (None for one not given) from ``db``, the gradient of each
     ``b_t`` (:func:`position_log_grads`), plus ``<g_final, S_T>`` at each sequence's last
@@ -123,7 +113,8 @@ def log_multiplier_grads(db, cu_seqlens, at_end, log_decay, log_gates):
     # A multiplier that is exactly 0 (a log multiplier of -inf, or one whose exp underflows) has
     # a gradient of exactly 0: exp(lm_t) <R_t, S_{t-1}>. The sum above gives it only up to the
     # rounding of the terms it cancels.
-    total = total.masked_fill(_zero_multipliers(log_decay, log_gates, (N, H, L), ct), 0.0)
+    lm = log_multipliers(db[..., None], log_decay, log_gates, ct)  # db's (N, H, L), device
+    total = total.masked_fill(torch.exp(lm) == 0, 0.0)
     d_decay = None if log_decay is None else total.sum((0, 2)).to(log_decay.dtype)
     d_gates = None if log_gates is None else total.to(log_gates.dtype)
     return d_decay, d_gates

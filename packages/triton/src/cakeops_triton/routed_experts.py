@@ -504,11 +504,12 @@ def _mm(
     out = torch.empty((rows, n_out), dtype=compute if stores_products else torch.float32,
                       device=a.device)  # fmt: skip
     out2, out3 = out, out
-    # the partials exist in SWIGLU_BWD alone; elsewhere one element the kernel never reads (the
-    # autotuner zeroes it between configs: see _grouped_mm_tuned)
-    dwp = torch.zeros(1, dtype=torch.float32, device=a.device)
     gated = form is None or form.gated
-    if mode == SWIGLU_BWD.value:
+    if mode != SWIGLU_BWD.value:
+        # the partials exist in SWIGLU_BWD alone; elsewhere one element the kernel never reads
+        # (the autotuner zeroes it between configs: see _grouped_mm_tuned)
+        dwp = torch.zeros(1, dtype=torch.float32, device=a.device)
+    else:
         out2, out3 = (torch.empty_like(out) if gated else out), torch.empty_like(out)
         # zeros: the autotuner's tile width decides how many of these rows are written
         dwp = torch.zeros((triton.cdiv(n_out, MIN_BLOCK_N), rows), dtype=torch.float32,

@@ -218,14 +218,11 @@ def _inputs(op: str, case: GpuCase):
 
 
 def _contenders(op: str, case: GpuCase) -> tuple[list[Contender], list[Contender]]:
-    """``(cakeops rows, peers)`` of a case: cakeops' backends in :data:`BACKEND_ORDER`, then
-    any other; the peers as the op's bench module lists them."""
+    """``(cakeops rows, peers)`` of a case: a row per usable backend; the peers as the op's
+    bench module lists them (:func:`schedule` orders them)."""
     spec, inputs = SPECS[op], _inputs(op, case)
-    names = _backends_for(op, case.inputs)
-    rank = {n: i for i, n in enumerate(BACKEND_ORDER)}
-    names.sort(key=lambda n: rank.get(n, len(rank)))
     ours = [Contender(op, case, inputs, f"cakeops [{n}]", lambda: spec(**inputs), n)
-            for n in names]  # fmt: skip
+            for n in _backends_for(op, case.inputs)]  # fmt: skip
     peers = [Contender(op, case, inputs, label, fn, None)
              for label, fn in _peers(op, inputs).items()]  # fmt: skip
     return ours, peers
@@ -243,18 +240,15 @@ def schedule(cases: list[tuple[str, GpuCase]]) -> list[Contender]:
     for op, case in cases:
         ours, peers = _contenders(op, case)
         for c in ours:
-            slow = c.backend == "numba" and op in NUMBA_MATMUL
-            tiers[-1 if slow else rank.get(c.backend, len(rank))].append(c)
+            tiers[-1 if _fma_products(c) else rank.get(c.backend, len(rank))].append(c)
         for c in peers:
             tiers[len(rank) + 1 + ("torch.compile" in c.label)].append(c)
     return [c for tier in tiers for c in tier]
 
 
-def _repeats(contender: Contender, repeats: int) -> int:
-    """numba's matrix-product kernels: one timed step (they run on FMA, seconds a step)."""
-    if contender.backend == "numba" and contender.op in NUMBA_MATMUL:
-        return 1
-    return repeats
+def _fma_products(contender: Contender) -> bool:
+    """Whether it is numba's matrix-product kernels: FMA, not tensor cores (seconds a step)."""
+    return contender.backend == "numba" and contender.op in NUMBA_MATMUL
 
 
 def _time_contender(contender: Contender, device, repeats, limits, recorder, deadline,
@@ -269,7 +263,7 @@ def _time_contender(contender: Contender, device, repeats, limits, recorder, dea
     if time.monotonic() > deadline:
         recorder.add({**row, "skipped": "out of time (--budget)"})
         return
-    if device.type == "cpu" and backend == "numba" and op in NUMBA_MATMUL:
+    if device.type == "cpu" and _fma_products(contender):
         # the simulator runs every thread's every product in Python: tens of seconds a step
         recorder.add({**row, "skipped": "numba's CUDA simulator: too slow to time (the "
                       "conformance step runs these kernels)"})  # fmt: skip
@@ -277,7 +271,7 @@ def _time_contender(contender: Contender, device, repeats, limits, recorder, dea
     try:
         with cakeops.use_backend(backend) if backend else contextlib.nullcontext():
             step = step_of(op, inputs, fn)
-            timed = time_step(step, device, _repeats(contender, repeats))
+            timed = time_step(step, device, 1 if _fma_products(contender) else repeats)
             row.update({f"{k}_s" if k not in ("graph", "repeats") else k: v
                         for k, v in timed.items()})  # fmt: skip
             # on a CPU the profiler it takes would cost more than these tiny steps
