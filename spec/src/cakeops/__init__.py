@@ -29,6 +29,7 @@ _PUBLIC: dict[str, str | None] = {
     "explain": "cakeops.ops",
     "CausalDotProduct": "cakeops.ops.causal_dot_product",
     "causal_dot_product": "cakeops.ops.causal_dot_product",
+    "gated_delta_rule": "cakeops.ops.gated_delta_rule",
     "moe_experts": "cakeops.ops.moe_experts",
     "RMSNormSiLUGateFunction": "cakeops.ops.rmsnorm_silu_gate",
     "rmsnorm_silu_gate": "cakeops.ops.rmsnorm_silu_gate",
@@ -51,6 +52,7 @@ __all__ = [
     "causal_dot_product",
     "compute_dtype",
     "explain",
+    "gated_delta_rule",
     "moe_experts",
     "nn",
     "rediscover",
@@ -68,6 +70,7 @@ if TYPE_CHECKING:
     from cakeops._spec import TOLERANCES, compute_dtype, relative_error, tolerance
     from cakeops.ops import explain
     from cakeops.ops.causal_dot_product import CausalDotProduct, causal_dot_product
+    from cakeops.ops.gated_delta_rule import gated_delta_rule
     from cakeops.ops.moe_experts import moe_experts
     from cakeops.ops.rmsnorm_silu_gate import RMSNormSiLUGateFunction, rmsnorm_silu_gate
     from cakeops.ops.routed_experts import routed_experts

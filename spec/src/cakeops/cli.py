@@ -14,7 +14,9 @@ from importlib import metadata
 from typing import Any
 
 #: the ops' names, for ``--op`` without importing torch (a test checks them against the specs)
-OP_NAMES = ("causal_dot_product", "moe_experts", "rmsnorm_silu_gate", "routed_experts")
+OP_NAMES = (
+    "causal_dot_product", "gated_delta_rule", "moe_experts", "rmsnorm_silu_gate", "routed_experts"
+)  # fmt: skip
 
 DESCRIPTION = (
     "cakeops: fused training ops with pluggable backends. 'cakeops info' shows what is installed "

@@ -1,0 +1,396 @@
+"""The gated delta rule (and KDA) in plain PyTorch, chunked in the UT/WY form.
+
+Within a chunk of ``CHUNK`` positions, starting from the state ``S0``, with ``E_tj`` the gate
+product over the steps ``(j, t]`` (per key channel for KDA), ``Gamma_t`` over ``[1, t]`` and
+``Gc_t`` over ``(t, C]``::
+
+    A_tj = beta_t sum_c k_tc k_jc E_tjc   (j < t)      P_tj = sum_c q_tc k_jc E_tjc   (j <= t)
+    U = (I + A)^{-1} diag(beta) (V - (Gamma k) S0)     (one triangular solve per chunk)
+    O = scale ((Gamma q) S0 + P U)                     S_C = Gamma_C S0 + (Gc k)^T U
+
+Every gate factor is the ``exp`` of a sum of log gates over the steps it spans (a cumulative sum
+down the columns of a masked matrix): never the ``exp`` of a positive number, never a difference
+of running sums, so a gate of ``-inf`` is an exact reset. The backward is written out by hand:
+it recomputes the chunk-start states with one forward pass over the chunks and walks back,
+without an autograd graph. Packed sequences (``cu_seqlens``) are laid out each from a chunk
+start; value heads that share a key head read it through a broadcast, never a repeated copy.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from cakeops import compute_dtype
+from cakeops.ops.gated_delta_rule import L2NORM_EPS
+
+CHUNK = 64
+#: Bytes of one group of chunks' ``C x C x K`` gate factors (KDA) computed at once.
+GROUP_BYTES = 64 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# Layout: (N, H, L, D) <-> chunks (B, H, G, n, C, D)
+
+
+class _Layout:
+    """Where each chunk's positions come from: ``B`` rows of ``n`` chunks; per chunk, whether a
+    sequence starts or ends there and which sequence it belongs to."""
+
+    def __init__(self, N: int, L: int, cu_seqlens: torch.Tensor | None):
+        C = CHUNK
+        if cu_seqlens is None:
+            self.B, self.n = N, -(-L // C)
+            self.index = None
+            self.pad = self.n * C - L
+            self.starts = {0: list(range(N))} if self.n else {}
+            self.ends = {self.n - 1: list(range(N))} if self.n else {}
+            self.sequences = N
+            return
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+        self.B, self.sequences = 1, len(bounds) - 1
+        index, self.starts, self.ends, chunk = [], {}, {}, 0
+        for i, (s, e) in enumerate(itertools.pairwise(bounds)):
+            if e == s:
+                continue
+            count = -(-(e - s) // C)
+            self.starts[chunk] = [i]
+            self.ends[chunk + count - 1] = [i]
+            positions = list(range(s, e)) + [-1] * (count * C - (e - s))
+            index.extend(positions)
+            chunk += count
+        self.n = chunk
+        self.index = torch.tensor(index, dtype=torch.long, device=cu_seqlens.device)
+        self.valid = self.index >= 0
+        self.L = L
+
+    def chunks(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x`` ``(N, Hx, L, *rest)`` as ``(B, Hx, n, C, *rest)`` in ``dtype``, zeros past
+        each sequence's end."""
+        x = x.to(dtype)
+        rest = x.shape[3:]
+        if self.index is None:
+            if self.pad:
+                x = F.pad(x, (0, 0) * len(rest) + (0, self.pad))
+            return x.reshape(x.shape[0], x.shape[1], self.n, CHUNK, *rest)
+        mask = self.valid.view(-1, *([1] * len(rest)))
+        x = x[:, :, self.index.clamp(min=0)] * mask
+        return x.reshape(1, x.shape[1], self.n, CHUNK, *rest)
+
+    def unchunk(self, x: torch.Tensor, L: int) -> torch.Tensor:
+        """The inverse of :meth:`chunks`: ``(B, Hx, n, C, *rest)`` -> ``(N, Hx, L, *rest)``."""
+        rest = x.shape[4:]
+        x = x.reshape(x.shape[0], x.shape[1], self.n * CHUNK, *rest)
+        if self.index is None:
+            return x[:, :, :L]
+        out = x.new_zeros(1, x.shape[1], L, *rest)
+        return out.index_copy(2, self.index[self.valid], x[:, :, self.valid])
+
+
+def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
+    """``(B, Hv, ...)`` as ``(B, H, G, ...)``: value head ``h`` under key head ``h // G``."""
+    return x.unflatten(1, (H, x.shape[1] // H))
+
+
+# --------------------------------------------------------------------------------------------
+# Within chunks
+
+
+class _Intra:
+    """A group of chunks' quantities that do not depend on the state (``(..., n, C, ...)``)."""
+
+    def __init__(self, q, k, v, g, beta):
+        C = q.shape[-2]
+        self.q, self.k, self.v, self.beta = q, k, v, beta  # q, k: (B, H, 1, n, C, K)
+        gk = g if g.dim() == q.dim() else g.unsqueeze(-1)  # (B, H, G, n, C, Kg)
+        lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        self.lower, self.strict = lower, lower.tril(-1)
+        # pair[t, j] = sum of g over (j, t]: a cumulative sum down each column of the masked
+        # steps (exact pair sums, no difference of running sums)
+        steps = gk.unsqueeze(-2).expand(*gk.shape[:-2], C, C, gk.shape[-1])
+        pair = steps.masked_fill(~self.strict[..., None], 0).cumsum(-3)
+        self.E = torch.exp(pair).masked_fill(~lower[..., None], 0)  # (..., C, C, Kg)
+        self.gamma = torch.exp(gk.cumsum(-2))  # over [1, t]
+        self.gamma_c = self.E[..., -1, :, :]  # over (t, C]
+        self.kda = g.dim() == q.dim()
+        self.Mkk = self._pairs(k, k)
+        self.P = self._pairs(q, k)
+        self.A = (beta.unsqueeze(-1) * self.Mkk).masked_fill(~self.strict, 0)
+        self.qg, self.kg = q * self.gamma, k * self.gamma  # Gamma q, Gamma k
+        self.kc = k * self.gamma_c  # Gc k
+        solve = lambda x: torch.linalg.solve_triangular(  # noqa: E731
+            self.A, x, upper=False, unitriangular=True)  # fmt: skip
+        self.Uv = solve(beta.unsqueeze(-1) * v)
+        self.Wk = solve(beta.unsqueeze(-1) * self.kg)
+
+    def _pairs(self, a, b):
+        """``sum_c a_tc b_jc E_tjc`` for ``j <= t`` (zero above, by selection: a NaN of a
+        later position stays out of an earlier row)."""
+        if self.kda:
+            m = torch.einsum("...tc,...jc,...tjc->...tj", a, b, self.E)
+        else:
+            m = (a @ b.transpose(-1, -2)) * self.E[..., 0]
+        return m.where(self.lower, 0)
+
+    def at(self, i: int) -> _Chunk:
+        return _Chunk(self, i)
+
+
+class _Chunk:
+    """One chunk of a group (index ``i`` along ``n``)."""
+
+    def __init__(self, intra: _Intra, i: int):
+        self.intra, self.i = intra, i
+        for name in ("q", "k", "v", "beta", "gamma", "gamma_c", "Mkk", "P", "A", "qg", "kg",
+                     "kc", "Uv", "Wk", "E"):  # fmt: skip
+            setattr(self, name, getattr(intra, name).select(3, i))
+
+
+def _causal_mm(scores: torch.Tensor, x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """``scores @ x`` for ``scores`` zero outside the causal range (lower triangle; upper with
+    ``reverse``), with no zero times a NaN or Inf of ``x``: the non-finite entries enter through
+    a running sum, reaching only the rows of their causal range."""
+    finite = torch.isfinite(x)
+    out = scores @ x.where(finite, 0)
+    bad = x.masked_fill(finite, 0)
+    return out + (bad.flip(-2).cumsum(-2).flip(-2) if reverse else bad.cumsum(-2))
+
+
+# --------------------------------------------------------------------------------------------
+# The scan over chunks
+
+
+def _l2norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+    return x * r, r
+
+
+def _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm):
+    N, H, L, _ = q.shape
+    ct = compute_dtype(q.dtype)
+    layout = _Layout(N, L, cu_seqlens)
+    q, k = q.to(ct), k.to(ct)
+    norms = None
+    if use_qk_l2norm:
+        (q, rq), (k, rk) = _l2norm(q), _l2norm(k)
+        norms = (rq, rk)
+    qc, kc = (layout.chunks(t, ct).unsqueeze(2) for t in (q, k))  # (B, H, 1, n, C, K)
+    vc, gc, bc = (_heads(layout.chunks(t, ct), H) for t in (v, g, beta))
+    return layout, (q, k), norms, (qc, kc, vc, gc, bc)
+
+
+def _groups(layout: _Layout, shape: tuple[int, ...], kda: bool):
+    """Ranges of chunks whose ``C x C (x K)`` factors are computed at once."""
+    B, H, G, K = shape
+    per_chunk = B * H * G * CHUNK * CHUNK * (K if kda else 1) * 4 * 6
+    size = max(1, GROUP_BYTES // max(per_chunk, 1))
+    return [range(s, min(s + size, layout.n)) for s in range(0, layout.n, size)]
+
+
+def _initial(layout, initial_state, H, shape, dtype, device, sequences):
+    """The state at the start of a chunk that starts ``sequences``."""
+    B, G, K, V = shape
+    if initial_state is None:
+        return torch.zeros(B, H, G, K, V, dtype=dtype, device=device)
+    s0 = _heads(initial_state.to(dtype), H)
+    return s0 if layout.index is None else s0[sequences[0]].unsqueeze(0)
+
+
+def _intra(qc, kc, vc, gc, bc, group: range) -> _Intra:
+    sl = slice(group.start, group.stop)
+    return _Intra(qc[:, :, :, sl], kc[:, :, :, sl], vc[:, :, :, sl], gc[:, :, :, sl],
+                  bc[:, :, :, sl])  # fmt: skip
+
+
+def _step_state(c: _Chunk, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U, S_C)`` of a chunk from its starting state."""
+    U = c.Uv - c.Wk @ S
+    gamma_last = c.gamma[..., -1, :]  # (..., Kg)
+    S_next = gamma_last.unsqueeze(-1) * S + c.kc.transpose(-1, -2) @ U
+    return U, S_next
+
+
+def _scan(layout, chunks, initial_state, scale, H, want_out=True, keep_states=False):
+    """The forward over the chunks: the output chunks, the final states, and (with
+    ``keep_states``) the state at each chunk's start."""
+    qc, kc, vc, gc, bc = chunks
+    B, _, G, n, C, V = vc.shape
+    K = qc.shape[-1]
+    kda = gc.dim() == 6
+    out = vc.new_empty(B, H, G, n, C, V) if want_out else None
+    states = vc.new_empty(B, H, G, n, K, V) if keep_states else None
+    finals: dict[int, torch.Tensor] = {}
+    S = None
+    for group in _groups(layout, (B, H, G, K), kda):
+        intra = _intra(qc, kc, vc, gc, bc, group)
+        for i, chunk in enumerate(group):
+            if chunk in layout.starts:
+                S = _initial(layout, initial_state, H, (B, G, K, V), vc.dtype, vc.device,
+                             layout.starts[chunk])  # fmt: skip
+            c = intra.at(i)
+            if keep_states:
+                states[:, :, :, chunk] = S
+            U, S_next = _step_state(c, S)
+            if want_out:
+                out[:, :, :, chunk] = scale * (c.qg @ S + _causal_mm(c.P, U))
+            S = S_next
+            for s in layout.ends.get(chunk, ()):
+                finals[s] = S
+    return out, finals, states
+
+
+def _final_states(layout, finals, initial_state, shape, dtype, device):
+    """``(sequences, Hv, K, V)``: each sequence's last state (its initial one when empty)."""
+    Hv, K, V = shape
+    if layout.index is None:
+        if finals:
+            return finals[0].reshape(layout.B, Hv, K, V)
+        return (torch.zeros(layout.B, Hv, K, V, dtype=dtype, device=device)
+                if initial_state is None else initial_state.to(dtype).clone())  # fmt: skip
+    rows = []
+    for s in range(layout.sequences):
+        if s in finals:
+            rows.append(finals[s].reshape(Hv, K, V))
+        elif initial_state is None:
+            rows.append(torch.zeros(Hv, K, V, dtype=dtype, device=device))
+        else:
+            rows.append(initial_state[s].to(dtype))
+    return torch.stack(rows)
+
+
+def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+            cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
+    N, H, L, K = q.shape
+    Hv, V = v.shape[1], v.shape[3]
+    scale = K**-0.5 if scale is None else scale
+    layout, _, _, chunks = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
+    out, finals, _ = _scan(layout, chunks, initial_state, scale, H)
+    out = layout.unchunk(out.flatten(1, 2), L).to(q.dtype)
+    if not output_final_state:
+        return out, q.new_empty(0)
+    ct = chunks[2].dtype
+    final = _final_states(layout, finals, initial_state, (Hv, K, V), ct, q.device)
+    dtype = initial_state.dtype if initial_state is not None else ct
+    return out, final.to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward
+
+
+def _suffix(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``sum_{s >= t} x_s`` along ``dim``."""
+    return x.flip(dim).cumsum(dim).flip(dim)
+
+
+def _chunk_backward(c: _Chunk, S, dO, dS, scale, kda):
+    """The gradients of one chunk: ``(dq, dk, dv, dg, dbeta, dS0)`` from the output's and the
+    end state's gradients (``dq``, ``dk`` per value head)."""
+    U, _ = _step_state(c, S)
+    sdO = scale * dO
+    dU = _causal_mm(c.P.transpose(-1, -2), sdO, reverse=True) + c.kc @ dS
+    dP = (sdO @ U.transpose(-1, -2)).where(c.intra.lower, 0)
+    dqg = sdO @ S.transpose(-1, -2)
+    gamma_last = c.gamma[..., -1, :].unsqueeze(-1)  # (..., Kg, 1)
+    dS0 = c.qg.transpose(-1, -2) @ sdO + gamma_last * dS
+    dkc = U @ dS.transpose(-1, -2)
+    state_term = (gamma_last * S * dS).sum(-1)  # d b_C through Gamma_C S0: (..., K)
+    # through the solve U = (I + A)^{-1} W, W = diag(beta) (V - (Gamma k) S0)
+    dW = torch.linalg.solve_triangular(c.A.transpose(-1, -2), dU, upper=True,
+                                       unitriangular=True)  # fmt: skip
+    dA = -(dW @ U.transpose(-1, -2)).where(c.intra.strict, 0)
+    R = c.v - c.kg @ S
+    dbeta = (dW * R).sum(-1) + (dA * c.Mkk).sum(-1)
+    bdW = c.beta.unsqueeze(-1) * dW
+    dv = bdW
+    dkg = -bdW @ S.transpose(-1, -2)
+    dS0 = dS0 - c.kg.transpose(-1, -2) @ bdW
+    X = c.beta.unsqueeze(-1) * dA  # d Mkk (strictly lower)
+    Y = dP  # d P (lower)
+    if kda:
+        XE, YE = X.unsqueeze(-1) * c.E, Y.unsqueeze(-1) * c.E
+        dk = (torch.einsum("...tjc,...jc->...tc", XE, c.k)
+              + torch.einsum("...tjc,...tc->...jc", XE, c.k)
+              + torch.einsum("...tjc,...tc->...jc", YE, c.q))  # fmt: skip
+        dq = torch.einsum("...tjc,...jc->...tc", YE, c.k)
+        # F[t, j, c]: the pair terms' gradient of log E_tjc
+        Fp = (XE * c.k.unsqueeze(-2) + YE * c.q.unsqueeze(-2)) * c.k.unsqueeze(-3)
+    else:
+        XE, YE = X * c.E[..., 0], Y * c.E[..., 0]
+        dk = XE @ c.k + XE.transpose(-1, -2) @ c.k + YE.transpose(-1, -2) @ c.q
+        dq = YE @ c.k
+        Fp = (X * c.Mkk + Y * c.P).unsqueeze(-1)
+    # dg_s += sum_{t >= s} sum_{j < s} F[t, j]: the pairs whose span (j, t] holds s
+    Z = Fp.cumsum(-2) - Fp  # sum over j < s, at [t, s]
+    dg = Z.where(c.intra.lower[..., None], 0).sum(-3)  # t >= s
+    dq = dq + c.gamma * dqg
+    dk = dk + c.gamma * dkg + c.gamma_c * dkc
+    over_start = dqg * c.qg + dkg * c.kg  # d b_t, b over [1, t]
+    over_end = dkc * c.kc  # d of the sum over (t, C]
+    if not kda:
+        over_start, over_end = over_start.sum(-1, keepdim=True), over_end.sum(-1, keepdim=True)
+        state_term = state_term.sum(-1, keepdim=True)
+    dg = dg + _suffix(over_start, -2) + (over_end.cumsum(-2) - over_end) + state_term.unsqueeze(-2)
+    return dq, dk, dv, (dg if kda else dg[..., 0]), dbeta, dS0
+
+
+def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
+             output_final_state=False, cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
+    N, H, L, K = q.shape
+    Hv, V = v.shape[1], v.shape[3]
+    scale = K**-0.5 if scale is None else scale
+    layout, (qn, kn), norms, chunks = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
+    qc, kc, vc, gc, bc = chunks
+    ct = vc.dtype
+    B, _, G, n, C, _ = vc.shape
+    kda = gc.dim() == 6
+    _, _, states = _scan(layout, chunks, initial_state, scale, H, want_out=False,
+                         keep_states=True)  # fmt: skip
+    dO = _heads(layout.chunks(g_out, ct), H)
+    has_final = output_final_state and g_final.numel() > 0
+    gf = _heads(g_final.to(ct), H) if has_final else None
+    grads = {name: torch.zeros(shape, dtype=ct, device=q.device) for name, shape in (
+        ("q", (B, H, G, n, C, K)), ("k", (B, H, G, n, C, K)), ("v", vc.shape),
+        ("g", gc.shape), ("beta", bc.shape))}  # fmt: skip
+    d_init = None
+    if initial_state is not None:
+        d_init = torch.zeros(initial_state.shape, dtype=ct, device=q.device)
+    dS = torch.zeros(B, H, G, K, V, dtype=ct, device=q.device)
+    for group in reversed(_groups(layout, (B, H, G, K), kda)):
+        intra = _intra(qc, kc, vc, gc, bc, group)
+        for i, chunk in reversed(list(enumerate(group))):
+            ends = layout.ends.get(chunk)
+            if ends is not None:  # a sequence's last chunk: its final state's gradient
+                if gf is None:
+                    dS = torch.zeros_like(dS)
+                else:
+                    dS = gf if layout.index is None else gf[ends[0]].unsqueeze(0)
+            S = states[:, :, :, chunk]
+            dq, dk, dv, dg, db, dS = _chunk_backward(intra.at(i), S, dO[:, :, :, chunk], dS,
+                                                     scale, kda)  # fmt: skip
+            for name, d in (("q", dq), ("k", dk), ("v", dv), ("g", dg), ("beta", db)):
+                grads[name][:, :, :, chunk] = d
+            starts = layout.starts.get(chunk)
+            if starts is not None and d_init is not None:
+                d_hv = dS.flatten(1, 2)
+                if layout.index is None:
+                    d_init += d_hv
+                else:
+                    d_init[starts[0]] += d_hv[0]
+    if d_init is not None and has_final:
+        # empty sequences hand their initial state on as the final one
+        ended = {s for ends in layout.ends.values() for s in ends}
+        for s in range(layout.sequences):
+            if s not in ended:
+                d_init[s] += g_final[s].to(ct)
+    dq = layout.unchunk(grads["q"].sum(2), L)
+    dk = layout.unchunk(grads["k"].sum(2), L)
+    if norms is not None:
+        (rq, rk) = norms
+        dq = rq * (dq - qn * (qn * dq).sum(-1, keepdim=True))
+        dk = rk * (dk - kn * (kn * dk).sum(-1, keepdim=True))
+    dv, dg, dbeta = (layout.unchunk(grads[name].flatten(1, 2), L) for name in ("v", "g", "beta"))
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
+            None if d_init is None else d_init.to(initial_state.dtype))  # fmt: skip
