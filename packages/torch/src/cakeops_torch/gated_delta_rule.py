@@ -148,12 +148,14 @@ class _Chunk:
             setattr(self, name, getattr(intra, name).select(3, i))
 
 
-def _causal_mm(scores: torch.Tensor, x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
-    """``scores @ x`` for ``scores`` zero outside the causal range (lower triangle; upper with
-    ``reverse``), with no zero times a NaN or Inf of ``x``: the non-finite entries enter through
-    a running sum, reaching only the rows of their causal range."""
+def _causal_mm(scores: torch.Tensor, x: torch.Tensor, reverse: bool = False,
+               product=torch.matmul) -> torch.Tensor:  # fmt: skip
+    """``scores @ x`` (or ``product(scores, x)``) for ``scores`` zero outside the causal range
+    (lower triangle; upper with ``reverse``), with no zero times a NaN or Inf of ``x``: the
+    non-finite entries enter through a running sum, reaching only the rows of their causal
+    range."""
     finite = torch.isfinite(x)
-    out = scores @ x.where(finite, 0)
+    out = product(scores, x.where(finite, 0))
     bad = x.masked_fill(finite, 0)
     return out + (bad.flip(-2).cumsum(-2).flip(-2) if reverse else bad.cumsum(-2))
 
@@ -262,7 +264,7 @@ def _final_states(layout, finals, initial_state, shape, dtype, device):
 
 def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
             cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
-    N, H, L, K = q.shape
+    _, H, L, K = q.shape
     Hv, V = v.shape[1], v.shape[3]
     scale = K**-0.5 if scale is None else scale
     layout, _, _, chunks = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
@@ -283,6 +285,13 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
 def _suffix(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``sum_{s >= t} x_s`` along ``dim``."""
     return x.flip(dim).cumsum(dim).flip(dim)
+
+
+def _before(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``sum_{s < t} x_s`` along ``dim`` (shifted, not ``cumsum - x``: a NaN at ``t`` stays out
+    of the sum before it)."""
+    shifted = x.narrow(dim, 0, x.shape[dim] - 1)
+    return torch.cat([torch.zeros_like(x.narrow(dim, 0, 1)), shifted.cumsum(dim)], dim)
 
 
 def _chunk_backward(c: _Chunk, S, dO, dS, scale, kda):
@@ -311,19 +320,21 @@ def _chunk_backward(c: _Chunk, S, dO, dS, scale, kda):
     Y = dP  # d P (lower)
     if kda:
         XE, YE = X.unsqueeze(-1) * c.E, Y.unsqueeze(-1) * c.E
-        dk = (torch.einsum("...tjc,...jc->...tc", XE, c.k)
-              + torch.einsum("...tjc,...tc->...jc", XE, c.k)
-              + torch.einsum("...tjc,...tc->...jc", YE, c.q))  # fmt: skip
-        dq = torch.einsum("...tjc,...jc->...tc", YE, c.k)
+        rows = lambda a, b: torch.einsum("...tjc,...jc->...tc", a, b)  # noqa: E731
+        cols = lambda a, b: torch.einsum("...tjc,...tc->...jc", a, b)  # noqa: E731
+        dk = (_causal_mm(XE, c.k, product=rows) + _causal_mm(XE, c.k, True, cols)
+              + _causal_mm(YE, c.q, True, cols))  # fmt: skip
+        dq = _causal_mm(YE, c.k, product=rows)
         # F[t, j, c]: the pair terms' gradient of log E_tjc
         Fp = (XE * c.k.unsqueeze(-2) + YE * c.q.unsqueeze(-2)) * c.k.unsqueeze(-3)
     else:
         XE, YE = X * c.E[..., 0], Y * c.E[..., 0]
-        dk = XE @ c.k + XE.transpose(-1, -2) @ c.k + YE.transpose(-1, -2) @ c.q
-        dq = YE @ c.k
+        dk = (_causal_mm(XE, c.k) + _causal_mm(XE.transpose(-1, -2), c.k, reverse=True)
+              + _causal_mm(YE.transpose(-1, -2), c.q, reverse=True))  # fmt: skip
+        dq = _causal_mm(YE, c.k)
         Fp = (X * c.Mkk + Y * c.P).unsqueeze(-1)
     # dg_s += sum_{t >= s} sum_{j < s} F[t, j]: the pairs whose span (j, t] holds s
-    Z = Fp.cumsum(-2) - Fp  # sum over j < s, at [t, s]
+    Z = _before(Fp, -2)  # sum over j < s, at [t, s]
     dg = Z.where(c.intra.lower[..., None], 0).sum(-3)  # t >= s
     dq = dq + c.gamma * dqg
     dk = dk + c.gamma * dkg + c.gamma_c * dkc
@@ -332,14 +343,14 @@ def _chunk_backward(c: _Chunk, S, dO, dS, scale, kda):
     if not kda:
         over_start, over_end = over_start.sum(-1, keepdim=True), over_end.sum(-1, keepdim=True)
         state_term = state_term.sum(-1, keepdim=True)
-    dg = dg + _suffix(over_start, -2) + (over_end.cumsum(-2) - over_end) + state_term.unsqueeze(-2)
+    dg = dg + _suffix(over_start, -2) + _before(over_end, -2) + state_term.unsqueeze(-2)
     return dq, dk, dv, (dg if kda else dg[..., 0]), dbeta, dS0
 
 
 def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
              output_final_state=False, cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
-    N, H, L, K = q.shape
-    Hv, V = v.shape[1], v.shape[3]
+    _, H, L, K = q.shape
+    V = v.shape[3]
     scale = K**-0.5 if scale is None else scale
     layout, (qn, kn), norms, chunks = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
     qc, kc, vc, gc, bc = chunks

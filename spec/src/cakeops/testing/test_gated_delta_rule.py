@@ -1,0 +1,330 @@
+"""Conformance of ``gated_delta_rule`` (docs/content/ops/gated_delta_rule.md) for the backend
+under test: the checks only this op has (``test_every_op`` has the shared ones). The oracle is
+the float64 recurrence of :mod:`cakeops.reference.gated_delta_rule`, one step at a time."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+import cakeops
+from cakeops.reference import gated_delta_rule as ref
+from cakeops.testing import assert_bad_input_raises, assert_matches
+
+OP = "gated_delta_rule"
+#: Kernels run by an emulator on the CPU, thousands of times slower than on a device.
+EMULATED = (
+    os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+)
+
+#: name -> the options a case gives (every case has grouped value heads: 2 per key head)
+OPTION_CASES = {
+    "plain": (),
+    "kda": ("kda",),
+    "scale": ("scale",),
+    "initial_state": ("initial_state",),
+    "final": ("final",),
+    "l2norm": ("l2norm",),
+    "packed": ("packed",),
+    "one-value-head-per-key-head": ("ungrouped",),
+    "together": ("scale", "initial_state", "final", "l2norm", "packed"),
+    "together-kda": ("kda", "scale", "initial_state", "final", "l2norm", "packed"),
+}
+CU_SEQLENS = [0, 9, 9, 40, 70, 70, 77]  # empty sequences among them, a chunk boundary crossed
+
+
+def make_inputs(given=(), dtype=torch.float32, device="cpu", N=2, H=2, G=2, L=77, K=8, V=6,
+                seed=0):  # fmt: skip
+    """``(tensors by name, fixed options, g_out, g_final)``: q, k, v, g, beta (and
+    initial_state) requiring grad, as models give them (unit keys, sigmoid-like beta)."""
+    gen = torch.Generator().manual_seed(seed)
+    G = 1 if "ungrouped" in given else G
+    N = 1 if "packed" in given else N
+    Hv = H * G
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(shape, generator=gen, dtype=torch.float64) * scale
+
+    k = rand(N, H, L, K)
+    if "l2norm" not in given:
+        k = torch.nn.functional.normalize(k, dim=-1)
+    tensors = {
+        "q": rand(N, H, L, K, scale=1.0 if "l2norm" in given else K**-0.5 * 2),
+        "k": k,
+        "v": rand(N, Hv, L, V),
+        "g": -0.4
+        * torch.rand(
+            (N, Hv, L, K) if "kda" in given else (N, Hv, L), generator=gen, dtype=torch.float64
+        ),
+        "beta": torch.rand(N, Hv, L, generator=gen, dtype=torch.float64),
+    }
+    fixed: dict = {}
+    sequences = N
+    if "packed" in given:
+        fixed["cu_seqlens"] = torch.tensor(CU_SEQLENS, device=device)
+        sequences = len(CU_SEQLENS) - 1
+    if "initial_state" in given:
+        tensors["initial_state"] = rand(sequences, Hv, K, V, scale=0.5)
+    if "scale" in given:
+        fixed["scale"] = 0.7
+    if "l2norm" in given:
+        fixed["use_qk_l2norm"] = True
+    fixed["output_final_state"] = "final" in given
+    tensors = {n: t.to(device, dtype).requires_grad_() for n, t in tensors.items()}
+    g_out = rand(N, Hv, L, V).to(device, dtype)
+    g_final = rand(sequences, Hv, K, V).to(device)
+    return tensors, fixed, g_out, g_final
+
+
+def run(tensors, fixed, g_out, g_final, math=False):
+    """``(out, final_state or None, *gradients)`` of the op (or of the float64 recurrence)."""
+    if math:
+        leaves = {n: t.detach().double().requires_grad_() for n, t in tensors.items()}
+        kw = {n: v for n, v in fixed.items() if n != "output_final_state"}
+        out, final = ref.scan(**leaves, **kw)
+    else:
+        leaves = tensors
+        result = cakeops.gated_delta_rule(**leaves, **fixed)
+        out, final = result if fixed.get("output_final_state") else (result, None)
+    loss = (out.double() * g_out.double()).sum()
+    if fixed.get("output_final_state") and final is not None:
+        loss = loss + (final.double() * g_final.double()).sum()
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    final = final if fixed.get("output_final_state") else None
+    return (out.detach(), None if final is None else final.detach(), *grads)
+
+
+def check_against_reference(tensors, fixed, g_out, g_final):
+    got = run(tensors, fixed, g_out, g_final)
+    want = run(tensors, fixed, g_out, g_final, math=True)
+    names = ["out", "final_state", *(f"d{n}" for n in tensors)]
+    dtypes = [g_out.dtype, None, *(t.dtype for t in tensors.values())]
+    for name, a, b, dtype in zip(names, got, want, dtypes, strict=True):
+        if a is None:
+            continue
+        assert_matches(a, b, name, dtype or a.dtype)
+
+
+class TestGatedDeltaRule:
+    op = OP
+
+    @pytest.mark.parametrize("case", list(OPTION_CASES))
+    def test_options_match_the_recurrence(self, backend, dtype, device, case):
+        """Each option alone and together: the output, the final state and every gradient
+        against the float64 recurrence."""
+        check_against_reference(*make_inputs(OPTION_CASES[case], dtype, device))
+
+    def test_wide_heads(self, backend, dtype, device):
+        """Head sizes past 128 (kernels may split K or V): every option, KDA."""
+        given = ("kda", "initial_state", "final", "l2norm")
+        check_against_reference(*make_inputs(given, dtype, device, N=1, H=1, L=20, K=136, V=5))
+
+    @pytest.mark.parametrize("beta", [0.0, 1.0])
+    def test_beta_zero_and_one(self, backend, dtype, device, beta):
+        """beta 0: nothing is written, the state only decays; beta 1: the key's slot is
+        overwritten with v (u = v - S^T k)."""
+        tensors, fixed, g_out, g_final = make_inputs(("initial_state", "final"), dtype, device)
+        with torch.no_grad():
+            tensors["beta"].fill_(beta)
+            tensors["g"].mul_(0.1)  # a final state within 16-bit's normal range
+        check_against_reference(tensors, fixed, g_out, g_final)
+        if beta == 0.0 and dtype in (torch.float32, torch.float64):  # (16-bit: subnormal)
+            _, final = cakeops.gated_delta_rule(**tensors, **fixed)
+            decay = tensors["g"].detach().double().sum(-1).exp()[..., None, None]
+            want = tensors["initial_state"].detach().double() * decay
+            assert_matches(final, want, "final_state", final.dtype)
+
+    def test_hard_reset(self, backend, dtype, device):
+        """A log gate of -inf (or -1e30) cuts the state (a factor of exactly 0): output, final
+        state and every gradient finite and equal to the recurrence's; a gate of -1e4 beside
+        small ones keeps their accuracy."""
+        for given in (("initial_state", "final"), ("kda", "initial_state", "final")):
+            tensors, fixed, g_out, g_final = make_inputs(given, dtype, device)
+            with torch.no_grad():
+                g = tensors["g"]
+                g[0, 0, 20] = -torch.inf  # mid-chunk
+                g[1, 1, 64] = -1e30  # at a chunk's start
+                g[0, 3, 76] = -torch.inf  # the last position
+                g[1, 2, 5] = -1e4
+            check_against_reference(tensors, fixed, g_out, g_final)
+
+    @pytest.mark.cakeops_not_for(
+        "reference", reason="the float64 recurrence is a Python loop: too slow at 65,536 steps"
+    )
+    def test_strong_gates_over_65536_steps_stay_finite(self, backend, device):
+        L = 2048 if EMULATED else 65536
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 2, L, 16, generator=gen).to(device)
+        v = torch.randn(1, 2, L, 16, generator=gen).to(device)
+        g = torch.full((1, 2, L), -30.0, device=device)
+        g[:, 1] = -1e-3
+        beta = torch.ones(1, 2, L, device=device)
+        leaves = [t.requires_grad_() for t in (q, v, g, beta)]
+        out, final = cakeops.gated_delta_rule(leaves[0], leaves[0], leaves[1], leaves[2],
+                                              leaves[3], output_final_state=True,
+                                              use_qk_l2norm=True)  # fmt: skip
+        grads = torch.autograd.grad(out.sum() + final.sum(), leaves)
+        for t in (out, final, *grads):
+            assert torch.isfinite(t).all()
+
+    def test_packed_sequences_equal_separate_calls(self, backend, dtype, device):
+        """A packed batch (empty sequences included) gives, per sequence, the output, final
+        state and gradients of that sequence run alone."""
+        given = ("kda", "initial_state", "final", "l2norm", "packed")
+        tensors, fixed, g_out, g_final = make_inputs(given, dtype, device)
+        packed = run(tensors, fixed, g_out, g_final)
+        for i, (s, e) in enumerate(itertools.pairwise(CU_SEQLENS)):
+            alone = {n: (t.detach()[i : i + 1] if n == "initial_state"
+                         else t.detach()[:, :, s:e]).requires_grad_()
+                     for n, t in tensors.items()}  # fmt: skip
+            options = {n: v for n, v in fixed.items() if n != "cu_seqlens"}
+            got = run(alone, options, g_out[:, :, s:e], g_final[i : i + 1])
+            assert_matches(packed[0][:, :, s:e], got[0], "out", dtype)
+            assert_matches(packed[1][i : i + 1], got[1], "final_state", packed[1].dtype)
+            for j, name in enumerate(tensors):
+                whole = packed[2 + j]
+                part = whole[i : i + 1] if name == "initial_state" else whole[:, :, s:e]
+                assert_matches(part, got[2 + j], f"d{name}", dtype)
+
+    def test_prefill_then_continuation_equals_the_whole(self, backend, dtype, device):
+        """Prefill, then continuing from its final state (one step, then a chunk) gives the
+        whole sequence's outputs, final state and gradients (decoding's path)."""
+        tensors, fixed, g_out, g_final = make_inputs(("kda", "l2norm", "final"), dtype, device)
+        whole = run(tensors, fixed, g_out, g_final)
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
+        parts, state, outs = ((0, 50), (50, 51), (51, 77)), None, []
+        for s, e in parts:
+            piece = {n: t[:, :, s:e] for n, t in leaves.items()}
+            out, state = cakeops.gated_delta_rule(**piece, initial_state=state,
+                                                  output_final_state=True,
+                                                  use_qk_l2norm=True)  # fmt: skip
+            outs.append(out)
+        out = torch.cat(outs, 2)
+        loss = (out.double() * g_out.double()).sum() + (state.double() * g_final).sum()
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        assert_matches(out, whole[0].double(), "out", dtype)
+        assert_matches(state, whole[1].double(), "final_state", state.dtype)
+        for name, a, b in zip(leaves, grads, whole[2:], strict=True):
+            assert_matches(a, b.double(), f"d{name}", dtype)
+
+    def test_strided_views_in_the_models_layout(self, backend, device):
+        """Inputs in Hugging Face's ``(N, L, H, D)`` layout passed as ``transpose(1, 2)`` views
+        give the results of contiguous copies."""
+        tensors, fixed, g_out, g_final = make_inputs(("final", "l2norm"), torch.float32, device)
+        views = {n: t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+                 for n, t in tensors.items()}  # fmt: skip
+        assert not views["q"].is_contiguous()
+        for a, b in zip(run(views, fixed, g_out, g_final), run(tensors, fixed, g_out, g_final),
+                        strict=True):  # fmt: skip
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    @pytest.mark.parametrize("packed", [False, True])
+    def test_opcheck_and_compile(self, backend, device, packed):
+        """The custom op with every option passes torch.library.opcheck (its backward too), and
+        torch.compile(fullgraph=True) gives the eager results."""
+        given = ("kda", "scale", "initial_state", "final", "l2norm") + (("packed",) if packed
+                                                                          else ())  # fmt: skip
+        tensors, fixed, g_out, g_final = make_inputs(given, torch.float32, device, L=21)
+        if packed:
+            fixed["cu_seqlens"] = torch.tensor([0, 5, 5, 12, 21], device=device)
+            tensors["initial_state"] = tensors["initial_state"].detach()[:4].requires_grad_()
+            g_final = g_final[:4]
+        from cakeops.ops import SPECS
+
+        values = SPECS[OP].inputs(**tensors, **fixed).values()
+        torch.library.opcheck(torch.ops.cakeops.gated_delta_rule.default, tuple(values))
+        plain = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in values)
+        backward = torch.ops.cakeops.gated_delta_rule_backward.default
+        torch.library.opcheck(backward, (g_out, g_final.float(), *plain))
+
+        def call(fn):
+            leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
+            out, state = fn(**leaves, **fixed)
+            loss = (out * g_out).sum() + (state * g_final.float()).sum()
+            return (out, state, *torch.autograd.grad(loss, list(leaves.values())))
+
+        torch._dynamo.reset()
+        eager = call(cakeops.gated_delta_rule)
+        compiled = call(torch.compile(cakeops.gated_delta_rule, fullgraph=True))
+        for a, b in zip(eager, compiled, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    @pytest.mark.cakeops_dtypes(torch.float64)
+    @pytest.mark.parametrize("kda", [False, True])
+    def test_gradcheck(self, backend, dtype, device, kda):
+        """Float64 gradcheck of the output and the final state in every differentiable input,
+        every option given, packed."""
+        given = ("initial_state", "final", "l2norm", "scale", "packed") + (("kda",) if kda
+                                                                            else ())  # fmt: skip
+        tensors, fixed, _, _ = make_inputs(given, dtype, device, H=1, G=2, L=13, K=3, V=2)
+        fixed["cu_seqlens"] = torch.tensor([0, 4, 4, 9, 13], device=device)
+        tensors["initial_state"] = tensors["initial_state"].detach()[:4].requires_grad_()
+        names = list(tensors)
+
+        def fn(*values):
+            return cakeops.gated_delta_rule(**dict(zip(names, values, strict=True)), **fixed)
+
+        # a log gate nudged by gradcheck stays <= 0
+        with torch.no_grad():
+            tensors["g"].clamp_(max=-0.01)
+        assert torch.autograd.gradcheck(fn, tuple(tensors.values()))
+
+    @pytest.mark.parametrize("kda", [False, True])
+    @pytest.mark.parametrize("poisoned", ["k", "v", "g_out"])
+    def test_non_finite_values_stay_causal(self, backend, dtype, device, poisoned, kda):
+        """A NaN makes non-finite exactly the entries of the output and of the gradients that
+        the float64 recurrence makes non-finite (the positions it reaches), and leaves every
+        other entry as it is without it."""
+        tensors, fixed, g_out, g_final = make_inputs(("kda",) if kda else (), dtype, device,
+                                                     L=70)  # fmt: skip
+        bad = {n: t.detach().clone() for n, t in tensors.items()}
+        bad["g_out"] = g_out.clone()
+        bad[poisoned][0, 1, 30] = float("nan")  # key head 1 (value heads 2, 3), chunk 0
+        g_bad = bad.pop("g_out")
+        leaves = {n: t.requires_grad_() for n, t in bad.items()}
+        got = run(leaves, fixed, g_bad, g_final)
+        want = run(leaves, fixed, g_bad, g_final, math=True)
+        fine = run(tensors, fixed, g_out, g_final, math=True)
+        names = ["out", "final", *(f"d{n}" for n in tensors)]
+        for name, a, w, f in zip(names, got, want, fine, strict=True):
+            if a is None:
+                continue
+            finite = torch.isfinite(w)
+            assert torch.equal(torch.isfinite(a).cpu(), finite.cpu()), f"{name}: non-finite differ"
+            assert_matches(a.where(finite, 0), f.where(finite, 0), name, a.dtype)
+
+    @pytest.mark.parametrize("bad", ["positive-g", "g-shape", "beta-shape", "heads", "k-shape",
+                                     "v-dtype", "scale-nan", "cu-unsorted", "cu-n2",
+                                     "initial-shape", "cu-float", "q-3d"])  # fmt: skip
+    def test_bad_inputs_raise(self, backend, device, bad):
+        q = torch.randn(2, 2, 8, 4, device=device)
+        v = torch.randn(2, 4, 8, 3, device=device)
+        g = -torch.rand(2, 4, 8, device=device)
+        beta = torch.rand(2, 4, 8, device=device)
+        args = {"q": q, "k": q, "v": v, "g": g, "beta": beta}
+        cases = {
+            "positive-g": ({"g": g.abs() + 0.1}, ValueError, "g"),
+            "g-shape": ({"g": g[:, :2]}, ValueError, "g"),
+            "beta-shape": ({"beta": beta[..., None]}, ValueError, "beta"),
+            "heads": ({"v": v[:, :3]}, ValueError, "v"),
+            "k-shape": ({"k": q[:, :, :7]}, ValueError, "k"),
+            "v-dtype": ({"v": v.double()}, TypeError, "v"),
+            "scale-nan": ({"scale": float("nan")}, ValueError, "scale"),
+            "cu-unsorted": ({"cu_seqlens": torch.tensor([0, 5, 3, 8])}, ValueError,
+                            "cu_seqlens"),
+            "cu-n2": ({"cu_seqlens": torch.tensor([0, 8])}, ValueError, "cu_seqlens"),
+            "cu-float": ({"cu_seqlens": torch.tensor([0.0, 8.0])}, TypeError, "cu_seqlens"),
+            "initial-shape": ({"initial_state": torch.zeros(2, 2, 4, 3)}, ValueError,
+                              "initial_state"),
+            "q-3d": ({"q": q[0]}, ValueError, "q"),
+        }  # fmt: skip
+        kwargs, error, argument = cases[bad]
+        if bad in ("cu-unsorted", "cu-float"):
+            args = {n: t[:1] for n, t in args.items()}
+        kwargs = {n: t.to(device) if isinstance(t, torch.Tensor) else t
+                  for n, t in kwargs.items()}  # fmt: skip
+        call = lambda: cakeops.gated_delta_rule(**{**args, **kwargs})  # noqa: E731
+        assert_bad_input_raises(OP, call, error, argument)
