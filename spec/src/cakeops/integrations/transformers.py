@@ -7,7 +7,11 @@
   ``gate_up_proj`` read as two views, without a copy.
 - :func:`apply_cakeops` does that on a built model and also swaps its gated RMSNorms
   (``Qwen3NextRMSNormGated``, ``MambaRMSNormGated``) for :func:`cakeops.rmsnorm_silu_gate`,
-  keeping their parameters and state-dict names.
+  keeping their parameters and state-dict names, MiniMax's lightning attention's core for
+  :func:`cakeops.causal_dot_product`, and the gated delta rule and KDA of every layer that calls
+  transformers' ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` /
+  ``chunk_kda`` / ``fused_recurrent_kda`` (Qwen3-Next, Qwen3.5, OLMo-Hybrid, Kimi Linear, ...)
+  for :func:`cakeops.gated_delta_rule`, packed sequences included.
 
 Importing this module registers ``"cakeops"``. Checkpoints are unchanged: no weight is copied or
 renamed.
@@ -16,11 +20,15 @@ renamed.
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
+import types
 from typing import Any
 
 import torch
 
 from cakeops.ops.causal_dot_product import causal_dot_product
+from cakeops.ops.gated_delta_rule import gated_delta_rule
 from cakeops.ops.rmsnorm_silu_gate import rmsnorm_silu_gate
 from cakeops.ops.routed_experts import ACTIVATIONS, routed_experts
 
@@ -289,9 +297,115 @@ PATCHED = {**GATED_NORMS, **LINEAR_ATTENTIONS}
 _patched: dict[type, type] = {}
 
 
+# --------------------------------------------------------------------------------------------
+# The gated delta rule and KDA (Gated DeltaNet and Kimi Delta Attention layers)
+
+
+def _hf_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                   output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+                   scale=None, **kwargs):  # fmt: skip
+    """fla's and transformers' ``chunk_gated_delta_rule`` / ``chunk_kda`` (and their recurrent
+    forms) on :func:`cakeops.gated_delta_rule`: ``(N, L, H, D)`` tensors passed as transposed
+    views (no copy), packed sequences kept apart by ``cu_seqlens``."""
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    out, state = gated_delta_rule(t(query), t(key), t(value), t(g), t(beta), scale=scale,
+                                  initial_state=initial_state, output_final_state=True,
+                                  cu_seqlens=cu_seqlens,
+                                  use_qk_l2norm=use_qk_l2norm_in_kernel)  # fmt: skip
+    return t(out), (state if output_final_state else None)
+
+
+#: the kernel names transformers' ``use_kernel_func_from_hub_with_fallback`` wraps that
+#: cakeops serves
+DELTA_RULES = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda",
+               "fused_recurrent_kda")  # fmt: skip
+
+
+def _hub_name(fn: Any) -> str | None:
+    """The kernel name of a function wrapped by transformers' hub fallback, else None."""
+    if not callable(fn) or not hasattr(fn, "__wrapped__"):
+        return None
+    try:
+        nonlocals = inspect.getclosurevars(fn).nonlocals
+    except (TypeError, ValueError):
+        return None
+    name = nonlocals.get("func_name")
+    return name if isinstance(name, str) else None
+
+
+def _layers(fn: Any) -> list[Any]:
+    """``fn`` and the functions it wraps (``functools.wraps`` chains: transformers wraps some
+    forwards in hooks)."""
+    chain = []
+    while callable(fn) and hasattr(fn, "__code__") and fn not in chain:
+        chain.append(fn)
+        fn = getattr(fn, "__wrapped__", None)
+    return chain
+
+
+def _served_names(cls: type) -> tuple[str, ...]:
+    """The globals ``cls.forward`` (or a function it wraps) calls that are delta-rule kernels
+    cakeops serves."""
+    names = []
+    for fn in _layers(cls.__dict__.get("forward")):
+        scope = fn.__globals__
+        names += [n for n in fn.__code__.co_names if _hub_name(scope.get(n)) in DELTA_RULES]
+    return tuple(dict.fromkeys(names))
+
+
+def _served_module(scope: dict[str, Any], served: dict[str, Any]) -> types.ModuleType:
+    """A module copying the model module whose globals are ``scope``, with the ``served`` names
+    from cakeops, importable as ``cakeops._served.<model module>``: torch.compile guards a
+    function's globals through the module they belong to, by name."""
+    name = f"cakeops._served.{scope['__name__']}"
+    module = sys.modules.get(name)
+    if module is None:
+        module = types.ModuleType(name)
+        module.__dict__.update(scope)
+        module.__dict__.update(served, __name__=name)
+        sys.modules[name] = module
+    return module
+
+
+def _rebound(fn: Any, served: dict[str, Any]) -> Any:
+    """A copy of ``fn`` reading the ``served`` names from cakeops: the same code over a copy of
+    its globals (and the function it wraps, held in its closure, rebound the same way)."""
+    cells = fn.__closure__
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is not None and cells:
+        new_inner = _rebound(inner, served)
+
+        def swap(cell):
+            try:
+                return types.CellType(new_inner) if cell.cell_contents is inner else cell
+            except ValueError:  # an empty cell
+                return cell
+
+        cells = tuple(swap(c) for c in cells)
+    scope = fn.__globals__
+    if any(n in fn.__code__.co_names for n in served):
+        scope = _served_module(scope, served).__dict__
+    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, cells)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return functools.wraps(fn)(copy) if inner is None else functools.update_wrapper(
+        copy, fn, updated=())  # fmt: skip
+
+
+def _delta_rule_class(cls: type) -> type:
+    """``cls`` with its forward reading the delta-rule kernels from cakeops (other models of
+    the family keep transformers' functions)."""
+    if cls not in _patched:
+        served = dict.fromkeys(_served_names(cls), _hf_delta_rule)
+        forward = _rebound(cls.__dict__["forward"], served)
+        body = {"forward": forward, "__reduce_ex__": _reduce_ex, "__cakeops_original__": cls}
+        _patched[cls] = type(f"Cakeops{cls.__name__}", (cls,), body)
+    return _patched[cls]
+
+
 def _new_patched(cls: type) -> torch.nn.Module:
     """Unpickling: an empty instance of ``cls``'s patched class (its state comes after)."""
-    return object.__new__(_patched_class(cls))
+    patched = _patched_class(cls) if cls.__name__ in PATCHED else _delta_rule_class(cls)
+    return object.__new__(patched)
 
 
 def _reduce_ex(self: torch.nn.Module, protocol: int):
@@ -322,8 +436,11 @@ def apply_cakeops(model: torch.nn.Module) -> torch.nn.Module:
     ):
         model.set_experts_implementation(NAME)
     for module in model.modules():
-        if type(module).__name__ in PATCHED:
-            module.__class__ = _patched_class(type(module))
+        cls = type(module)
+        if cls.__name__ in PATCHED:
+            module.__class__ = _patched_class(cls)
+        elif cls not in _patched.values() and _served_names(cls):
+            module.__class__ = _delta_rule_class(cls)
     return model
 
 

@@ -1,0 +1,201 @@
+"""The gated delta rule and KDA inside Hugging Face transformers: every family whose layers call
+``chunk_gated_delta_rule`` / ``chunk_kda`` (and their recurrent forms) runs them on
+:func:`cakeops.gated_delta_rule` after ``apply_cakeops``; loss, every gradient and greedy
+generation match the unpatched model; packed sequences stay apart where transformers' fallback
+refuses them; and the op agrees with transformers' own fallbacks."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import pkgutil
+
+import pytest
+import torch
+import transformers as tf
+from hf_delta_rule_families import BUILT, FAMILIES, MODULES, NOT_BUILT
+
+import cakeops
+from cakeops.integrations import transformers as integration
+from cakeops.integrations.transformers import apply_cakeops
+
+TOLERANCE = 2 * cakeops.tolerance(torch.float32)
+
+
+def pair(family: str):
+    config_class, sizes = FAMILIES[family]
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config_class(**sizes))
+    return model, apply_cakeops(copy.deepcopy(model))
+
+
+def tokens(seed: int = 1, shape=(2, 12)):
+    return torch.randint(3, 64, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def served_modules() -> set[str]:
+    """The transformers model modules with a layer that calls a delta-rule kernel."""
+    found = set()
+    for info in pkgutil.iter_modules(tf.models.__path__):
+        name = f"transformers.models.{info.name}.modeling_{info.name}"
+        if importlib.util.find_spec(f"transformers.models.{info.name}") is None:
+            continue
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 (a model needing an absent extra)
+            continue
+        for obj in vars(module).values():
+            if (isinstance(obj, type) and issubclass(obj, torch.nn.Module)
+                    and obj.__module__ == name and integration._served_names(obj)):  # fmt: skip
+                found.add(info.name)
+    return found
+
+
+def test_every_family_of_the_installed_transformers_is_listed():
+    """Each family calling the delta-rule kernels is built here or says why not."""
+    assert served_modules() == set(MODULES.values())
+    for family in MODULES:
+        assert family in BUILT or MODULES[family] in NOT_BUILT
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", BUILT)
+def test_loss_and_every_gradient_match_the_model(family):
+    """The patched model's loss matches the unpatched model's, and its loss and every gradient
+    are within the float32 tolerance of the exact values: the patched model in float64 (the op
+    in float64 is the float64 recurrence's to 1e-12, by the conformance suite). transformers'
+    float32 fallback is itself further than that from them in some gradients (``dt_bias``:
+    5.7e-5 on Qwen3.5), from its ``exp(b_i - b_j)`` of running sums of the gates."""
+    model, patched = pair(family)
+    assert any(integration._served_names(type(m)) for m in patched.modules())
+    ids = tokens()
+    # proof that cakeops runs the delta rule: a backend that does not exist is refused
+    with (cakeops.use_backend("nope", op="gated_delta_rule"),
+          pytest.raises(cakeops.BackendError)):  # fmt: skip
+        patched(ids)
+    loss, grads = _loss_and_grads(model, ids)
+    loss_c, grads_c = _loss_and_grads(patched, ids)
+    loss_x, grads_x = _loss_and_grads(copy.deepcopy(patched).double(), ids)
+    assert cakeops.relative_error(loss_c, loss) <= TOLERANCE
+    assert cakeops.relative_error(loss_c, loss_x) <= TOLERANCE
+    assert grads.keys() == grads_c.keys() == grads_x.keys()
+    for name, exact in grads_x.items():
+        err = cakeops.relative_error(grads_c[name], exact)
+        assert err <= TOLERANCE, f"{name}: relative error {err:.2e}"
+    assert list(model.state_dict()) == list(patched.state_dict())
+
+
+@pytest.mark.parametrize("family", BUILT)
+def test_greedy_generation_matches(family):
+    """32 greedy tokens (prefill through the chunked op, then one-token steps from the cached
+    state) equal the unpatched model's, each step's logits within the tolerance."""
+    model, patched = pair(family)
+    ids = tokens(shape=(1, 9))
+    runs = []
+    for m in (model, patched):
+        m.eval()
+        out = m.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True)  # fmt: skip
+        runs.append(out)
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    for a, b in zip(runs[0].scores, runs[1].scores, strict=True):
+        assert cakeops.relative_error(b, a) <= TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["Qwen3-Next", "Kimi-Linear"])
+@pytest.mark.parametrize("mode", ["compile", "checkpointing"])
+def test_training_steps(mode, family):
+    """Three SGD steps on cakeops match the unpatched model's, compiled or with activation
+    checkpointing."""
+    model, patched = pair(family)
+    losses = {}
+    for name, m in (("model", model), ("cakeops", patched)):
+        if mode == "checkpointing":
+            m.activation_checkpointing_enable({"use_reentrant": False})
+            m.train()
+        step = torch.compile(m) if mode == "compile" else m
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses[name] = []
+        ids = tokens()
+        for _ in range(3):
+            optimizer.zero_grad()
+            loss = step(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            losses[name].append(loss.detach())
+    for a, b in zip(losses["cakeops"], losses["model"], strict=True):
+        assert cakeops.relative_error(a, b) <= TOLERANCE
+    assert losses["cakeops"][-1] < losses["cakeops"][0]
+
+
+def _inputs(kda: bool, L: int = 40, heads=(2, 4), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    H, Hv = heads
+    q, k = (torch.randn(1, L, H, 8, generator=gen) for _ in "qk")
+    v = torch.randn(1, L, Hv, 8, generator=gen)
+    g = -torch.rand(1, L, Hv, *((8,) if kda else ()), generator=gen) * 0.5
+    beta = torch.rand(1, L, Hv, generator=gen)
+    return [t.requires_grad_() for t in (q, k, v, g, beta)]
+
+
+FALLBACKS = {
+    "chunk_gated_delta_rule": ("qwen3_next", "torch_chunk_gated_delta_rule", False),
+    "fused_recurrent_gated_delta_rule": ("qwen3_next", "torch_recurrent_gated_delta_rule",
+                                         False),
+    "chunk_kda": ("kimi_linear", "chunk_kimi_delta_attention", True),
+    "fused_recurrent_kda": ("kimi_linear", "recurrent_kimi_delta_attention", True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", list(FALLBACKS))
+def test_the_op_agrees_with_transformers_fallbacks(kernel):
+    """cakeops' adapter against transformers' own PyTorch fallbacks (float32): output, final
+    state and every gradient, from an initial state, with l2-normalised q and k."""
+    module, name, kda = FALLBACKS[kernel]
+    fallback = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
+                       name).__wrapped__  # fmt: skip
+    heads = (4, 4) if kda else (2, 4)
+    state = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(3))
+    results = []
+    for fn in (fallback, integration._hf_delta_rule):
+        leaves = [t.detach().clone().requires_grad_() for t in _inputs(kda, heads=heads)]
+        s0 = state.clone().requires_grad_()
+        out, final = fn(*leaves, initial_state=s0, output_final_state=True,
+                        use_qk_l2norm_in_kernel=True)  # fmt: skip
+        loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum() + final.sum()
+        results.append((out, final, *torch.autograd.grad(loss, [*leaves, s0])))
+    for a, b in zip(*results, strict=True):
+        assert cakeops.relative_error(b, a) <= TOLERANCE
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_packed_sequences_stay_apart_where_the_fallback_refuses(kda):
+    """``cu_seqlens`` through the adapter: each document's output, final state and gradients
+    equal that document run alone; transformers' fallback raises on the same call."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    heads = (4, 4) if kda else (2, 4)
+    leaves = _inputs(kda, L=40, heads=heads)
+    cu = torch.tensor([0, 7, 7, 30, 40])
+    if not kda:
+        with pytest.raises(ValueError, match="packed sequences"):
+            torch_chunk_gated_delta_rule(*leaves, cu_seqlens=cu)
+    out, final = integration._hf_delta_rule(*leaves, output_final_state=True, cu_seqlens=cu,
+                                            use_qk_l2norm_in_kernel=True)  # fmt: skip
+    grads = torch.autograd.grad(out.sum() + final.sum(), leaves)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        alone = [t.detach()[:, s:e].clone().requires_grad_() for t in leaves]
+        o, f = integration._hf_delta_rule(*alone, output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True)  # fmt: skip
+        torch.testing.assert_close(out[:, s:e], o, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(final[i : i + 1], f, rtol=1e-5, atol=1e-6)
+        if e > s:
+            parts = torch.autograd.grad(o.sum() + f.sum(), alone)
+            for whole, part in zip(grads, parts, strict=True):
+                torch.testing.assert_close(whole[:, s:e], part, rtol=1e-5, atol=1e-6)
