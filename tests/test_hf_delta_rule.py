@@ -42,7 +42,7 @@ def served_modules() -> set[str]:
             continue
         try:
             module = importlib.import_module(name)
-        except Exception:  # noqa: BLE001 (a model needing an absent extra)
+        except Exception:  # a model needing an absent extra
             continue
         for obj in vars(module).values():
             if (isinstance(obj, type) and issubclass(obj, torch.nn.Module)
