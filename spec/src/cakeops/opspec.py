@@ -234,8 +234,10 @@ def _checked(
     name: str,
     got: Any,
     like: tuple[Shape, torch.dtype, torch.device],
+    contiguous: bool = True,
 ) -> torch.Tensor:
-    """``got`` made contiguous, after checking it has the shape, dtype and device in ``like``."""
+    """``got`` (made contiguous unless told not to), after checking it has the shape, dtype and
+    device in ``like``."""
     shape, dtype, device = like
     if (
         not isinstance(got, torch.Tensor)
@@ -247,7 +249,7 @@ def _checked(
             f"{op}: backend {backend.name!r} returned {name} as {_spec.describe(got)}, expected "
             f"{_spec.dtype_name(dtype)} of shape {tuple(shape)} on {device}"
         )
-    return got.contiguous()
+    return got.contiguous() if contiguous else got
 
 
 def _may_differentiate_backward() -> bool:
@@ -598,7 +600,10 @@ class OpSpec:
                 _absent(g)
                 if t is None
                 else _like(
-                    _checked(self.name, backend, f"d{name}", grad, (t.shape, t.dtype, t.device)), t
+                    # laid out by _like: a gradient with its input's strides stays as it is
+                    _checked(self.name, backend, f"d{name}", grad, (t.shape, t.dtype, t.device),
+                             contiguous=False),
+                    t,
                 )
                 for (name, t), grad in zip(tensors.items(), grads, strict=True)
             )

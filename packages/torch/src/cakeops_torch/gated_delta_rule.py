@@ -18,6 +18,7 @@ start; value heads that share a key head read it through a broadcast, never a re
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -27,8 +28,9 @@ from cakeops import compute_dtype
 from cakeops.ops.gated_delta_rule import L2NORM_EPS
 
 CHUNK = 64
-#: Bytes of one group of chunks' ``C x C x K`` gate factors (KDA) computed at once.
-GROUP_BYTES = 64 << 20
+#: Bytes of the state-independent quantities of one group of chunks, computed at once (the
+#: backward keeps a state per chunk of one group, and one per group).
+GROUP_BYTES = 16 << 20
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,7 +118,6 @@ class _Intra:
         self.gamma_c = self.E[..., -1, :, :]  # over (t, C]
         self.kda = g.dim() == q.dim()
         self.Mkk = self._pairs(k, k)
-        self.P = self._pairs(q, k)
         self.A = (beta.unsqueeze(-1) * self.Mkk).masked_fill(~self.strict, 0)
         self.qg, self.kg = q * self.gamma, k * self.gamma  # Gamma q, Gamma k
         self.kc = k * self.gamma_c  # Gc k
@@ -124,6 +125,10 @@ class _Intra:
             self.A, x, upper=False, unitriangular=True)  # fmt: skip
         self.Uv = solve(beta.unsqueeze(-1) * v)
         self.Wk = solve(beta.unsqueeze(-1) * self.kg)
+
+    @functools.cached_property
+    def P(self) -> torch.Tensor:
+        return self._pairs(self.q, self.k)
 
     def _pairs(self, a, b):
         """``sum_c a_tc b_jc E_tjc`` for ``j <= t`` (zero above, by selection: a NaN of a
@@ -139,13 +144,16 @@ class _Intra:
 
 
 class _Chunk:
-    """One chunk of a group (index ``i`` along ``n``)."""
+    """One chunk of a group (index ``i`` along ``n``): the group's quantities, selected when
+    first read."""
 
     def __init__(self, intra: _Intra, i: int):
         self.intra, self.i = intra, i
-        for name in ("q", "k", "v", "beta", "gamma", "gamma_c", "Mkk", "P", "A", "qg", "kg",
-                     "kc", "Uv", "Wk", "E"):  # fmt: skip
-            setattr(self, name, getattr(intra, name).select(3, i))
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        value = getattr(self.intra, name).select(3, self.i)
+        setattr(self, name, value)
+        return value
 
 
 def _causal_mm(scores: torch.Tensor, x: torch.Tensor, reverse: bool = False,
@@ -164,29 +172,33 @@ def _causal_mm(scores: torch.Tensor, x: torch.Tensor, reverse: bool = False,
 # The scan over chunks
 
 
-def _l2norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
-    return x * r, r
+def _inverse_norms(x: torch.Tensor) -> torch.Tensor:
+    """``1 / sqrt(sum(x^2) + eps)`` per position ``(..., 1)`` (``use_qk_l2norm``), without a
+    full-size temporary."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return torch.rsqrt(norm * norm + L2NORM_EPS)
 
 
 def _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm):
+    """The layout and the inputs as chunk views (copies only to pad, gather or convert); with
+    ``use_qk_l2norm``, q and k are normalised a group of chunks at a time (:func:`_intra`)."""
     N, H, L, _ = q.shape
     ct = compute_dtype(q.dtype)
     layout = _Layout(N, L, cu_seqlens)
-    q, k = q.to(ct), k.to(ct)
+    chunks = [layout.chunks(t, ct).unsqueeze(2) for t in (q, k)]  # (B, H, 1, n, C, K)
+    chunks += [_heads(layout.chunks(t, ct), H) for t in (v, g, beta)]
     norms = None
     if use_qk_l2norm:
-        (q, rq), (k, rk) = _l2norm(q), _l2norm(k)
-        norms = (rq, rk)
-    qc, kc = (layout.chunks(t, ct).unsqueeze(2) for t in (q, k))  # (B, H, 1, n, C, K)
-    vc, gc, bc = (_heads(layout.chunks(t, ct), H) for t in (v, g, beta))
-    return layout, (q, k), norms, (qc, kc, vc, gc, bc)
+        norms = tuple(layout.chunks(_inverse_norms(t.to(ct)), ct).unsqueeze(2) for t in (q, k))
+    return layout, norms, chunks
 
 
 def _groups(layout: _Layout, shape: tuple[int, ...], kda: bool):
-    """Ranges of chunks whose ``C x C (x K)`` factors are computed at once."""
-    B, H, G, K = shape
-    per_chunk = B * H * G * CHUNK * CHUNK * (K if kda else 1) * 4 * 6
+    """Ranges of chunks whose state-independent quantities are computed at once: about
+    ``GROUP_BYTES`` of ``C x C (x K)`` factors and ``C x K`` products."""
+    B, H, G, K, V = shape
+    C = CHUNK
+    per_chunk = B * H * G * 4 * (C * C * (3 * (K if kda else 1) + 4) + C * (6 * K + 3 * V))
     size = max(1, GROUP_BYTES // max(per_chunk, 1))
     return [range(s, min(s + size, layout.n)) for s in range(0, layout.n, size)]
 
@@ -200,10 +212,12 @@ def _initial(layout, initial_state, H, shape, dtype, device, sequences):
     return s0 if layout.index is None else s0[sequences[0]].unsqueeze(0)
 
 
-def _intra(qc, kc, vc, gc, bc, group: range) -> _Intra:
+def _intra(chunks, norms, group: range) -> _Intra:
     sl = slice(group.start, group.stop)
-    return _Intra(qc[:, :, :, sl], kc[:, :, :, sl], vc[:, :, :, sl], gc[:, :, :, sl],
-                  bc[:, :, :, sl])  # fmt: skip
+    q, k, v, g, beta = (t[:, :, :, sl] for t in chunks)
+    if norms is not None:
+        q, k = q * norms[0][:, :, :, sl], k * norms[1][:, :, :, sl]
+    return _Intra(q, k, v, g, beta)
 
 
 def _step_state(c: _Chunk, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,33 +228,31 @@ def _step_state(c: _Chunk, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return U, S_next
 
 
-def _scan(layout, chunks, initial_state, scale, H, want_out=True, keep_states=False):
-    """The forward over the chunks: the output chunks, the final states, and (with
-    ``keep_states``) the state at each chunk's start."""
-    qc, kc, vc, gc, bc = chunks
+def _scan(layout, chunks, norms, initial_state, scale, H, want_out=True):
+    """The forward over the chunks: the output chunks, the final states, and the state at each
+    group's start."""
+    qc, _, vc, gc, _ = chunks
     B, _, G, n, C, V = vc.shape
     K = qc.shape[-1]
-    kda = gc.dim() == 6
     out = vc.new_empty(B, H, G, n, C, V) if want_out else None
-    states = vc.new_empty(B, H, G, n, K, V) if keep_states else None
     finals: dict[int, torch.Tensor] = {}
+    group_starts = []
     S = None
-    for group in _groups(layout, (B, H, G, K), kda):
-        intra = _intra(qc, kc, vc, gc, bc, group)
+    for group in _groups(layout, (B, H, G, K, V), gc.dim() == 6):
+        intra = _intra(chunks, norms, group)
+        group_starts.append(S)
         for i, chunk in enumerate(group):
             if chunk in layout.starts:
                 S = _initial(layout, initial_state, H, (B, G, K, V), vc.dtype, vc.device,
                              layout.starts[chunk])  # fmt: skip
             c = intra.at(i)
-            if keep_states:
-                states[:, :, :, chunk] = S
             U, S_next = _step_state(c, S)
             if want_out:
                 out[:, :, :, chunk] = scale * (c.qg @ S + _causal_mm(c.P, U))
             S = S_next
             for s in layout.ends.get(chunk, ()):
                 finals[s] = S
-    return out, finals, states
+    return out, finals, group_starts
 
 
 def _final_states(layout, finals, initial_state, shape, dtype, device):
@@ -267,8 +279,8 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     _, H, L, K = q.shape
     Hv, V = v.shape[1], v.shape[3]
     scale = K**-0.5 if scale is None else scale
-    layout, _, _, chunks = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
-    out, finals, _ = _scan(layout, chunks, initial_state, scale, H)
+    layout, norms, chunks = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
+    out, finals, _ = _scan(layout, chunks, norms, initial_state, scale, H)
     out = layout.unchunk(out.flatten(1, 2), L).to(q.dtype)
     if not output_final_state:
         return out, q.new_empty(0)
@@ -352,25 +364,42 @@ def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
     _, H, L, K = q.shape
     V = v.shape[3]
     scale = K**-0.5 if scale is None else scale
-    layout, (qn, kn), norms, chunks = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
-    qc, kc, vc, gc, bc = chunks
+    layout, norms, chunks = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
+    _, _, vc, gc, bc = chunks
     ct = vc.dtype
     B, _, G, n, C, _ = vc.shape
     kda = gc.dim() == 6
-    _, _, states = _scan(layout, chunks, initial_state, scale, H, want_out=False,
-                         keep_states=True)  # fmt: skip
+    shape = (B, H, G, K, V)
+    groups = _groups(layout, shape, kda)
+    _, _, group_starts = _scan(layout, chunks, norms, initial_state, scale, H, want_out=False)
     dO = _heads(layout.chunks(g_out, ct), H)
     has_final = output_final_state and g_final.numel() > 0
     gf = _heads(g_final.to(ct), H) if has_final else None
-    grads = {name: torch.zeros(shape, dtype=ct, device=q.device) for name, shape in (
-        ("q", (B, H, G, n, C, K)), ("k", (B, H, G, n, C, K)), ("v", vc.shape),
-        ("g", gc.shape), ("beta", bc.shape))}  # fmt: skip
+    inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    if layout.index is None and layout.pad == 0:
+        # the gradients written in place, laid out like their inputs (a transposed view's
+        # gradient is one too): no copy to unchunk, none for the spec to match the strides
+        full = {n: torch.empty_like(t, dtype=ct) for n, t in inputs.items()}
+        grads = {name: t.unflatten(2, (n, C)) for name, t in full.items()}
+        grads.update({n: _heads(grads[n], H) for n in ("v", "g", "beta")})
+    else:
+        full = None
+        grads = {name: torch.zeros(shape, dtype=ct, device=q.device) for name, shape in (
+            ("q", (B, H, n, C, K)), ("k", (B, H, n, C, K)), ("v", vc.shape),
+            ("g", gc.shape), ("beta", bc.shape))}  # fmt: skip
     d_init = None
     if initial_state is not None:
         d_init = torch.zeros(initial_state.shape, dtype=ct, device=q.device)
     dS = torch.zeros(B, H, G, K, V, dtype=ct, device=q.device)
-    for group in reversed(_groups(layout, (B, H, G, K), kda)):
-        intra = _intra(qc, kc, vc, gc, bc, group)
+    for group, S in reversed(list(zip(groups, group_starts, strict=True))):
+        intra = _intra(chunks, norms, group)
+        states = []  # the group's chunk-start states, recomputed from the group's start
+        for i, chunk in enumerate(group):
+            if chunk in layout.starts:
+                S = _initial(layout, initial_state, H, (B, G, K, V), ct, q.device,
+                             layout.starts[chunk])  # fmt: skip
+            states.append(S)
+            _, S = _step_state(intra.at(i), S)
         for i, chunk in reversed(list(enumerate(group))):
             ends = layout.ends.get(chunk)
             if ends is not None:  # a sequence's last chunk: its final state's gradient
@@ -378,10 +407,17 @@ def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
                     dS = torch.zeros_like(dS)
                 else:
                     dS = gf if layout.index is None else gf[ends[0]].unsqueeze(0)
-            S = states[:, :, :, chunk]
-            dq, dk, dv, dg, db, dS = _chunk_backward(intra.at(i), S, dO[:, :, :, chunk], dS,
+            c = intra.at(i)
+            dq, dk, dv, dg, db, dS = _chunk_backward(c, states[i], dO[:, :, :, chunk], dS,
                                                      scale, kda)  # fmt: skip
-            for name, d in (("q", dq), ("k", dk), ("v", dv), ("g", dg), ("beta", db)):
+            dq, dk = dq.sum(2), dk.sum(2)
+            if norms is not None:  # through x / |x|: r (dx - x^ (x^ . dx))
+                dq, dk = (r[:, :, 0, chunk] * (d - x * torch.linalg.vecdot(x, d).unsqueeze(-1))
+                          for d, x, r in ((dq, c.q[:, :, 0], norms[0]),
+                                          (dk, c.k[:, :, 0], norms[1])))  # fmt: skip
+            grads["q"][:, :, chunk] = dq
+            grads["k"][:, :, chunk] = dk
+            for name, d in (("v", dv), ("g", dg), ("beta", db)):
                 grads[name][:, :, :, chunk] = d
             starts = layout.starts.get(chunk)
             if starts is not None and d_init is not None:
@@ -396,12 +432,9 @@ def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
         for s in range(layout.sequences):
             if s not in ended:
                 d_init[s] += g_final[s].to(ct)
-    dq = layout.unchunk(grads["q"].sum(2), L)
-    dk = layout.unchunk(grads["k"].sum(2), L)
-    if norms is not None:
-        (rq, rk) = norms
-        dq = rq * (dq - qn * (qn * dq).sum(-1, keepdim=True))
-        dk = rk * (dk - kn * (kn * dk).sum(-1, keepdim=True))
-    dv, dg, dbeta = (layout.unchunk(grads[name].flatten(1, 2), L) for name in ("v", "g", "beta"))
+    if full is None:
+        full = {n: layout.unchunk(grads[n] if n in "qk" else grads[n].flatten(1, 2), L)
+                for n in inputs}  # fmt: skip
+    dq, dk, dv, dg, dbeta = full.values()
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
             None if d_init is None else d_init.to(initial_state.dtype))  # fmt: skip

@@ -1,0 +1,71 @@
+"""``gated_delta_rule`` against transformers' PyTorch fallback (``torch_chunk_gated_delta_rule``
+under autograd, what Qwen3-Next, Qwen3.5 and OLMo-Hybrid run without flash-linear-attention),
+in the models' ``(N, L, H, D)`` layout, with l2-normalised q and k as they call it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import cakeops
+from cakeops.bench.tables import format_table
+from cakeops.bench.timing import cakeops_rows, measure, result_row
+
+#: name -> (N, L, H key heads, Hv value heads, K = V)
+CASES = {
+    "N1 L4096 H8 Hv16 D128": (1, 4096, 8, 16, 128),
+    "N1 L2048 H16 Hv32 D128 (Qwen3-Next 80B)": (1, 2048, 16, 32, 128),
+}
+QUICK_CASES = {"N1 L256 H2 Hv4 D32": (1, 256, 2, 4, 32)}
+
+
+def transformers_fallback():
+    """transformers' chunked fallback itself (not its hub wrapper), or None without it."""
+    try:
+        from transformers.models.qwen3_next import modeling_qwen3_next as m
+    except ImportError:
+        return None
+    fn = m.torch_chunk_gated_delta_rule
+    return getattr(fn, "__wrapped__", fn)
+
+
+def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
+    rows = []
+    fallback = transformers_fallback()
+    for name, (N, L, H, Hv, D) in (QUICK_CASES if quick else CASES).items():
+        gen = torch.Generator().manual_seed(0)
+        q, k = (torch.randn(N, L, H, D, generator=gen).to(device) for _ in "qk")
+        v = torch.randn(N, L, Hv, D, generator=gen).to(device)
+        g = -torch.rand(N, L, Hv, generator=gen).to(device) * 0.1
+        beta = torch.rand(N, L, Hv, generator=gen).to(device)
+        leaves = tuple(t.requires_grad_() for t in (q, k, v, g, beta))
+        upstream = torch.randn(N, L, Hv, D, generator=gen).to(device)
+
+        def op(q, k, v, g, beta):
+            t = lambda x: x.transpose(1, 2)  # noqa: E731
+            out = cakeops.gated_delta_rule(t(q), t(k), t(v), t(g), t(beta), use_qk_l2norm=True)
+            return t(out)
+
+        rows_ = list(cakeops_rows(op, cakeops.explain(cakeops.gated_delta_rule, *(
+            t.transpose(1, 2) for t in leaves), use_qk_l2norm=True).backend))  # fmt: skip
+        if fallback is not None:
+            rows_.append(("transformers fallback",
+                          lambda *a: fallback(*a, use_qk_l2norm_in_kernel=True)[0]))  # fmt: skip
+        contenders = {}
+        for label, fn in rows_:
+
+            def fwd(fn=fn, leaves=leaves):
+                return fn(*leaves)
+
+            def step(fwd=fwd, leaves=leaves, upstream=upstream):
+                return torch.autograd.grad(fwd(), leaves, upstream)
+
+            contenders[label] = (fwd, step)
+        results = measure(contenders, device, repeats=2 if quick else 3)
+        baseline = "transformers fallback" if fallback is not None else next(iter(results))
+        print(format_table(f"\ngated_delta_rule fwd+bwd, {name}, float32", results, baseline,
+                           None, "float32"))  # fmt: skip
+        backend = next(iter(results)).split("[")[1].rstrip("]")
+        rows.append(result_row(name, "float32", backend, baseline, results))
+    return rows
