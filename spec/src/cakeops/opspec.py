@@ -601,8 +601,14 @@ class OpSpec:
                 if t is None
                 else _like(
                     # laid out by _like: a gradient with its input's strides stays as it is
-                    _checked(self.name, backend, f"d{name}", grad, (t.shape, t.dtype, t.device),
-                             contiguous=False),
+                    _checked(
+                        self.name,
+                        backend,
+                        f"d{name}",
+                        grad,
+                        (t.shape, t.dtype, t.device),
+                        contiguous=False,
+                    ),
                     t,
                 )
                 for (name, t), grad in zip(tensors.items(), grads, strict=True)
