@@ -199,3 +199,45 @@ def test_packed_sequences_stay_apart_where_the_fallback_refuses(kda):
             parts = torch.autograd.grad(o.sum() + f.sum(), alone)
             for whole, part in zip(grads, parts, strict=True):
                 torch.testing.assert_close(whole[:, s:e], part, rtol=1e-5, atol=1e-6)
+
+
+def delta_rule_table() -> str:
+    """The docs' table of the families whose delta rule cakeops serves: what this module
+    finds and tests."""
+    rows = ["| family | module | layer on cakeops | kernels served | checked |",
+            "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for family, module in MODULES.items():
+        models = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        layers, kernels = [], set()
+        for obj in vars(models).values():
+            if (isinstance(obj, type) and issubclass(obj, torch.nn.Module)
+                    and obj.__module__ == models.__name__ and integration._served_names(obj)):  # fmt: skip
+                layers.append(obj.__name__)
+                scope = vars(models)
+                kernels |= {integration._hub_name(scope[n]) for n in
+                            integration._served_names(obj)}  # fmt: skip
+        checked = ("tiny model: loss, gradients, generation" if family in BUILT
+                   else f"layer found; no tiny model: {NOT_BUILT[module]}")  # fmt: skip
+        rows.append(f"| {family} | `{module}` | {', '.join(f'`{n}`' for n in sorted(layers))} "
+                    f"| {', '.join(f'`{k}`' for k in sorted(kernels))} | {checked} |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def test_delta_rule_table_is_current():
+    """Regenerate with ``python tests/test_hf_delta_rule.py``."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs/content/transformers.md").read_text()
+    block = text.split("<!-- hf-delta-rule:start -->\n")[1].split("<!-- hf-delta-rule:end -->")[0]
+    assert block.strip() == delta_rule_table(), "run python tests/test_hf_delta_rule.py"
+
+
+if __name__ == "__main__":
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "docs/content/transformers.md"
+    head, rest = path.read_text().split("<!-- hf-delta-rule:start -->\n")
+    tail = rest.split("<!-- hf-delta-rule:end -->")[1]
+    path.write_text(f"{head}<!-- hf-delta-rule:start -->\n{delta_rule_table()}\n"
+                    f"<!-- hf-delta-rule:end -->{tail}")  # fmt: skip
+    print(f"wrote {path}")

@@ -274,11 +274,46 @@ def _final_states(layout, finals, initial_state, shape, dtype, device):
     return torch.stack(rows)
 
 
+#: Sequences up to this long (decoding's one token, a speculative few) run the recurrence step
+#: by step: a handful of small products instead of a padded chunk's machinery.
+RECURRENT_UP_TO = 4
+
+
+def _recurrent(q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
+    """``(out (N, Hv, L, V), final (N, H, G, K, V))`` one step at a time (no packing)."""
+    N, H, L, K = q.shape
+    Hv, V = v.shape[1], v.shape[3]
+    ct = compute_dtype(q.dtype)
+    q, k = q.to(ct), k.to(ct)
+    if use_qk_l2norm:
+        q, k = q * _inverse_norms(q), k * _inverse_norms(k)
+    v, g, beta = (_heads(t.to(ct), H) for t in (v, g, beta))  # (N, H, G, L, ...)
+    if initial_state is None:
+        S = torch.zeros(N, H, Hv // H, K, V, dtype=ct, device=q.device)
+    else:
+        S = _heads(initial_state.to(ct), H)
+    out = []
+    for t in range(L):
+        decay = torch.exp(g[:, :, :, t])
+        S = S * (decay.unsqueeze(-1) if g.dim() == 5 else decay[..., None, None])
+        kt = k[:, :, None, t].unsqueeze(-2)  # (N, H, 1, 1, K)
+        u = beta[:, :, :, t, None] * (v[:, :, :, t] - (kt @ S).squeeze(-2))
+        S = S + kt.transpose(-1, -2) * u.unsqueeze(-2)
+        out.append(scale * (q[:, :, None, t].unsqueeze(-2) @ S).squeeze(-2))
+    return torch.stack(out, 3).flatten(1, 2), S
+
+
 def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
             cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
-    _, H, L, K = q.shape
+    N, H, L, K = q.shape
     Hv, V = v.shape[1], v.shape[3]
     scale = K**-0.5 if scale is None else scale
+    if 0 < L <= RECURRENT_UP_TO and cu_seqlens is None:
+        out, S = _recurrent(q, k, v, g, beta, scale, initial_state, use_qk_l2norm)
+        if not output_final_state:
+            return out.to(q.dtype), q.new_empty(0)
+        dtype = initial_state.dtype if initial_state is not None else S.dtype
+        return out.to(q.dtype), S.reshape(N, Hv, K, V).to(dtype)
     layout, norms, chunks = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
     out, finals, _ = _scan(layout, chunks, norms, initial_state, scale, H)
     out = layout.unchunk(out.flatten(1, 2), L).to(q.dtype)

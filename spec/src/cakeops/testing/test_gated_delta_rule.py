@@ -117,6 +117,13 @@ class TestGatedDeltaRule:
         against the float64 recurrence."""
         check_against_reference(*make_inputs(OPTION_CASES[case], dtype, device))
 
+    @pytest.mark.parametrize("L", [1, 3])
+    @pytest.mark.parametrize("kda", [False, True])
+    def test_short_sequences(self, backend, dtype, device, L, kda):
+        """Decoding's sizes (a backend may run them step by step): every option but packing."""
+        given = ("scale", "initial_state", "final", "l2norm") + (("kda",) if kda else ())
+        check_against_reference(*make_inputs(given, dtype, device, L=L))
+
     def test_wide_heads(self, backend, dtype, device):
         """Head sizes past 128 (kernels may split K or V): every option, KDA."""
         given = ("kda", "initial_state", "final", "l2norm")

@@ -1,0 +1,170 @@
+"""Qwen3-Next's Gated DeltaNet layer (transformers' ``Qwen3NextGatedDeltaNet``) as Hugging Face
+runs it without flash-linear-attention and with its delta rule on cakeops (``apply_cakeops``):
+a training step (forward+backward) of a prefill, and a 32-token greedy decode of a two-layer
+model (Gated DeltaNet, then full attention) from its cache.
+
+    python -m cakeops.bench.qwen3_next [--quick] [--markdown PATH]
+
+Only the delta rule changes between the two (the layer's projections, convolution, gated norm
+and the model's other layers are Hugging Face's own in both), timed in alternation in one run.
+Needs ``cakeops[transformers]`` (exits with status 2 without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cakeops.bench.tables import format_table
+from cakeops.bench.timing import measure
+from cakeops.measure import alternating_times
+
+#: (L, hidden, key heads, value heads, head size): the shape of the issue's profile
+SHAPE = (2048, 1024, 8, 16, 64)
+QUICK_SHAPE = (256, 64, 2, 4, 16)
+DECODE_TOKENS = 32
+PREFILL = 64
+NO_TRANSFORMERS = 2
+
+
+def config(hidden: int, heads: int, value_heads: int, head_dim: int):
+    import transformers as tf
+
+    return tf.Qwen3NextConfig(
+        vocab_size=256, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=2, head_dim=head_dim, intermediate_size=2 * hidden,
+        linear_num_key_heads=heads, linear_num_value_heads=value_heads,
+        linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+        layer_types=["linear_attention", "full_attention"], mlp_only_layers=[0, 1],
+    )  # fmt: skip
+
+
+def on_cakeops(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` whose Gated DeltaNet layers run the delta rule on cakeops (and
+    nothing else changed)."""
+    from cakeops.integrations import transformers as integration
+
+    module = copy.deepcopy(module)
+    for m in module.modules():
+        if integration._served_names(type(m)):
+            m.__class__ = integration._delta_rule_class(type(m))
+    return module
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    import transformers as tf
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    device = torch.device("cpu")
+    L, hidden, heads, value_heads, head_dim = QUICK_SHAPE if quick else SHAPE
+    cfg = config(hidden, heads, value_heads, head_dim)
+    torch.manual_seed(0)
+    hf = Qwen3NextGatedDeltaNet(cfg, layer_idx=0)
+    ours = on_cakeops(hf)
+    x = torch.randn(1, L, hidden, requires_grad=True)
+    g = torch.randn(1, L, hidden)
+    contenders = {}
+    for label, layer in (("Hugging Face layer", hf), ("cakeops layer", ours)):
+
+        def forward(layer=layer):
+            return layer(x)
+
+        def step(forward=forward, layer=layer):
+            return torch.autograd.grad(forward(), (x, *layer.parameters()), g)
+
+        contenders[label] = (forward, step)
+    results = measure(contenders, device, repeats=2 if quick else 5)
+    title = (f"\nQwen3-Next Gated DeltaNet layer, fwd+bwd, L {L}, hidden {hidden}, {heads} key "
+             f"and {value_heads} value heads of {head_dim}")  # fmt: skip
+    print(format_table(title, results, "Hugging Face layer"))
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    patched = on_cakeops(model)
+    prompt = torch.randint(0, 256, (1, PREFILL), generator=torch.Generator().manual_seed(1))
+
+    def decode(m):
+        def run_():
+            with torch.no_grad():
+                return m.generate(prompt, max_new_tokens=DECODE_TOKENS,
+                                  min_new_tokens=DECODE_TOKENS, do_sample=False)  # fmt: skip
+
+        return run_
+
+    same = torch.equal(decode(model)(), decode(patched)())
+    times = alternating_times({"Hugging Face model": decode(model),
+                               "cakeops model": decode(patched)}, device,
+                              repeats=3 if quick else 7, warmup=1)  # fmt: skip
+    decode_s = {label: statistics.median(t) for label, t in times.items()}
+    print(f"  greedy decode of {DECODE_TOKENS} tokens after a {PREFILL}-token prompt (same "
+          f"tokens: {same}): " + ", ".join(f"{k} {v * 1e3:.1f} ms"
+                                           for k, v in decode_s.items()))  # fmt: skip
+    return {"L": L, "hidden": hidden, "heads": heads, "value_heads": value_heads,
+            "head_dim": head_dim, "results": results, "decode_s": decode_s,
+            "same_tokens": same}  # fmt: skip
+
+
+def markdown(record: dict[str, Any]) -> str:
+    import platform
+
+    import transformers as tf
+
+    where = f"{platform.processor() or 'a CPU'} ({torch.get_num_threads()} threads)"
+    r, decode = record["results"], record["decode_s"]
+    base = r["Hugging Face layer"]["time_s"]
+    lines = [
+        f"Measured {datetime.now(timezone.utc):%Y-%m-%d} on {where}, float32, torch "
+        f"{torch.__version__}, transformers {tf.__version__}, with "
+        "`python -m cakeops.bench.qwen3_next`: one `Qwen3NextGatedDeltaNet` layer, "
+        f"L = {record['L']}, hidden {record['hidden']}, {record['heads']} key and "
+        f"{record['value_heads']} value heads of {record['head_dim']}, median times, the "
+        "contenders in alternation; Hugging Face's runs its PyTorch fallback "
+        "(`torch_chunk_gated_delta_rule`, flash-linear-attention not installed).",
+        "",
+        "| forward+backward | time (ms) | vs Hugging Face | peak (MiB) | saved (MiB) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for label, x in r.items():
+        mib = f"{x['peak_bytes'] / 2**20:.1f} | {x['saved_bytes'] / 2**20:.1f}"
+        lines.append(f"| {label} | {x['time_s'] * 1e3:.1f} | {base / x['time_s']:.2f}x | {mib} |")
+    lines += [
+        "",
+        f"| greedy decode, {DECODE_TOKENS} tokens after a {PREFILL}-token prompt, two layers "
+        "| time (ms) | vs Hugging Face |",
+        "| --- | ---: | ---: |",
+    ]
+    for label, seconds in decode.items():
+        lines.append(f"| {label} | {seconds * 1e3:.1f} | "
+                     f"{decode['Hugging Face model'] / seconds:.2f}x |")  # fmt: skip
+    same = "the same" if record["same_tokens"] else "NOT the same"
+    lines += ["", f"The two models generated {same} tokens."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cakeops.bench.qwen3_next",
+                                     description=__doc__)  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="a short sequence, small heads")
+    parser.add_argument("--markdown", metavar="PATH", help="write the tables there")
+    args = parser.parse_args(argv)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("cakeops.bench.qwen3_next: transformers is not installed (pip install "
+              "cakeops[transformers]); nothing measured")  # fmt: skip
+        return NO_TRANSFORMERS
+    record = run(args.quick)
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(markdown(record))
+        print(f"wrote {args.markdown}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
