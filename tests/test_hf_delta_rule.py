@@ -210,8 +210,8 @@ def delta_rule_table() -> str:
         models = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
         layers, kernels = [], set()
         for obj in vars(models).values():
-            if (isinstance(obj, type) and issubclass(obj, torch.nn.Module)
-                    and obj.__module__ == models.__name__ and integration._served_names(obj)):  # fmt: skip
+            is_layer = isinstance(obj, type) and issubclass(obj, torch.nn.Module)
+            if is_layer and obj.__module__ == models.__name__ and integration._served_names(obj):
                 layers.append(obj.__name__)
                 scope = vars(models)
                 kernels |= {integration._hub_name(scope[n]) for n in
