@@ -213,3 +213,29 @@ def test_moe_swiglu_failing_compiler_falls_back_with_a_warning(compiled_path, br
         got = run_with_grads(moe_suite.op_with(2), tensors, g)
     assert compiled_path == [] and compile_._compile_error is not None
     moe_suite.check_against_reference(tensors, g, (2, True, 1.0), got)
+
+
+# --------------------------------------------------------------------------------------------
+# gated_delta_rule: the paths the conformance shapes may not take
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("path", ["one-chunk-groups", "guarded", "recurrent-limit"])
+def test_gated_delta_rule_paths_agree(monkeypatch, kda, path):
+    """Groups of one chunk (long sequences), the guarded products a non-finite input turns on
+    (forced here on finite inputs) and the step-by-step path of short calls all give the
+    float64 recurrence's results."""
+    from cakeops.testing import test_gated_delta_rule as gdr
+    from cakeops_torch import gated_delta_rule as kernel
+
+    given = ("initial_state", "final", "l2norm") + (("kda",) if kda else ())
+    L = 150
+    if path == "one-chunk-groups":
+        monkeypatch.setattr(kernel, "GROUP_BYTES", 1)
+    elif path == "guarded":
+        monkeypatch.setattr(kernel, "_needs_guard", lambda *a, **k: True)
+    else:
+        L = 4
+        monkeypatch.setattr(kernel, "RECURRENT_UP_TO", 3)  # L = 4 through the chunks
+    with cakeops.use_backend("torch"):
+        gdr.check_against_reference(*gdr.make_inputs(given, torch.float64, "cpu", L=L))

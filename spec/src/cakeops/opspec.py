@@ -355,6 +355,9 @@ class OpSpec:
     second: Callable[[Any], tuple[Shape, torch.dtype] | None] | None = None
     second_flag: str = ""
     second_no_work: Callable[[Any], torch.Tensor] | None = None
+    #: Whether backends get the upstream gradients contiguous (a copy when they are not); an op
+    #: whose kernels take any strides says False (a transposed view's gradient is one too).
+    contiguous_grads: bool = True
     #: name, kind, default (``dataclasses.MISSING`` when required), keyword-only
     arguments: tuple[tuple[str, str, Any, bool], ...] = dataclasses.field(init=False)
     #: every argument, in declaration order
@@ -588,7 +591,8 @@ class OpSpec:
                 tuple(_absent(g) if t is None else torch.zeros_like(t) for t in tensors.values())
             )
         backend = select(self.name, inputs)
-        grads_out = tuple(t.contiguous() for t in grads_out)
+        if self.contiguous_grads:
+            grads_out = tuple(t.contiguous() for t in grads_out)
         grads = _run_kernel(backend, self.name, "backward", *grads_out, *inputs.values())
         if len(grads) != len(tensors):
             raise RuntimeError(

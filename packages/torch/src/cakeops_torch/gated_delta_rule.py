@@ -30,7 +30,7 @@ from cakeops.ops.gated_delta_rule import L2NORM_EPS
 CHUNK = 64
 #: Bytes of the state-independent quantities of one group of chunks, computed at once (the
 #: backward keeps a state per chunk of one group, and one per group).
-GROUP_BYTES = 16 << 20
+GROUP_BYTES = 32 << 20
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,6 +73,10 @@ class _Layout:
         each sequence's end."""
         x = x.to(dtype)
         rest = x.shape[3:]
+        if rest and x.stride(-1) != 1:
+            # features not adjacent (a convolution's output, transposed, as the models give
+            # it): one copy here, not one per product
+            x = x.contiguous()
         if self.index is None:
             if self.pad:
                 x = F.pad(x, (0, 0) * len(rest) + (0, self.pad))
@@ -103,8 +107,9 @@ def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
 class _Intra:
     """A group of chunks' quantities that do not depend on the state (``(..., n, C, ...)``)."""
 
-    def __init__(self, q, k, v, g, beta):
+    def __init__(self, q, k, v, g, beta, guard: bool, T: torch.Tensor | None = None):
         C = q.shape[-2]
+        self.guard = guard
         self.q, self.k, self.v, self.beta = q, k, v, beta  # q, k: (B, H, 1, n, C, K)
         gk = g if g.dim() == q.dim() else g.unsqueeze(-1)  # (B, H, G, n, C, Kg)
         lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
@@ -121,10 +126,25 @@ class _Intra:
         self.A = (beta.unsqueeze(-1) * self.Mkk).masked_fill(~self.strict, 0)
         self.qg, self.kg = q * self.gamma, k * self.gamma  # Gamma q, Gamma k
         self.kc = k * self.gamma_c  # Gc k
-        solve = lambda x: torch.linalg.solve_triangular(  # noqa: E731
-            self.A, x, upper=False, unitriangular=True)  # fmt: skip
-        self.Uv = solve(beta.unsqueeze(-1) * v)
-        self.Wk = solve(beta.unsqueeze(-1) * self.kg)
+        bv, bk = beta.unsqueeze(-1) * v, beta.unsqueeze(-1) * self.kg
+        if guard:  # solves: an explicit inverse would spread a NaN row into later columns
+            self.T = None
+            self.Uv, self.Wk = (torch.linalg.solve_triangular(self.A, x, upper=False,
+                                                              unitriangular=True)
+                                for x in (bv, bk))  # fmt: skip
+        else:  # (I + A)^{-1} once, then products (the backward's too)
+            if T is None:
+                eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(self.A.shape)
+                T = torch.linalg.solve_triangular(self.A, eye, upper=False, unitriangular=True)
+            self.T = T
+            self.Uv, self.Wk = T @ bv, T @ bk
+
+    def solve_transposed(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """``(I + A_i)^{-T} x`` for chunk ``i`` of the group."""
+        if self.T is None:
+            A = self.A.select(3, i).transpose(-1, -2)
+            return torch.linalg.solve_triangular(A, x, upper=True, unitriangular=True)
+        return self.T.select(3, i).transpose(-1, -2) @ x
 
     @functools.cached_property
     def P(self) -> torch.Tensor:
@@ -157,11 +177,13 @@ class _Chunk:
 
 
 def _causal_mm(scores: torch.Tensor, x: torch.Tensor, reverse: bool = False,
-               product=torch.matmul) -> torch.Tensor:  # fmt: skip
+               product=torch.matmul, guard: bool = True) -> torch.Tensor:  # fmt: skip
     """``scores @ x`` (or ``product(scores, x)``) for ``scores`` zero outside the causal range
-    (lower triangle; upper with ``reverse``), with no zero times a NaN or Inf of ``x``: the
-    non-finite entries enter through a running sum, reaching only the rows of their causal
-    range."""
+    (lower triangle; upper with ``reverse``), with no zero times a NaN or Inf of ``x`` (when
+    ``guard``: the call has a non-finite input): the non-finite entries enter through a running
+    sum, reaching only the rows of their causal range."""
+    if not guard:
+        return product(scores, x)
     finite = torch.isfinite(x)
     out = product(scores, x.where(finite, 0))
     bad = x.masked_fill(finite, 0)
@@ -198,7 +220,9 @@ def _groups(layout: _Layout, shape: tuple[int, ...], kda: bool):
     ``GROUP_BYTES`` of ``C x C (x K)`` factors and ``C x K`` products."""
     B, H, G, K, V = shape
     C = CHUNK
-    per_chunk = B * H * G * 4 * (C * C * (3 * (K if kda else 1) + 4) + C * (6 * K + 3 * V))
+    per_chunk = (
+        B * H * G * 4 * (C * C * (3 * (K if kda else 1) + 4) + C * (6 * K + 5 * V) + 2 * K * V)
+    )
     size = max(1, GROUP_BYTES // max(per_chunk, 1))
     return [range(s, min(s + size, layout.n)) for s in range(0, layout.n, size)]
 
@@ -212,12 +236,22 @@ def _initial(layout, initial_state, H, shape, dtype, device, sequences):
     return s0 if layout.index is None else s0[sequences[0]].unsqueeze(0)
 
 
-def _intra(chunks, norms, group: range) -> _Intra:
+def _intra(chunks, norms, group: range, guard: bool, T=None) -> _Intra:
     sl = slice(group.start, group.stop)
     q, k, v, g, beta = (t[:, :, :, sl] for t in chunks)
     if norms is not None:
         q, k = q * norms[0][:, :, :, sl], k * norms[1][:, :, :, sl]
-    return _Intra(q, k, v, g, beta)
+    return _Intra(q, k, v, g, beta, guard, T)
+
+
+def _needs_guard(*tensors: torch.Tensor | None, g: torch.Tensor) -> bool:
+    """Whether a call may have a non-finite value that a masked zero could spread: a sum that
+    is not finite (one pass per tensor, no temporary; finite values summing past the float
+    range only cost the slower, guarded path). A gate of ``-inf`` needs no guard: it only makes
+    factors 0; a NaN gate does (``g`` is ``<= 0``: its sum is NaN only with a NaN)."""
+    sums = [t.sum() for t in tensors if t is not None and t.numel()]
+    bad = any(not bool(torch.isfinite(x)) for x in sums)
+    return bad or (g.numel() > 0 and bool(torch.isnan(g.sum())))
 
 
 def _step_state(c: _Chunk, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,9 +262,28 @@ def _step_state(c: _Chunk, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return U, S_next
 
 
-def _scan(layout, chunks, norms, initial_state, scale, H, want_out=True):
-    """The forward over the chunks: the output chunks, the final states, and the state at each
-    group's start."""
+def _group_states(layout, intra, group, S, initial_state, H, shape):
+    """The chunk-start states and the ``U`` of a group's chunks, ``(..., n, K, V)`` and
+    ``(..., n, C, V)``, from the state at its start (sequences starting inside it start from
+    their initial state); and the state after it, and the final states of the sequences that
+    end inside it."""
+    states, us, finals = [], [], {}
+    for i, chunk in enumerate(group):
+        if chunk in layout.starts:
+            S = _initial(layout, initial_state, H, shape, intra.v.dtype, intra.v.device,
+                         layout.starts[chunk])  # fmt: skip
+        states.append(S)
+        U, S = _step_state(intra.at(i), S)
+        us.append(U)
+        for s in layout.ends.get(chunk, ()):
+            finals[s] = S
+    return torch.stack(states, 3), torch.stack(us, 3), S, finals
+
+
+def _scan(layout, chunks, norms, initial_state, scale, H, guard, want_out=True, keep=False):
+    """The forward over the chunks: the output chunks, the final states, and (``keep``) per
+    group its start state and its chunks' ``(I + A)^{-1}``. Only the state's chain runs chunk by chunk;
+    the outputs are products over a whole group."""
     qc, _, vc, gc, _ = chunks
     B, _, G, n, C, V = vc.shape
     K = qc.shape[-1]
@@ -239,19 +292,15 @@ def _scan(layout, chunks, norms, initial_state, scale, H, want_out=True):
     group_starts = []
     S = None
     for group in _groups(layout, (B, H, G, K, V), gc.dim() == 6):
-        intra = _intra(chunks, norms, group)
-        group_starts.append(S)
-        for i, chunk in enumerate(group):
-            if chunk in layout.starts:
-                S = _initial(layout, initial_state, H, (B, G, K, V), vc.dtype, vc.device,
-                             layout.starts[chunk])  # fmt: skip
-            c = intra.at(i)
-            U, S_next = _step_state(c, S)
-            if want_out:
-                out[:, :, :, chunk] = scale * (c.qg @ S + _causal_mm(c.P, U))
-            S = S_next
-            for s in layout.ends.get(chunk, ()):
-                finals[s] = S
+        intra = _intra(chunks, norms, group, guard)
+        if keep:
+            group_starts.append((S, intra.T))
+        states, us, S, ended = _group_states(layout, intra, group, S, initial_state, H,
+                                             (B, G, K, V))  # fmt: skip
+        finals.update(ended)
+        if want_out:
+            sl = slice(group.start, group.stop)
+            out[:, :, :, sl] = scale * (intra.qg @ states + _causal_mm(intra.P, us, guard=guard))
     return out, finals, group_starts
 
 
@@ -315,7 +364,8 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
         dtype = initial_state.dtype if initial_state is not None else S.dtype
         return out.to(q.dtype), S.reshape(N, Hv, K, V).to(dtype)
     layout, norms, chunks = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
-    out, finals, _ = _scan(layout, chunks, norms, initial_state, scale, H)
+    guard = _needs_guard(q, k, v, beta, initial_state, g=g)
+    out, finals, _ = _scan(layout, chunks, norms, initial_state, scale, H, guard)
     out = layout.unchunk(out.flatten(1, 2), L).to(q.dtype)
     if not output_final_state:
         return out, q.new_empty(0)
@@ -341,48 +391,46 @@ def _before(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([torch.zeros_like(x.narrow(dim, 0, 1)), shifted.cumsum(dim)], dim)
 
 
-def _chunk_backward(c: _Chunk, S, dO, dS, scale, kda):
-    """The gradients of one chunk: ``(dq, dk, dv, dg, dbeta, dS0)`` from the output's and the
-    end state's gradients (``dq``, ``dk`` per value head)."""
-    U, _ = _step_state(c, S)
-    sdO = scale * dO
-    dU = _causal_mm(c.P.transpose(-1, -2), sdO, reverse=True) + c.kc @ dS
-    dP = (sdO @ U.transpose(-1, -2)).where(c.intra.lower, 0)
+def _group_backward(c: _Intra, S, U, sdO, dS, dW, kda):
+    """The gradients of a group's chunks ``(dq, dk, dv, dg, dbeta)`` (``dq``, ``dk`` per value
+    head), all chunks at once, from their chunk-start states ``S``, their ``U``, the scaled
+    output gradient ``sdO``, the gradient of each chunk's end state ``dS`` and of its
+    ``W = diag(beta) (V - (Gamma k) S0)``, ``dW`` (the two the chain gave)."""
+    guard = c.guard
+    dP = (sdO @ U.transpose(-1, -2)).where(c.lower, 0)
     dqg = sdO @ S.transpose(-1, -2)
-    gamma_last = c.gamma[..., -1, :].unsqueeze(-1)  # (..., Kg, 1)
-    dS0 = c.qg.transpose(-1, -2) @ sdO + gamma_last * dS
     dkc = U @ dS.transpose(-1, -2)
+    gamma_last = c.gamma[..., -1, :].unsqueeze(-1)  # (..., Kg, 1)
     state_term = (gamma_last * S * dS).sum(-1)  # d b_C through Gamma_C S0: (..., K)
-    # through the solve U = (I + A)^{-1} W, W = diag(beta) (V - (Gamma k) S0)
-    dW = torch.linalg.solve_triangular(c.A.transpose(-1, -2), dU, upper=True,
-                                       unitriangular=True)  # fmt: skip
-    dA = -(dW @ U.transpose(-1, -2)).where(c.intra.strict, 0)
+    dA = -(dW @ U.transpose(-1, -2)).where(c.strict, 0)
     R = c.v - c.kg @ S
     dbeta = (dW * R).sum(-1) + (dA * c.Mkk).sum(-1)
     bdW = c.beta.unsqueeze(-1) * dW
     dv = bdW
     dkg = -bdW @ S.transpose(-1, -2)
-    dS0 = dS0 - c.kg.transpose(-1, -2) @ bdW
     X = c.beta.unsqueeze(-1) * dA  # d Mkk (strictly lower)
     Y = dP  # d P (lower)
     if kda:
         XE, YE = X.unsqueeze(-1) * c.E, Y.unsqueeze(-1) * c.E
         rows = lambda a, b: torch.einsum("...tjc,...jc->...tc", a, b)  # noqa: E731
         cols = lambda a, b: torch.einsum("...tjc,...tc->...jc", a, b)  # noqa: E731
-        dk = (_causal_mm(XE, c.k, product=rows) + _causal_mm(XE, c.k, True, cols)
-              + _causal_mm(YE, c.q, True, cols))  # fmt: skip
-        dq = _causal_mm(YE, c.k, product=rows)
+        dk = (_causal_mm(XE, c.k, False, rows, guard) + _causal_mm(XE, c.k, True, cols, guard)
+              + _causal_mm(YE, c.q, True, cols, guard))  # fmt: skip
+        dq = _causal_mm(YE, c.k, False, rows, guard)
         # F[t, j, c]: the pair terms' gradient of log E_tjc
         Fp = (XE * c.k.unsqueeze(-2) + YE * c.q.unsqueeze(-2)) * c.k.unsqueeze(-3)
     else:
         XE, YE = X * c.E[..., 0], Y * c.E[..., 0]
-        dk = (_causal_mm(XE, c.k) + _causal_mm(XE.transpose(-1, -2), c.k, reverse=True)
-              + _causal_mm(YE.transpose(-1, -2), c.q, reverse=True))  # fmt: skip
-        dq = _causal_mm(YE, c.k)
+        if guard:
+            dk = (_causal_mm(XE, c.k) + _causal_mm(XE.transpose(-1, -2), c.k, reverse=True)
+                  + _causal_mm(YE.transpose(-1, -2), c.q, reverse=True))  # fmt: skip
+        else:  # XE below the diagonal, its transpose above: one product for both
+            dk = (XE + XE.transpose(-1, -2)) @ c.k + YE.transpose(-1, -2) @ c.q
+        dq = _causal_mm(YE, c.k, guard=guard)
         Fp = (X * c.Mkk + Y * c.P).unsqueeze(-1)
     # dg_s += sum_{t >= s} sum_{j < s} F[t, j]: the pairs whose span (j, t] holds s
     Z = _before(Fp, -2)  # sum over j < s, at [t, s]
-    dg = Z.where(c.intra.lower[..., None], 0).sum(-3)  # t >= s
+    dg = Z.where(c.lower[..., None], 0).sum(-3)  # t >= s
     dq = dq + c.gamma * dqg
     dk = dk + c.gamma * dkg + c.gamma_c * dkc
     over_start = dqg * c.qg + dkg * c.kg  # d b_t, b over [1, t]
@@ -391,7 +439,7 @@ def _chunk_backward(c: _Chunk, S, dO, dS, scale, kda):
         over_start, over_end = over_start.sum(-1, keepdim=True), over_end.sum(-1, keepdim=True)
         state_term = state_term.sum(-1, keepdim=True)
     dg = dg + _suffix(over_start, -2) + _before(over_end, -2) + state_term.unsqueeze(-2)
-    return dq, dk, dv, (dg if kda else dg[..., 0]), dbeta, dS0
+    return dq, dk, dv, (dg if kda else dg[..., 0]), dbeta
 
 
 def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
@@ -406,12 +454,18 @@ def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
     kda = gc.dim() == 6
     shape = (B, H, G, K, V)
     groups = _groups(layout, shape, kda)
-    _, _, group_starts = _scan(layout, chunks, norms, initial_state, scale, H, want_out=False)
+    guard = _needs_guard(q, k, v, beta, initial_state, g_out, g_final, g=g)
+    _, _, group_starts = _scan(layout, chunks, norms, initial_state, scale, H, guard,
+                               want_out=False, keep=True)  # fmt: skip
     dO = _heads(layout.chunks(g_out, ct), H)
     has_final = output_final_state and g_final.numel() > 0
     gf = _heads(g_final.to(ct), H) if has_final else None
     inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
-    if layout.index is None and layout.pad == 0:
+    if (
+        layout.index is None
+        and layout.pad == 0
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    ):
         # the gradients written in place, laid out like their inputs (a transposed view's
         # gradient is one too): no copy to unchunk, none for the spec to match the strides
         full = {n: torch.empty_like(t, dtype=ct) for n, t in inputs.items()}
@@ -426,15 +480,18 @@ def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
     if initial_state is not None:
         d_init = torch.zeros(initial_state.shape, dtype=ct, device=q.device)
     dS = torch.zeros(B, H, G, K, V, dtype=ct, device=q.device)
-    for group, S in reversed(list(zip(groups, group_starts, strict=True))):
-        intra = _intra(chunks, norms, group)
-        states = []  # the group's chunk-start states, recomputed from the group's start
-        for i, chunk in enumerate(group):
-            if chunk in layout.starts:
-                S = _initial(layout, initial_state, H, (B, G, K, V), ct, q.device,
-                             layout.starts[chunk])  # fmt: skip
-            states.append(S)
-            _, S = _step_state(intra.at(i), S)
+    for group, (S, T) in reversed(list(zip(groups, group_starts, strict=True))):
+        intra = _intra(chunks, norms, group, guard, T)
+        states, us, _, _ = _group_states(layout, intra, group, S, initial_state, H,
+                                         (B, G, K, V))  # fmt: skip
+        sl = slice(group.start, group.stop)
+        sdO = scale * dO[:, :, :, sl]
+        # the chain through the states, chunk by chunk: dU = P^T sdO + Gc k dS,
+        # dW = (I + A)^{-T} dU, dS0 = Gamma_C dS + (Gamma q)^T sdO - (Gamma k)^T diag(beta) dW
+        dU_out = _causal_mm(intra.P.transpose(-1, -2), sdO, reverse=True, guard=guard)
+        dS_out = intra.qg.transpose(-1, -2) @ sdO
+        gamma_last = intra.gamma[..., -1, :].unsqueeze(-1)
+        dSs, dWs = [None] * len(group), [None] * len(group)
         for i, chunk in reversed(list(enumerate(group))):
             ends = layout.ends.get(chunk)
             if ends is not None:  # a sequence's last chunk: its final state's gradient
@@ -443,17 +500,12 @@ def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
                 else:
                     dS = gf if layout.index is None else gf[ends[0]].unsqueeze(0)
             c = intra.at(i)
-            dq, dk, dv, dg, db, dS = _chunk_backward(c, states[i], dO[:, :, :, chunk], dS,
-                                                     scale, kda)  # fmt: skip
-            dq, dk = dq.sum(2), dk.sum(2)
-            if norms is not None:  # through x / |x|: r (dx - x^ (x^ . dx))
-                dq, dk = (r[:, :, 0, chunk] * (d - x * torch.linalg.vecdot(x, d).unsqueeze(-1))
-                          for d, x, r in ((dq, c.q[:, :, 0], norms[0]),
-                                          (dk, c.k[:, :, 0], norms[1])))  # fmt: skip
-            grads["q"][:, :, chunk] = dq
-            grads["k"][:, :, chunk] = dk
-            for name, d in (("v", dv), ("g", dg), ("beta", db)):
-                grads[name][:, :, :, chunk] = d
+            dSs[i] = dS
+            dU = dU_out[:, :, :, i] + c.kc @ dS
+            dW = intra.solve_transposed(i, dU)
+            dWs[i] = dW
+            bdW = c.beta.unsqueeze(-1) * dW
+            dS = gamma_last[:, :, :, i] * dS + dS_out[:, :, :, i] - c.kg.transpose(-1, -2) @ bdW
             starts = layout.starts.get(chunk)
             if starts is not None and d_init is not None:
                 d_hv = dS.flatten(1, 2)
@@ -461,6 +513,15 @@ def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
                     d_init += d_hv
                 else:
                     d_init[starts[0]] += d_hv[0]
+        dq, dk, dv, dg, db = _group_backward(intra, states, us, sdO, torch.stack(dSs, 3),
+                                             torch.stack(dWs, 3), kda)  # fmt: skip
+        grads["v"][:, :, :, sl], grads["g"][:, :, :, sl], grads["beta"][:, :, :, sl] = dv, dg, db
+        dq, dk = dq.sum(2), dk.sum(2)
+        if norms is not None:  # through x / |x|: r (dx - x^ (x^ . dx))
+            dq, dk = (r[:, :, 0, sl] * (d - x * torch.linalg.vecdot(x, d).unsqueeze(-1))
+                      for d, x, r in ((dq, intra.q[:, :, 0], norms[0]),
+                                      (dk, intra.k[:, :, 0], norms[1])))  # fmt: skip
+        grads["q"][:, :, sl], grads["k"][:, :, sl] = dq, dk
     if d_init is not None and has_final:
         # empty sequences hand their initial state on as the final one
         ended = {s for ends in layout.ends.values() for s in ends}

@@ -58,7 +58,8 @@ class Inputs(OpInputs):
 #: scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm) -> (out, final_state)``
 #: (an empty tensor when not asked for; ``scale`` already resolved to a float) and
 #: ``backward(g_out, g_final, ...same...) -> (dq, dk, dv, dg, dbeta, dinitial_state)`` (None for
-#: an initial state not given; ``g_final`` empty when the final state has no gradient).
+#: an initial state not given; ``g_final`` empty when the final state has no gradient). Inputs
+#: and upstream gradients may have any strides.
 Kernels = opspec.Kernels[
     Callable[..., tuple[Tensor, Tensor]], Callable[..., tuple[Tensor | None, ...]]
 ]
@@ -183,6 +184,7 @@ SPEC = OpSpec(
     second=_final_state,
     second_flag="output_final_state",
     second_no_work=_final_without_work,
+    contiguous_grads=False,  # the models' output is a transposed view: so is its gradient
 )
 
 
