@@ -282,8 +282,8 @@ def _group_states(layout, intra, group, S, initial_state, H, shape):
 
 def _scan(layout, chunks, norms, initial_state, scale, H, guard, want_out=True, keep=False):
     """The forward over the chunks: the output chunks, the final states, and (``keep``) per
-    group its start state and its chunks' ``(I + A)^{-1}``. Only the state's chain runs chunk by chunk;
-    the outputs are products over a whole group."""
+    group its start state and its chunks' ``(I + A)^{-1}``. Only the state's chain runs chunk
+    by chunk; the outputs are products over a whole group."""
     qc, _, vc, gc, _ = chunks
     B, _, G, n, C, V = vc.shape
     K = qc.shape[-1]
