@@ -91,6 +91,10 @@ def bench(session: nox.Session) -> None:
     mm = ["--quick"] if "--quick" in session.posargs else [
         "--markdown", "docs/bench/cpu/minimax.md"]  # fmt: skip
     session.run("python", "-m", "cakeops.bench.minimax", *mm)
+    # Qwen3-Next's Gated DeltaNet layer: Hugging Face's against its delta rule on cakeops.
+    qn = ["--quick"] if "--quick" in session.posargs else [
+        "--markdown", "docs/bench/cpu/qwen3_next.md"]  # fmt: skip
+    session.run("python", "-m", "cakeops.bench.qwen3_next", *qn)
     # Expert parallelism: 2 processes x 1 thread against 1 process x 2 threads.
     ep = ["--quick"] if "--quick" in session.posargs else [
         "--markdown", "docs/bench/cpu/expert_parallel.md"]  # fmt: skip

@@ -241,3 +241,17 @@ if __name__ == "__main__":
     path.write_text(f"{head}<!-- hf-delta-rule:start -->\n{delta_rule_table()}\n"
                     f"<!-- hf-delta-rule:end -->{tail}")  # fmt: skip
     print(f"wrote {path}")
+
+
+def test_qwen3_next_benchmark_runs_and_writes_its_table(tmp_path, monkeypatch):
+    """``python -m cakeops.bench.qwen3_next --quick``: the layer's rows and the decode's."""
+    from cakeops.bench import qwen3_next
+
+    monkeypatch.setattr(qwen3_next, "QUICK_SHAPES", {"tiny": (70, 32, 2, 4, 8)})
+    monkeypatch.setattr(qwen3_next, "DECODE_TOKENS", 3)
+    out = tmp_path / "qwen3_next.md"
+    assert qwen3_next.main(["--quick", "--markdown", str(out)]) == 0
+    table = out.read_text()
+    assert "`python -m cakeops.bench.qwen3_next`" in table
+    assert "| cakeops layer, tiny | 70 |" in table
+    assert "The two models generated the same tokens." in table

@@ -25,9 +25,12 @@ from cakeops.bench.tables import format_table
 from cakeops.bench.timing import measure
 from cakeops.measure import alternating_times
 
-#: (L, hidden, key heads, value heads, head size): the shape of the issue's profile
-SHAPE = (2048, 1024, 8, 16, 64)
-QUICK_SHAPE = (256, 64, 2, 4, 16)
+#: name -> (L, hidden, key heads, value heads, head size) of the training step's layer
+SHAPES = {
+    "hidden 1024, 8 key and 16 value heads of 64": (2048, 1024, 8, 16, 64),
+    "Qwen3-Next-80B's: hidden 2048, 16 key and 32 value heads of 128": (2048, 2048, 16, 32, 128),
+}
+QUICK_SHAPES = {"hidden 64, 2 key and 4 value heads of 16": (256, 64, 2, 4, 16)}
 DECODE_TOKENS = 32
 PREFILL = 64
 NO_TRANSFORMERS = 2
@@ -57,12 +60,10 @@ def on_cakeops(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    import transformers as tf
+def train_case(L: int, hidden: int, heads: int, value_heads: int, head_dim: int, quick: bool):
+    """A training step of one Gated DeltaNet layer, Hugging Face's and on cakeops."""
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-    device = torch.device("cpu")
-    L, hidden, heads, value_heads, head_dim = QUICK_SHAPE if quick else SHAPE
     cfg = config(hidden, heads, value_heads, head_dim)
     torch.manual_seed(0)
     hf = Qwen3NextGatedDeltaNet(cfg, layer_idx=0)
@@ -79,10 +80,22 @@ def run(quick: bool = False) -> dict[str, Any]:
             return torch.autograd.grad(forward(), (x, *layer.parameters()), g)
 
         contenders[label] = (forward, step)
-    results = measure(contenders, device, repeats=2 if quick else 5)
+    results = measure(contenders, torch.device("cpu"), repeats=2 if quick else 5)
     title = (f"\nQwen3-Next Gated DeltaNet layer, fwd+bwd, L {L}, hidden {hidden}, {heads} key "
              f"and {value_heads} value heads of {head_dim}")  # fmt: skip
     print(format_table(title, results, "Hugging Face layer"))
+    return results
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    import transformers as tf
+
+    device = torch.device("cpu")
+    shapes = QUICK_SHAPES if quick else SHAPES
+    layers = {name: {"shape": shape, "results": train_case(*shape, quick)}
+              for name, shape in shapes.items()}  # fmt: skip
+    _, hidden, heads, value_heads, head_dim = next(iter(shapes.values()))
+    cfg = config(hidden, heads, value_heads, head_dim)
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
     patched = on_cakeops(model)
@@ -104,8 +117,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     print(f"  greedy decode of {DECODE_TOKENS} tokens after a {PREFILL}-token prompt (same "
           f"tokens: {same}): " + ", ".join(f"{k} {v * 1e3:.1f} ms"
                                            for k, v in decode_s.items()))  # fmt: skip
-    return {"L": L, "hidden": hidden, "heads": heads, "value_heads": value_heads,
-            "head_dim": head_dim, "results": results, "decode_s": decode_s,
+    return {"layers": layers, "decode_shape": next(iter(shapes)), "decode_s": decode_s,
             "same_tokens": same}  # fmt: skip
 
 
@@ -115,27 +127,28 @@ def markdown(record: dict[str, Any]) -> str:
     import transformers as tf
 
     where = f"{platform.processor() or 'a CPU'} ({torch.get_num_threads()} threads)"
-    r, decode = record["results"], record["decode_s"]
-    base = r["Hugging Face layer"]["time_s"]
     lines = [
         f"Measured {datetime.now(timezone.utc):%Y-%m-%d} on {where}, float32, torch "
         f"{torch.__version__}, transformers {tf.__version__}, with "
-        "`python -m cakeops.bench.qwen3_next`: one `Qwen3NextGatedDeltaNet` layer, "
-        f"L = {record['L']}, hidden {record['hidden']}, {record['heads']} key and "
-        f"{record['value_heads']} value heads of {record['head_dim']}, median times, the "
-        "contenders in alternation; Hugging Face's runs its PyTorch fallback "
+        "`python -m cakeops.bench.qwen3_next`: one `Qwen3NextGatedDeltaNet` layer, median "
+        "times, the contenders in alternation; Hugging Face's runs its PyTorch fallback "
         "(`torch_chunk_gated_delta_rule`, flash-linear-attention not installed).",
         "",
-        "| forward+backward | time (ms) | vs Hugging Face | peak (MiB) | saved (MiB) |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| layer, forward+backward | L | time (ms) | vs Hugging Face | peak (MiB) | saved (MiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for label, x in r.items():
-        mib = f"{x['peak_bytes'] / 2**20:.1f} | {x['saved_bytes'] / 2**20:.1f}"
-        lines.append(f"| {label} | {x['time_s'] * 1e3:.1f} | {base / x['time_s']:.2f}x | {mib} |")
+    for name, case in record["layers"].items():
+        r = case["results"]
+        base = r["Hugging Face layer"]["time_s"]
+        for label, x in r.items():
+            mib = f"{x['peak_bytes'] / 2**20:.1f} | {x['saved_bytes'] / 2**20:.1f}"
+            lines.append(f"| {label}, {name} | {case['shape'][0]} | {x['time_s'] * 1e3:.1f} | "
+                         f"{base / x['time_s']:.2f}x | {mib} |")  # fmt: skip
+    decode = record["decode_s"]
     lines += [
         "",
         f"| greedy decode, {DECODE_TOKENS} tokens after a {PREFILL}-token prompt, two layers "
-        "| time (ms) | vs Hugging Face |",
+        f"({record['decode_shape']}) | time (ms) | vs Hugging Face |",
         "| --- | ---: | ---: |",
     ]
     for label, seconds in decode.items():
