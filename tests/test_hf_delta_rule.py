@@ -106,6 +106,13 @@ def test_greedy_generation_matches(family):
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     for a, b in zip(runs[0].scores, runs[1].scores, strict=True):
         assert cakeops.relative_error(b, a) <= TOLERANCE
+    # the caches after the last token: every delta-rule layer's recurrent state
+    linear = [i for i, kind in enumerate(model.config.layer_types) if kind == "linear_attention"]
+    assert linear
+    for i in linear:
+        a, b = (r.past_key_values.get_recurrent_state(i) for r in runs)
+        assert a is not None and b is not None and a.dtype == b.dtype
+        assert cakeops.relative_error(b, a) <= TOLERANCE
 
 
 @pytest.mark.parametrize("family", ["Qwen3-Next", "Kimi-Linear"])

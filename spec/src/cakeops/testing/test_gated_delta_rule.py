@@ -124,6 +124,24 @@ class TestGatedDeltaRule:
         given = ("scale", "initial_state", "final", "l2norm") + (("kda",) if kda else ())
         check_against_reference(*make_inputs(given, dtype, device, L=L))
 
+    @pytest.mark.cakeops_dtypes(torch.float16, torch.bfloat16)
+    def test_float32_gates_and_state_with_16_bit_inputs(self, backend, dtype, device):
+        """As the models call it in 16-bit: q, k, v and beta in 16-bit, the log gates and the
+        state in float32; every result within the 16-bit tolerance, each gradient in its
+        input's dtype."""
+        given = ("kda", "initial_state", "final", "l2norm")
+        tensors, fixed, g_out, g_final = make_inputs(given, dtype, device)
+        for name in ("g", "initial_state"):
+            tensors[name] = tensors[name].detach().float().requires_grad_()
+        got = run(tensors, fixed, g_out, g_final)
+        want = run(tensors, fixed, g_out, g_final, math=True)
+        assert got[1].dtype == torch.float32
+        names = ["out", "final_state", *(f"d{n}" for n in tensors)]
+        for name, a, b in zip(names, got, want, strict=True):
+            assert_matches(a, b, name, a.dtype)
+        for name, t, grad in zip(tensors, tensors.values(), got[2:], strict=True):
+            assert grad.dtype == t.dtype, name
+
     def test_wide_heads(self, backend, dtype, device):
         """Head sizes past 128 (kernels may split K or V): every option, KDA."""
         given = ("kda", "initial_state", "final", "l2norm")
