@@ -120,25 +120,9 @@ def test_greedy_generation_matches(family):
 def test_training_steps(mode, family):
     """Three SGD steps on cakeops match the unpatched model's, compiled or with activation
     checkpointing."""
-    model, patched = pair(family)
-    losses = {}
-    for name, m in (("model", model), ("cakeops", patched)):
-        if mode == "checkpointing":
-            m.activation_checkpointing_enable({"use_reentrant": False})
-            m.train()
-        step = torch.compile(m) if mode == "compile" else m
-        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
-        losses[name] = []
-        ids = tokens()
-        for _ in range(3):
-            optimizer.zero_grad()
-            loss = step(ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            losses[name].append(loss.detach())
-    for a, b in zip(losses["cakeops"], losses["model"], strict=True):
-        assert cakeops.relative_error(a, b) <= TOLERANCE
-    assert losses["cakeops"][-1] < losses["cakeops"][0]
+    from test_transformers import assert_training_matches
+
+    assert_training_matches(*pair(family), mode, tokens())
 
 
 def _inputs(kda: bool, L: int = 40, heads=(2, 4), seed=0):

@@ -118,17 +118,20 @@ def test_training_steps(mode, family):
     """A few optimiser steps on cakeops match the unpatched model's, compiled or with
     activation checkpointing (Qwen3-Next: its experts and gated norms on cakeops; MiniMax: its
     experts and lightning attention)."""
-    model, patched = pair(family)
-    if mode == "checkpointing":
-        for m in (model, patched):
-            m.activation_checkpointing_enable({"use_reentrant": False})
-            m.train()
+    assert_training_matches(*pair(family), mode, tokens())
+
+
+def assert_training_matches(model, patched, mode: str, ids) -> None:
+    """Three SGD steps of ``patched`` give the losses of ``model``'s (within the tolerance),
+    compiled (``mode="compile"``) or with activation checkpointing, and the loss falls."""
     losses = {}
     for name, m in (("model", model), ("cakeops", patched)):
+        if mode == "checkpointing":
+            m.activation_checkpointing_enable({"use_reentrant": False})
+            m.train()
         step = torch.compile(m) if mode == "compile" else m
         optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
         losses[name] = []
-        ids = tokens()
         for _ in range(3):
             optimizer.zero_grad()
             loss = step(ids, labels=ids).loss

@@ -119,3 +119,51 @@ def check_number(op: str, name: str, value: Any) -> float:
             f"{op}: argument '{name}' expected a number within the float range (magnitude "
             f"below {sys.float_info.max:.4g}), got an int of {value.bit_length()} bits"
         ) from None
+
+
+def check_cu_seqlens(op: str, cu: torch.Tensor, N: int, L: int) -> int:
+    """Packed sequences' offsets (``(S + 1,)`` int32/int64, sorted from 0 to ``L``, ``N = 1``;
+    the values are checked on a CPU tensor only: on a device that costs a synchronisation);
+    returns ``S``."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: argument 'cu_seqlens' expected dtype int32 or int64, got "
+                        f"{dtype_name(cu.dtype)}")  # fmt: skip
+    if cu.dim() != 1 or cu.numel() < 2 or N != 1:
+        raise ValueError(f"{op}: argument 'cu_seqlens' expected offsets (S + 1,) with N = 1, "
+                         f"got shape {tuple(cu.shape)} with N = {N}")  # fmt: skip
+    checkable = cu.device.type == "cpu" and not is_fake(cu)
+    if checkable and (cu[0] != 0 or cu[-1] != L or bool((cu[1:] < cu[:-1]).any())):
+        raise ValueError(f"{op}: argument 'cu_seqlens' expected sorted offsets from 0 to "
+                         f"L = {L}, got {cu.tolist()}")  # fmt: skip
+    return cu.numel() - 1
+
+
+def check_log_multipliers(op: str, name: str, t: torch.Tensor) -> None:
+    """Logs of multipliers are ``<= 0`` (checked on a CPU tensor only)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    checkable = t.device.type == "cpu" and not is_fake(t) and t.numel() > 0
+    if checkable and bool((t > 0).any()):
+        raise ValueError(f"{op}: argument '{name}' expected log multipliers <= 0, got "
+                         f"{t.max().item()}")  # fmt: skip
+
+
+def state_no_work(a: Any) -> bool:
+    """Nothing to compute for an op with states (``q``, ``v``, ``initial_state``,
+    ``output_final_state``): no element in q or v, unless L = 0 hands initial states on as
+    final ones whose gradient then reaches them."""
+    if a.q.numel() and a.v.numel():
+        return False
+    handed_on = a.q.shape[2] == 0 and a.initial_state is not None and a.output_final_state
+    return not (handed_on and a.initial_state.numel())
+
+
+def state_without_work(a: Any, final_state: Any) -> torch.Tensor:
+    """The final state of a call with nothing to compute: the initial state (or zeros), of the
+    shape and dtype ``final_state(a)`` gives."""
+    shape, dtype = final_state(a)
+    if a.initial_state is None:
+        return torch.zeros(shape, dtype=dtype, device=a.q.device)
+    return a.initial_state.to(dtype).clone()

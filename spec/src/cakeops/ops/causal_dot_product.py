@@ -11,12 +11,12 @@ recomputed. :func:`cakeops.helpers.backward_by_scans` builds the backward from o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
 from cakeops import _spec, opspec
 from cakeops.opspec import NO_GRAD, OpInputs, OpSpec, moved_to_helpers
@@ -95,18 +95,7 @@ def _check_options(a: Inputs) -> None:
         raise ValueError(f"{OP}: argument 'scale' expected a finite number, got {a.scale!r}")
     sequences = N
     if a.cu_seqlens is not None:
-        cu = a.cu_seqlens
-        if cu.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{OP}: argument 'cu_seqlens' expected dtype int32 or int64, got "
-                            f"{_spec.dtype_name(cu.dtype)}")  # fmt: skip
-        if cu.dim() != 1 or cu.numel() < 2 or N != 1:
-            raise ValueError(f"{OP}: argument 'cu_seqlens' expected offsets (S + 1,) with N = 1, "
-                             f"got shape {tuple(cu.shape)} with N = {N}")  # fmt: skip
-        checkable = cu.device.type == "cpu" and not is_fake(cu)
-        if checkable and (cu[0] != 0 or cu[-1] != L or bool((cu[1:] < cu[:-1]).any())):
-            raise ValueError(f"{OP}: argument 'cu_seqlens' expected sorted offsets from 0 to "
-                             f"L = {L}, got {cu.tolist()}")  # fmt: skip
-        sequences = cu.numel() - 1
+        sequences = _spec.check_cu_seqlens(OP, a.cu_seqlens, N, L)
     for name, shape in (("log_decay", (H,)), ("log_gates", (N, H, L)),
                         ("initial_state", (sequences, H, E, M))):  # fmt: skip
         t = a[name]
@@ -116,10 +105,8 @@ def _check_options(a: Inputs) -> None:
         if tuple(t.shape) != shape:
             raise ValueError(f"{OP}: argument '{name}' expected shape {shape}, got "
                              f"{tuple(t.shape)}")  # fmt: skip
-        checkable = t.device.type == "cpu" and not is_fake(t) and t.numel() > 0
-        if name != "initial_state" and checkable and bool((t > 0).any()):
-            raise ValueError(f"{OP}: argument '{name}' expected log multipliers <= 0, got "
-                             f"{t.max().item()}")  # fmt: skip
+        if name != "initial_state":
+            _spec.check_log_multipliers(OP, name, t)
 
 
 def example(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Inputs:
@@ -139,33 +126,16 @@ def _final_state(a: Inputs):
     return (sequences, H, E, a.v.shape[3]), dtype
 
 
-def _final_without_work(a: Inputs) -> torch.Tensor:
-    """The final state of a call with nothing to compute: the initial state (or zeros)."""
-    shape, dtype = _final_state(a)  # type: ignore[misc]
-    if a.initial_state is None:
-        return torch.zeros(shape, dtype=dtype, device=a.q.device)
-    return a.initial_state.to(dtype).clone()
-
-
-def _no_work(a: Inputs) -> bool:
-    """Nothing to compute: no element in q or v (E = 0: every dot product is 0), unless
-    L = 0 hands initial states on as final ones whose gradient then reaches them."""
-    if a.q.numel() and a.v.numel():
-        return False
-    handed_on = a.q.shape[2] == 0 and a.initial_state is not None and a.output_final_state
-    return not (handed_on and a.initial_state.numel())
-
-
 SPEC = OpSpec(
     inputs=Inputs,
     check=check,
     output=lambda a: ((*a.q.shape[:3], a.v.shape[3]), a.q.dtype),
-    no_work=_no_work,
+    no_work=_spec.state_no_work,
     example=example,
     leading=3,  # q, k, v: fast-transformers' op, cakeops::causal_dot_product_defaults
     second=_final_state,
     second_flag="output_final_state",
-    second_no_work=_final_without_work,
+    second_no_work=functools.partial(_spec.state_without_work, final_state=_final_state),
 )
 
 

@@ -20,12 +20,12 @@ contract: exactly the tensor inputs; the chunk states are recomputed in the back
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
 from cakeops import _spec, opspec
 from cakeops.opspec import NO_GRAD, OpInputs, OpSpec
@@ -98,16 +98,13 @@ def check(a: Inputs) -> Inputs:
             want = " or ".join(str(s) for s in shapes)
             raise ValueError(f"{OP}: argument '{name}' expected shape {want}, got "
                              f"{tuple(t.shape)}")  # fmt: skip
-    checkable = a.g.device.type == "cpu" and not is_fake(a.g) and a.g.numel() > 0
-    if checkable and bool((a.g > 0).any()):
-        raise ValueError(f"{OP}: argument 'g' expected log gates <= 0, got "
-                         f"{a.g.max().item()}")  # fmt: skip
+    _spec.check_log_multipliers(OP, "g", a.g)
     scale = a.scale
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"{OP}: argument 'scale' expected a finite number, got {scale!r}")
     sequences = N
     if a.cu_seqlens is not None:
-        sequences = _check_cu_seqlens(a.cu_seqlens, N, L)
+        sequences = _spec.check_cu_seqlens(OP, a.cu_seqlens, N, L)
     if a.initial_state is not None:
         s0 = a.initial_state
         _spec.check_float_dtype(OP, "initial_state", s0)
@@ -117,20 +114,6 @@ def check(a: Inputs) -> Inputs:
     if scale is None:
         return dataclasses.replace(a, scale=K**-0.5 if K else 1.0)
     return a
-
-
-def _check_cu_seqlens(cu: torch.Tensor, N: int, L: int) -> int:
-    if cu.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{OP}: argument 'cu_seqlens' expected dtype int32 or int64, got "
-                        f"{_spec.dtype_name(cu.dtype)}")  # fmt: skip
-    if cu.dim() != 1 or cu.numel() < 2 or N != 1:
-        raise ValueError(f"{OP}: argument 'cu_seqlens' expected offsets (S + 1,) with N = 1, "
-                         f"got shape {tuple(cu.shape)} with N = {N}")  # fmt: skip
-    checkable = cu.device.type == "cpu" and not is_fake(cu)
-    if checkable and (cu[0] != 0 or cu[-1] != L or bool((cu[1:] < cu[:-1]).any())):
-        raise ValueError(f"{OP}: argument 'cu_seqlens' expected sorted offsets from 0 to "
-                         f"L = {L}, got {cu.tolist()}")  # fmt: skip
-    return cu.numel() - 1
 
 
 def example(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Inputs:
@@ -156,34 +139,16 @@ def _final_state(a: Inputs):
     return (sequences, Hv, K, V), dtype
 
 
-def _final_without_work(a: Inputs) -> torch.Tensor:
-    """The final state of a call with nothing to compute: the initial state (or zeros)."""
-    shape, dtype = _final_state(a)  # type: ignore[misc]
-    if a.initial_state is None:
-        return torch.zeros(shape, dtype=dtype, device=a.q.device)
-    return a.initial_state.to(dtype).clone()
-
-
-def _no_work(a: Inputs) -> bool:
-    """Nothing to compute: no position or no value entry, unless L = 0 hands initial states on
-    as final ones whose gradient then reaches them. (K = 0 still decays nothing and writes
-    nothing: the state stays zero, the output zero.)"""
-    if a.q.numel() and a.v.numel():
-        return False
-    handed_on = a.q.shape[2] == 0 and a.initial_state is not None and a.output_final_state
-    return not (handed_on and a.initial_state.numel())
-
-
 SPEC = OpSpec(
     inputs=Inputs,
     check=check,
     output=lambda a: ((a.v.shape[0], a.v.shape[1], a.v.shape[2], a.v.shape[3]), a.q.dtype),
-    no_work=_no_work,
+    no_work=_spec.state_no_work,
     example=example,
     leading=5,  # q, k, v, g, beta: cakeops::gated_delta_rule_defaults
     second=_final_state,
     second_flag="output_final_state",
-    second_no_work=_final_without_work,
+    second_no_work=functools.partial(_spec.state_without_work, final_state=_final_state),
     contiguous_grads=False,  # the models' output is a transposed view: so is its gradient
 )
 
