@@ -69,3 +69,60 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
         backend = next(iter(results)).split("[")[1].rstrip("]")
         rows.append(result_row(name, "float32", backend, baseline, results))
     return rows
+
+
+def gpu_cases(device: torch.device, shape: tuple[int, ...]) -> list:
+    """``python -m cakeops.bench.gpu``: bfloat16 q, k, v, beta and float32 gates at
+    ``(N, L, H, Hv, D)`` in the models' layout (transposed views), ``use_qk_l2norm``; the
+    gated delta rule and KDA."""
+    from cakeops.bench.gpu import GpuCase
+    from cakeops.ops.gated_delta_rule import Inputs
+
+    N, L, H, Hv, D = shape
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    q, k = (torch.randn(N, L, H, D, device=device, dtype=torch.bfloat16) for _ in "qk")
+    v = torch.randn(N, L, Hv, D, device=device, dtype=torch.bfloat16)
+    beta = torch.rand(N, L, Hv, device=device, dtype=torch.bfloat16)
+    g = -torch.rand(N, L, Hv, device=device) * 0.1
+    g_kda = -torch.rand(N, L, Hv, D, device=device) * 0.1
+    return [GpuCase("bfloat16", Inputs(t(q), t(k), t(v), t(g), t(beta), use_qk_l2norm=True)),
+            GpuCase("bfloat16, KDA", Inputs(t(q), t(k), t(v), t(g_kda), t(beta),
+                                            use_qk_l2norm=True))]  # fmt: skip
+
+
+def gpu_peers(inputs) -> dict[str, Any]:
+    """transformers' fallback (when it imports) and flash-linear-attention's
+    ``chunk_gated_delta_rule`` / ``chunk_kda`` when they import (layout (B, T, H, D), value
+    heads sharing a key head repeated for fla where it needs them); a string says why a peer
+    is not compared."""
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    q, k, v, g, beta = (t(inputs[n]) for n in ("q", "k", "v", "g", "beta"))
+    kda = g.dim() == 4
+    peers: dict[str, Any] = {}
+    fallback = transformers_fallback()
+    if fallback is None:
+        peers["transformers fallback"] = "does not import"
+    elif kda:
+        peers["transformers fallback"] = "compared for the gated delta rule only"
+    else:
+
+        def hf():
+            return fallback(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+        peers["transformers fallback"] = hf
+    try:
+        if kda:
+            from fla.ops.kda import chunk_kda as kernel
+        else:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel
+    except Exception as exc:  # not installed, or a different API
+        peers["flash-linear-attention"] = f"does not import ({type(exc).__name__}: {exc})"[:200]
+        return peers
+    groups = v.shape[2] // q.shape[2]
+    qf, kf = (x.repeat_interleave(groups, dim=2) for x in (q, k))
+
+    def fla():
+        return kernel(qf, kf, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+
+    peers["flash-linear-attention"] = fla
+    return peers

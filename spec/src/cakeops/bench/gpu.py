@@ -48,6 +48,7 @@ from cakeops.ops import SPECS
 FULL = {
     "rmsnorm_silu_gate": (32768, 4096),
     "causal_dot_product": (8, 16, 4096, 128, 128),
+    "gated_delta_rule": (4, 4096, 16, 32, 128),  # (N, L, H, Hv, D): Qwen3-Next-80B's heads
     "moe_experts": (16384, 2048, 1408, 64, 6),
     "routed_experts": (16384, 2048, 1408, 64, 6),
 }
@@ -56,6 +57,7 @@ FULL = {
 QUICK = {
     "rmsnorm_silu_gate": (8, 64),
     "causal_dot_product": (1, 1, 32, 16, 16),
+    "gated_delta_rule": (1, 70, 2, 4, 16),
     "moe_experts": (8, 16, 16, 4, 2),
     "routed_experts": (8, 16, 16, 4, 2),
 }
