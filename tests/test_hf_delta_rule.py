@@ -66,6 +66,28 @@ def _loss_and_grads(model, ids):
 
 
 @pytest.mark.parametrize("family", BUILT)
+def test_the_op_runs_once_per_layer_and_pass(family, monkeypatch):
+    """The patched model calls the op's kernels once per delta-rule layer in a forward and once
+    in the backward (counted on the torch backend's kernel module)."""
+    from cakeops_torch import gated_delta_rule as kernels
+
+    calls = {"forward": 0, "backward": 0}
+    for kind in calls:
+        real = getattr(kernels, kind)
+
+        def counted(*args, _real=real, _kind=kind):
+            calls[_kind] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(kernels, kind, counted)
+    _, patched = pair(family)
+    layers = sum(1 for m in patched.modules() if integration._served_names(type(m)))
+    with cakeops.use_backend("torch"):
+        patched(tokens(), labels=tokens()).loss.backward()
+    assert layers and calls == {"forward": layers, "backward": layers}
+
+
+@pytest.mark.parametrize("family", BUILT)
 def test_loss_and_every_gradient_match_the_model(family):
     """The patched model's loss matches the unpatched model's, and its loss and every gradient
     are within the float32 tolerance of the exact values: the patched model in float64 (the op
