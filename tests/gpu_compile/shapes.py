@@ -61,6 +61,9 @@ def calls(dtypes=DTYPES) -> Iterator[Call]:
         # WIP #27: every option (decay, gates, initial and final state), and packed sequences
         out += [Call("causal_dot_product", dtype, (2, 2, 45, 6, 5), "options")]
         out += [Call("causal_dot_product", dtype, (1, 2, 45, 6, 5), "packed")]
+        # the gated delta rule and KDA: every option, grouped value heads, and packed
+        out += [Call("gated_delta_rule", dtype, DELTA_SUITE, v) for v in DELTA_VARIANTS]
+        out += [Call("gated_delta_rule", dtype, (1, 1, 1, 20, 136, 5), "kda")]  # wide heads
         out += [Call("moe_experts", dtype, c) for c in moe]
         if dtype != torch.float32:
             out += [Call("moe_experts", dtype, (16, 12, 20, 4, 2), "float32-weights")]
@@ -77,6 +80,11 @@ def calls(dtypes=DTYPES) -> Iterator[Call]:
         "moe_experts": [tuple(full["moe_experts"])],
         "routed_experts": [tuple(full["routed_experts"])],
     }
+    N, L, H, Hv, D = full["gated_delta_rule"]
+    for dtype in dtypes:  # the GPU benchmark's: the models' layout, every option they pass
+        source = "gpu-bench" if dtype == torch.bfloat16 else "other"
+        out += [Call("gated_delta_rule", dtype, (N, H, Hv // H, L, D, D), v, source)
+                for v in ("models", "models-kda")]  # fmt: skip
     ran = {"rmsnorm_silu_gate": (torch.bfloat16, torch.float16)}
     for dtype in dtypes:
         for op, shapes in bench.items():
@@ -91,6 +99,12 @@ def calls(dtypes=DTYPES) -> Iterator[Call]:
         out += [Call("moe_experts", dtype, c, source="other") for c in bench_moe.CASES.values()]
     yield from _unique([c for c in out if c.dtype in dtypes])
 
+
+#: (N, H, G, L, K, V) of the suite's gated_delta_rule calls, and their variants
+DELTA_SUITE = (2, 2, 2, 77, 8, 6)
+DELTA_VARIANTS = ("", "kda", "options", "options-kda", "packed-kda")
+#: the head sizes (K = V) the sweep compiles gated_delta_rule at
+DELTA_HEADS = (64, 128, 256)
 
 #: the head sizes the resource sweep compiles causal_dot_product at (E = M, and a few E != M)
 HEAD_SIZES = (16, 24, 32, 40, 48, 64, 80, 96, 128, 192, 256)
@@ -107,6 +121,8 @@ def sweep_calls(dtypes=(torch.bfloat16, torch.float16)) -> Iterator[Call]:
         out = [Call("causal_dot_product", dtype, (1, 2, 8192, E, M)) for E, M in heads]
         out += [Call("causal_dot_product", dtype, (1, 2, 8192, E, M), "options")
                 for E, M in heads]  # fmt: skip
+        out += [Call("gated_delta_rule", dtype, (1, 2, 2, 512, D, D), v)
+                for D in (*DELTA_HEADS, 96, 192) for v in ("options", "options-kda")]  # fmt: skip
         out += [Call("rmsnorm_silu_gate", dtype, ((64, D), None, True)) for D in NORM_SIZES]
         out += [Call("rmsnorm_silu_gate", dtype, ((64, D), 64, False)) for D in NORM_SIZES[:3]]
         for D, F in EXPERT_SIZES:
@@ -154,6 +170,8 @@ def inputs(call: Call) -> tuple[tuple, tuple]:
             g_final = torch.randn(S, H, E, M)
             return (q, k, v, *opts), (empty(N, H, L, M), g_final, q, k, v, *opts)
         return (q, k, v), (empty(N, H, L, M), empty(0), q, k, v)
+    if call.op == "gated_delta_rule":
+        return _delta_inputs(call, empty)
     T, D, F, E, top_k = call.shape
     if call.variant.startswith("form:"):
         return _form_inputs(call, empty)
@@ -171,6 +189,35 @@ def inputs(call: Call) -> tuple[tuple, tuple]:
         args = (x, index, weights.to(dt), *ws)
         return args, (empty(T, D), *args)
     return (x, logits, *ws, top_k, True, 1.0), (empty(T, D), x, logits, *ws, top_k, True, 1.0)
+
+
+def _delta_inputs(call: Call, empty) -> tuple[tuple, tuple]:
+    """``gated_delta_rule``'s kernel arguments: ``options`` gives every option (scale, initial
+    and final state, l2norm), ``packed`` packed sequences too, ``models`` the Hugging Face
+    layout (``(N, L, H, D)`` transposed views, float32 gates and state), ``kda`` gates per key
+    channel."""
+    N, H, G, L, K, V = call.shape
+    N = 1 if call.variant.startswith("packed") else N
+    Hv = H * G
+    kda = call.variant.endswith("kda")
+    models = call.variant.startswith("models")
+    if models:
+        q, k = (empty(N, L, H, K).transpose(1, 2) for _ in range(2))
+        v = empty(N, L, Hv, V).transpose(1, 2)
+        gdt = torch.float32
+    else:
+        q, k, v = empty(N, H, L, K), empty(N, H, L, K), empty(N, Hv, L, V)
+        gdt = call.dtype
+    g = -torch.rand(N, Hv, L, *((K,) if kda else ())).to(gdt)
+    beta = torch.rand(N, Hv, L).to(call.dtype)
+    options = call.variant.startswith(("options", "packed", "models"))
+    cu = torch.tensor([0, 10, 10, L]) if call.variant.startswith("packed") else None
+    S = N if cu is None else cu.numel() - 1
+    init = torch.randn(S, Hv, K, V) if options else None
+    opts = (0.5, init, options, cu, options)
+    g_final = torch.randn(S, Hv, K, V) if options else empty(0)
+    g_out = empty(N, L, Hv, V).transpose(1, 2) if models else empty(N, Hv, L, V)
+    return (q, k, v, g, beta, *opts), (g_out, g_final, q, k, v, g, beta, *opts)
 
 
 def _form_inputs(call: Call, empty) -> tuple[tuple, tuple]:

@@ -201,6 +201,7 @@ def dots(ttgir: str) -> list[dict]:
 
 def run_calls(arch: int, dtypes, ops=None, sweep=False) -> list[dict]:
     import cakeops_triton.causal_dot_product
+    import cakeops_triton.gated_delta_rule
     import cakeops_triton.moe_experts
     import cakeops_triton.rmsnorm_silu_gate
     import cakeops_triton.routed_experts
@@ -208,6 +209,7 @@ def run_calls(arch: int, dtypes, ops=None, sweep=False) -> list[dict]:
     modules = {
         "rmsnorm_silu_gate": cakeops_triton.rmsnorm_silu_gate,
         "causal_dot_product": cakeops_triton.causal_dot_product,
+        "gated_delta_rule": cakeops_triton.gated_delta_rule,
         "moe_experts": cakeops_triton.moe_experts,
         "routed_experts": cakeops_triton.routed_experts,
     }
@@ -223,7 +225,7 @@ def run_calls(arch: int, dtypes, ops=None, sweep=False) -> list[dict]:
             " x, float32 weights" if call.variant == "float32-weights" else ""
         )
         # float32 products also take TF32 where the user enables it: a path of its own
-        tf32_too = call.dtype == torch.float32 and call.op != "rmsnorm_silu_gate"
+        tf32_too = call.dtype == torch.float32 and call.op not in ("rmsnorm_silu_gate", "gated_delta_rule")
         for tf32 in (False, True) if tf32_too else (False,):
             torch.backends.cuda.matmul.allow_tf32 = tf32
             recorder.context = {

@@ -48,8 +48,37 @@ def _interpreter_loop_bounds_on_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
+def _interpreter_patches_builtins_cheaply() -> None:
+    """Triton 3.6's interpreter patches ``triton.language`` again at every call of a device
+    function (``tl.sum``, ``tl.cdiv``, a kernel's helpers: each a ``@jit`` function), listing
+    every member of each module with ``inspect.getmembers`` to find the builtins: most of the
+    time of a kernel that sums a few vectors per step. The same patching, with each module's
+    builtin names listed once: a name whose member is no longer a builtin (patched already) is
+    skipped, as the original's check skips it. Interpreter only."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_builtin
+    if getattr(original, "cakeops_patched", False):
+        return
+    names: dict[int, tuple[object, list[str]]] = {}
+
+    def patch_builtin(pkg, builder, scope):
+        known = names.get(id(pkg))
+        if known is None or known[0] is not pkg:
+            members = inspect.getmembers(pkg)
+            known = names[id(pkg)] = (pkg, [n for n, m in members if tl.core.is_builtin(m)])
+        for name in known[1]:
+            member = getattr(pkg, name)
+            if tl.core.is_builtin(member):
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    patch_builtin.cakeops_patched = True  # type: ignore[attr-defined]
+    interpreter._patch_builtin = patch_builtin
+
+
 if INTERPRET:
     _interpreter_loop_bounds_on_numpy_2_4()
+    _interpreter_patches_builtins_cheaply()
 
 
 # The interpreter keeps its state in process globals: concurrent calls from several Python

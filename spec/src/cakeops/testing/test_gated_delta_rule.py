@@ -33,10 +33,16 @@ OPTION_CASES = {
     "together": ("scale", "initial_state", "final", "l2norm", "packed"),
     "together-kda": ("kda", "scale", "initial_state", "final", "l2norm", "packed"),
 }
-CU_SEQLENS = [0, 9, 9, 40, 70, 70, 77]  # empty sequences among them, a chunk boundary crossed
+#: The sequence length of most checks, and a position that starts a chunk of the backends'
+#: kernels (torch: chunks of 64; under an emulator the kernels take chunks of 4, and the checks
+#: shorter sequences, each position costing milliseconds there).
+L = 12 if EMULATED else 77
+CHUNK_START = 8 if EMULATED else 64
+#: empty sequences among them, a chunk boundary crossed
+CU_SEQLENS = [0, 3, 3, 8, 11, 11, 12] if EMULATED else [0, 9, 9, 40, 70, 70, 77]
 
 
-def make_inputs(given=(), dtype=torch.float32, device="cpu", N=2, H=2, G=2, L=77, K=8, V=6,
+def make_inputs(given=(), dtype=torch.float32, device="cpu", N=2, H=2, G=2, L=L, K=8, V=6,
                 seed=0):  # fmt: skip
     """``(tensors by name, fixed options, g_out, g_final)``: q, k, v, g, beta (and
     initial_state) requiring grad, as models give them (unit keys, sigmoid-like beta)."""
@@ -170,9 +176,9 @@ class TestGatedDeltaRule:
             tensors, fixed, g_out, g_final = make_inputs(given, dtype, device)
             with torch.no_grad():
                 g = tensors["g"]
-                g[0, 0, 20] = -torch.inf  # mid-chunk
-                g[1, 1, 64] = -1e30  # at a chunk's start
-                g[0, 3, 76] = -torch.inf  # the last position
+                g[0, 0, CHUNK_START // 2 + 3] = -torch.inf  # mid-chunk
+                g[1, 1, CHUNK_START] = -1e30  # at a chunk's start
+                g[0, 3, L - 1] = -torch.inf  # the last position
                 g[1, 2, 5] = -1e4
             check_against_reference(tensors, fixed, g_out, g_final)
 
@@ -180,7 +186,7 @@ class TestGatedDeltaRule:
         "reference", reason="the float64 recurrence is a Python loop: too slow at 65,536 steps"
     )
     def test_strong_gates_over_65536_steps_stay_finite(self, backend, device):
-        L = 2048 if EMULATED else 65536
+        L = 256 if EMULATED else 65536
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(1, 2, L, 16, generator=gen).to(device)
         v = torch.randn(1, 2, L, 16, generator=gen).to(device)
@@ -220,7 +226,8 @@ class TestGatedDeltaRule:
         tensors, fixed, g_out, g_final = make_inputs(("kda", "l2norm", "final"), dtype, device)
         whole = run(tensors, fixed, g_out, g_final)
         leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
-        parts, state, outs = ((0, 50), (50, 51), (51, 77)), None, []
+        cut = 2 * L // 3
+        parts, state, outs = ((0, cut), (cut, cut + 1), (cut + 1, L)), None, []
         for s, e in parts:
             piece = {n: t[:, :, s:e] for n, t in leaves.items()}
             out, state = cakeops.gated_delta_rule(**piece, initial_state=state,
@@ -252,9 +259,12 @@ class TestGatedDeltaRule:
         torch.compile(fullgraph=True) gives the eager results."""
         given = ("kda", "scale", "initial_state", "final", "l2norm") + (("packed",) if packed
                                                                           else ())  # fmt: skip
-        tensors, fixed, g_out, g_final = make_inputs(given, torch.float32, device, L=21)
+        length, heads = (12, 1) if EMULATED else (21, 2)
+        tensors, fixed, g_out, g_final = make_inputs(given, torch.float32, device, H=heads,
+                                                     L=length)  # fmt: skip
         if packed:
-            fixed["cu_seqlens"] = torch.tensor([0, 5, 5, 12, 21], device=device)
+            cu = [0, 5, 5, 12, 21] if length == 21 else [0, 3, 3, 7, 12]
+            fixed["cu_seqlens"] = torch.tensor(cu, device=device)
             tensors["initial_state"] = tensors["initial_state"].detach()[:4].requires_grad_()
             g_final = g_final[:4]
         from cakeops.ops import SPECS
@@ -303,11 +313,10 @@ class TestGatedDeltaRule:
         """A NaN makes non-finite exactly the entries of the output and of the gradients that
         the float64 recurrence makes non-finite (the positions it reaches), and leaves every
         other entry as it is without it."""
-        tensors, fixed, g_out, g_final = make_inputs(("kda",) if kda else (), dtype, device,
-                                                     L=70)  # fmt: skip
+        tensors, fixed, g_out, g_final = make_inputs(("kda",) if kda else (), dtype, device)
         bad = {n: t.detach().clone() for n, t in tensors.items()}
         bad["g_out"] = g_out.clone()
-        bad[poisoned][0, 1, 30] = float("nan")  # key head 1 (value heads 2, 3), chunk 0
+        bad[poisoned][0, 1, L // 2] = float("nan")  # key head 1 (value heads 2, 3)
         g_bad = bad.pop("g_out")
         leaves = {n: t.requires_grad_() for n, t in bad.items()}
         got = run(leaves, fixed, g_bad, g_final)
