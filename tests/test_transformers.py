@@ -123,13 +123,15 @@ def test_training_steps(mode, family):
 
 def assert_training_matches(model, patched, mode: str, ids) -> None:
     """Three SGD steps of ``patched`` give the losses of ``model``'s (within the tolerance),
-    compiled (``mode="compile"``) or with activation checkpointing, and the loss falls."""
+    compiled (``mode="compile"``: the patched model compiled, the reference eager; compiling
+    transformers' own PyTorch fallbacks costs minutes and checks nothing of cakeops) or with
+    activation checkpointing, and the loss falls."""
     losses = {}
     for name, m in (("model", model), ("cakeops", patched)):
         if mode == "checkpointing":
             m.activation_checkpointing_enable({"use_reentrant": False})
             m.train()
-        step = torch.compile(m) if mode == "compile" else m
+        step = torch.compile(m) if mode == "compile" and name == "cakeops" else m
         optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
         losses[name] = []
         for _ in range(3):
