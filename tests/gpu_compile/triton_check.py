@@ -225,7 +225,8 @@ def run_calls(arch: int, dtypes, ops=None, sweep=False) -> list[dict]:
             " x, float32 weights" if call.variant == "float32-weights" else ""
         )
         # float32 products also take TF32 where the user enables it: a path of its own
-        tf32_too = call.dtype == torch.float32 and call.op not in ("rmsnorm_silu_gate", "gated_delta_rule")
+        products = call.op not in ("rmsnorm_silu_gate", "gated_delta_rule")
+        tf32_too = call.dtype == torch.float32 and products
         for tf32 in (False, True) if tf32_too else (False,):
             torch.backends.cuda.matmul.allow_tf32 = tf32
             recorder.context = {

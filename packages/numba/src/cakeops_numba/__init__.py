@@ -122,9 +122,7 @@ backend = NumbaBackend(
             "moe_experts": {"devices": devices(cpu_kernel=False, cuda=CUDA_MATMUL_PRIORITY)},
             "routed_experts": {"devices": devices(cpu_kernel=False, cuda=CUDA_MATMUL_PRIORITY)},
             # one thread per value column, step by step, no tensor cores: by name only on CUDA
-            "gated_delta_rule": {
-                "devices": devices(cpu_kernel=False, cuda=CUDA_MATMUL_PRIORITY)
-            },
+            "gated_delta_rule": {"devices": devices(cpu_kernel=False, cuda=CUDA_MATMUL_PRIORITY)},
             "causal_dot_product": {
                 "devices": devices(cpu_kernel=True, cuda=CUDA_MATMUL_PRIORITY),
                 # the njit CPU kernel computes in float32 (bfloat16 read as int16 bits, float16

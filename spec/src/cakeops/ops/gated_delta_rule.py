@@ -119,11 +119,11 @@ def check(a: Inputs) -> Inputs:
 def example(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Inputs:
     """Small valid inputs (two value heads per key head), for ``cakeops info`` and smoke
     tests."""
-    q = torch.randn(1, 2, 16, 8, device=device, dtype=dtype)
+    q = torch.randn(1, 2, 8, 8, device=device, dtype=dtype)
     k = torch.nn.functional.normalize(torch.randn_like(q), dim=-1)
-    v = torch.randn(1, 4, 16, 6, device=device, dtype=dtype)
-    g = -torch.rand(1, 4, 16, device=device, dtype=dtype) * 0.5
-    beta = torch.rand(1, 4, 16, device=device, dtype=dtype)
+    v = torch.randn(1, 4, 8, 6, device=device, dtype=dtype)
+    g = -torch.rand(1, 4, 8, device=device, dtype=dtype) * 0.5
+    beta = torch.rand(1, 4, 8, device=device, dtype=dtype)
     return Inputs(q, k, v, g, beta)
 
 
