@@ -52,8 +52,12 @@ MATMUL_EFFICIENCY = 0.45
 L2_BANDWIDTH = (10e12, 7e12)
 #: one chunk of the causal scan after the other, (short, long) seconds per chunk
 CHUNK_LATENCY = (0.4e-6, 1.0e-6)
+#: one step of the gated delta rule's recurrence after the other (its loads, three reductions
+#: across warps), (short, long) seconds per step
+STEP_LATENCY = (0.3e-6, 0.8e-6)
 START, END = "<!-- gpu-predict:start -->", "<!-- gpu-predict:end -->"
 GATED = "causal_dot_product, log_gates"
+DELTA = "gated_delta_rule"
 SHORT = {"forward": "fwd", "backward": "bwd"}
 
 
@@ -119,6 +123,29 @@ def model(kernel: str, a: dict) -> dict:
         return {"bytes": rows * (P + Q) * es + experts * P * Q * _size(a["DW"]),
                 "flops": 2 * rows * P * Q, "l2": l2, "chain": 0, "programs": experts * tiles,
                 "per_sm": per_sm}  # fmt: skip
+    if kernel in ("_delta_forward", "_delta_backward"):
+        # the recurrence, step by step: a program per (sequence, value head, column block);
+        # 2 programs a multiprocessor (about 240 registers a thread on 4 warps)
+        L, K, V, es = a["L"], a["K"], a["V"], _size(a["Q"])
+        heads, columns = a["_grid"]
+        gates = heads * L * (K if a["sg_k"] else 1) * 4 + heads * L * es  # g (float32), beta
+        keys = heads // a["GROUP"] * L * 2 * K * es  # q, k: read by every program from L2
+        if kernel == "_delta_forward":
+            saved = a["SAVE"] * heads * math.ceil(L / 64) * K * V * 4  # the chunk states
+            out = (1 - a["SAVE"]) * heads * L * V * es
+            return {"bytes": keys + gates + heads * L * V * es + out + saved,
+                    "flops": 6 * heads * L * K * V, "l2": heads * columns * L * 2 * K * es,
+                    "chain": L, "programs": heads * columns, "per_sm": 2,
+                    "latency": STEP_LATENCY}  # fmt: skip
+        blocks = a["BLOCKS"]
+        turns = math.ceil(blocks / columns)  # blocks a program takes one after the other
+        # per block: v, dout, dv and the float32 sums of dq, dk and dg read and written back
+        sums = blocks * heads * L * K * 4 * 2 * (3 if a["KDA"] else 2)
+        states = heads * math.ceil(L / 64) * K * V * 4
+        return {"bytes": keys + gates + 3 * heads * L * V * es + sums + states,
+                "flops": 16 * heads * L * K * V, "l2": heads * blocks * L * 2 * K * es,
+                "chain": 2 * L * turns, "programs": heads * columns, "per_sm": 2,
+                "latency": STEP_LATENCY}  # fmt: skip
     if kernel == "_slot_sum_kernel":  # read the float32 slots, write each token's sum
         tokens, D, k = a["_grid"][0], a["D"], a["TOP_K"]
         return {"bytes": tokens * D * (k * 4 + _size(a["OUT"])), "flops": tokens * D * k,
@@ -136,8 +163,9 @@ def seconds(work: dict, conservative: bool = False) -> tuple[float, float]:
     slots = SMS * work["per_sm"]
     waves = math.ceil(work["programs"] / slots) if work["programs"] else 1
     fill = work["programs"] / (waves * slots) if work["programs"] else 1.0
-    chain_low = work["chain"] * CHUNK_LATENCY[0] * waves
-    chain_high = work["chain"] * CHUNK_LATENCY[1] * waves
+    latency = work.get("latency", CHUNK_LATENCY)
+    chain_low = work["chain"] * latency[0] * waves
+    chain_high = work["chain"] * latency[1] * waves
     low = max(memory, compute, work["l2"] / L2_BANDWIDTH[0], chain_low)
     high = max(memory + compute, work["l2"] / L2_BANDWIDTH[1], chain_high) / max(fill, 1e-9)
     if conservative:
@@ -255,12 +283,14 @@ def predict() -> list[dict]:
     driver.set_active(triton_check.CompileOnly(90))
     full = bench_gpu.FULL
     causal = tuple(full["causal_dot_product"])
+    N, L, H, Hv, D = full["gated_delta_rule"]
     calls = {
         "rmsnorm_silu_gate": Call("rmsnorm_silu_gate", torch.bfloat16,
                                   (tuple(full["rmsnorm_silu_gate"]), None, True)),
         "causal_dot_product": Call("causal_dot_product", torch.bfloat16, causal),
         GATED: Call("causal_dot_product", torch.bfloat16, causal, "gates"),
         "moe_experts": Call("moe_experts", torch.bfloat16, tuple(full["moe_experts"])),
+        DELTA: Call("gated_delta_rule", torch.bfloat16, (N, H, Hv // H, L, D, D), "models"),
     }  # fmt: skip
     rows = []
     for op, call in calls.items():
@@ -312,6 +342,8 @@ def targets(rows: list[dict]) -> dict[str, str]:
         GATED: causal.replace("chunk kernel", "chunk_simple_gla"),
         "moe_experts": fractions("moe_experts", useful, BF16_RATE) + " of the bf16 rate "
         "(target 50%)",
+        DELTA: "target: no slower than flash-linear-attention's chunk_gated_delta_rule (GPU "
+        "only); step by step, the backward's narrow column blocks in turn dominate",
     }
 
 

@@ -46,7 +46,7 @@ MAX_SPLITS = 4
 EPS: tl.constexpr = tl.constexpr(spec.L2NORM_EPS)
 
 
-def _forward_kernel(
+def _delta_forward(
     Q, K_, V_, G, BETA, O, INIT, FINAL, STATES, CU, OFFSETS,
     L, Hv, GROUP, K, V, SCALE,
     sq_n, sq_h, sq_l, sk_n, sk_h, sk_l, sv_n, sv_h, sv_l, sg_n, sg_h, sg_l, sg_k,
@@ -107,7 +107,7 @@ def _forward_kernel(
         tl.store(FINAL + (seq * Hv + hv) * K * V + kv, S, mask=mkv)
 
 
-def _backward_kernel(
+def _delta_backward(
     Q, K_, V_, G, BETA, DO, DFINAL, STATES, SCRATCH, CU, OFFSETS,
     DQ, DK, DV, DG, DB, DINIT,
     N, L, Hv, GROUP, K, V, SCALE, BLOCKS,
@@ -234,8 +234,8 @@ def _backward_kernel(
 
 # One binary per dtype and tile: no specialisation on sizes, strides or flags (the flags are
 # uniform branches, a step's work dwarfs them).
-_forward_kernel = untuned(_forward_kernel)
-_backward_kernel = untuned(_backward_kernel)
+_delta_forward = untuned(_delta_forward)
+_delta_backward = untuned(_delta_backward)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -288,7 +288,7 @@ def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, 
     bk, bv = _block_v(K, V, FORWARD_TILE)
     init = initial_state
     init_strides = init.stride() if init is not None else (0, 0, 0, 0)
-    _forward_kernel[(sequences * Hv, triton.cdiv(V, bv))](
+    _delta_forward[(sequences * Hv, triton.cdiv(V, bv))](
         *tensors, q if out is None else out, unused if init is None else init,
         unused if final is None else final, unused if states is None else states, cu, offsets,
         L, Hv, Hv // H, K, V, float(scale), *strides, *init_strides,
@@ -331,7 +331,7 @@ def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
     has_dfinal = output_final_state and g_final.numel() > 0
     d_final = g_final if has_dfinal else d_init
     scratch = torch.empty((sequences * Hv * splits, CHUNK, bk, bv), **f32)
-    _backward_kernel[(sequences * Hv, splits)](
+    _delta_backward[(sequences * Hv, splits)](
         *tensors, g_out, d_final, states, scratch, cu, offsets, dq, dk, dv, dg, db, d_init,
         N, L, Hv, Hv // H, K, V, float(scale), blocks, *strides, *g_out.stride(),
         *(d_final.stride() if has_dfinal else (0, 0, 0, 0)), int(has_dfinal),
