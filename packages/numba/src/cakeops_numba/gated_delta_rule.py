@@ -41,6 +41,18 @@ def _decay(g, n, hv, t, e, kda):
     return math.exp(widen(g[n, hv, t, e]) if kda else widen(g[n, hv, t, 0]))
 
 
+@cuda.jit(device=True)
+def _sequence(task, v, cu, packed, group):
+    """Block ``task``'s ``(value head, sequence, key head, row, first, end)``: a batch row, or
+    (``packed``) one of the packed sequences of row 0."""
+    Hv = v.shape[1]
+    hv, s = task % Hv, task // Hv
+    n, first, end = s, 0, v.shape[2]
+    if packed:
+        n, first, end = 0, cu[s], cu[s + 1]
+    return hv, s, hv // group, n, first, end
+
+
 @cuda.jit
 def _forward(q, k, v, g, beta, out, state, saved, cu, offsets, packed, group, scale, kda, save,
              write):  # fmt: skip
@@ -51,12 +63,8 @@ def _forward(q, k, v, g, beta, out, state, saved, cu, offsets, packed, group, sc
     sequence ``s`` in slot ``offsets[s] + c``); ``cu``: (S + 1,) offsets along L of the packed
     sequences (``packed``). One block per (sequence, value head) and ``THREADS`` columns."""
     task = cuda.blockIdx.x
-    Hv, L, V = v.shape[1], v.shape[2], v.shape[3]
-    K = q.shape[3]
-    hv, s = task % Hv, task // Hv
-    n = 0 if packed else s
-    first, end = (cu[s], cu[s + 1]) if packed else (0, L)
-    h = hv // group
+    V, K = v.shape[3], q.shape[3]
+    hv, s, h, n, first, end = _sequence(task, v, cu, packed, group)
     m = cuda.blockIdx.y * THREADS + cuda.threadIdx.x
     if m >= V:
         return
@@ -96,12 +104,8 @@ def _backward(q, k, v, g, beta, do, saved, scratch, dS, cu, offsets, packed, gro
     tid = cuda.threadIdx.x
     task = cuda.blockIdx.x
     block = cuda.blockIdx.y
-    Hv, L, V = v.shape[1], v.shape[2], v.shape[3]
-    K = q.shape[3]
-    hv, s = task % Hv, task // Hv
-    n = 0 if packed else s
-    first, end = (cu[s], cu[s + 1]) if packed else (0, L)
-    h = hv // group
+    V, K = v.shape[3], q.shape[3]
+    hv, s, h, n, first, end = _sequence(task, v, cu, packed, group)
     col0 = block * THREADS
     m = col0 + tid
     cols = min(THREADS, V - col0)

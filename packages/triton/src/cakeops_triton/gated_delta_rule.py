@@ -46,6 +46,18 @@ MAX_SPLITS = 4
 EPS: tl.constexpr = tl.constexpr(spec.L2NORM_EPS)
 
 
+@triton.jit
+def _sequence(CU, pid, Hv, GROUP, L, PACKED):
+    """Program ``pid``'s ``(value head, sequence, key head, row, first, end)``: a batch row,
+    or (``PACKED``) one of the packed sequences of row 0."""
+    hv = pid % Hv
+    seq = pid // Hv
+    n, first, end = seq, seq * 0, seq * 0 + L
+    if PACKED:
+        n, first, end = seq * 0, tl.load(CU + seq), tl.load(CU + seq + 1)
+    return hv, seq, hv // GROUP, n, first, end
+
+
 def _delta_forward(
     Q, K_, V_, G, BETA, O, INIT, FINAL, STATES, CU, OFFSETS,
     L, Hv, GROUP, K, V, SCALE,
@@ -57,12 +69,7 @@ def _delta_forward(
     """The outputs and the final states; with ``SAVE`` instead of the outputs, the state at
     the start of every chunk (``STATES`` ``(slots, Hv, K, V)`` float32)."""
     pid = tl.program_id(0).to(tl.int64)
-    hv = pid % Hv
-    seq = pid // Hv
-    h = hv // GROUP
-    n, first, end = seq, seq * 0, seq * 0 + L
-    if PACKED:  # one of the packed sequences of row 0
-        n, first, end = seq * 0, tl.load(CU + seq), tl.load(CU + seq + 1)
+    hv, seq, h, n, first, end = _sequence(CU, pid, Hv, GROUP, L, PACKED)
     kk = tl.arange(0, BK)
     vv = tl.program_id(1) * BV + tl.arange(0, BV)
     mk, mv = kk < K, vv < V
@@ -124,12 +131,7 @@ def _delta_backward(
     pid = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
     splits = tl.num_programs(1)
-    hv = pid % Hv
-    seq = pid // Hv
-    h = hv // GROUP
-    n, first, end = seq, seq * 0, seq * 0 + L
-    if PACKED:  # one of the packed sequences of row 0
-        n, first, end = seq * 0, tl.load(CU + seq), tl.load(CU + seq + 1)
+    hv, seq, h, n, first, end = _sequence(CU, pid, Hv, GROUP, L, PACKED)
     kk = tl.arange(0, BK)
     mk = kk < K
     q_row = Q + n * sq_n + h * sq_h
