@@ -276,10 +276,10 @@ def _common(q, k, v, g, beta, cu_seqlens):
     return (q, k, v, g, beta), cu, offsets, strides, (N, H, L, K, Hv, V), max(slots, 1)
 
 
-def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, save: bool,
+def _forward(prepared, q, scale, initial_state, cu_seqlens, use_qk_l2norm, save: bool,
              want_final: bool):  # fmt: skip
-    """``(out or None, final or None, stored states or None)``."""
-    tensors, cu, offsets, strides, sizes, slots = _common(q, k, v, g, beta, cu_seqlens)
+    """``(out or None, final or None, stored states or None)``; ``prepared``: :func:`_common`'s."""
+    tensors, cu, offsets, strides, sizes, slots = prepared
     N, H, L, K, Hv, V = sizes
     sequences = _sequences(q, cu_seqlens)
     f32 = {"dtype": torch.float32, "device": q.device}
@@ -303,7 +303,8 @@ def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, 
 @serialised
 def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
             cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
-    out, final, _ = _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm,
+    prepared = _common(q, k, v, g, beta, cu_seqlens)
+    out, final, _ = _forward(prepared, q, scale, initial_state, cu_seqlens, use_qk_l2norm,
                              save=False, want_final=output_final_state)  # fmt: skip
     if final is None:
         return out, q.new_empty(0)
@@ -313,9 +314,10 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
 @serialised
 def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
              output_final_state=False, cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
-    _, _, states = _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm,
+    prepared = _common(q, k, v, g, beta, cu_seqlens)  # once for both kernels
+    _, _, states = _forward(prepared, q, scale, initial_state, cu_seqlens, use_qk_l2norm,
                             save=True, want_final=False)  # fmt: skip
-    tensors, cu, offsets, strides, sizes, _ = _common(q, k, v, g, beta, cu_seqlens)
+    tensors, cu, offsets, strides, sizes, _ = prepared
     N, H, L, K, Hv, V = sizes
     sequences = _sequences(q, cu_seqlens)
     bk, bv = _block_v(K, V, BACKWARD_TILE)
