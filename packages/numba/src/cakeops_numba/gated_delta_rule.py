@@ -210,11 +210,12 @@ def _layout(q, v, g, cu_seqlens):
     return g4, cu, offsets, packed, sequences, max(slots, 1)
 
 
-def _run_forward(qn, kn, v, g, beta, scale, initial_state, cu_seqlens, save, write):
-    """``(out, final states (S, Hv, K, V) float32, stored states)``."""
+def _run_forward(qn, kn, v, g, beta, scale, initial_state, layout, save, write):
+    """``(out, final states (S, Hv, K, V) float32, stored states)``; ``layout`` is
+    :func:`_layout`'s."""
     N, H, L, K = qn.shape
     Hv, V = v.shape[1], v.shape[3]
-    g4, cu, offsets, packed, sequences, slots = _layout(qn, v, g, cu_seqlens)
+    g4, cu, offsets, packed, sequences, slots = layout
     out = torch.empty((N, Hv, L, V), dtype=v.dtype, device=v.device)
     if initial_state is None:
         state = torch.zeros((sequences * Hv, K, V), dtype=torch.float32, device=v.device)
@@ -231,27 +232,29 @@ def _run_forward(qn, kn, v, g, beta, scale, initial_state, cu_seqlens, save, wri
     return out, state.view(sequences, Hv, K, V), saved
 
 
-def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+def forward(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
             cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
     qn, _ = _normalised(q, use_qk_l2norm)
     kn, _ = _normalised(k, use_qk_l2norm)
-    out, final, _ = _run_forward(qn, kn, v, g, beta, scale, initial_state, cu_seqlens,
-                                 save=False, write=True)  # fmt: skip
+    layout = _layout(q, v, g, cu_seqlens)
+    out, final, _ = _run_forward(qn, kn, v, g, beta, scale, initial_state, layout, save=False,
+                                 write=True)  # fmt: skip
     out = out.to(q.dtype)
     if not output_final_state:
         return out, q.new_empty(0)
     return out, final.to(initial_state.dtype if initial_state is not None else torch.float32)
 
 
-def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
+def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
              output_final_state=False, cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
     qn, rq = _normalised(q, use_qk_l2norm)
     kn, rk = _normalised(k, use_qk_l2norm)
-    _, _, saved = _run_forward(qn, kn, v, g, beta, scale, initial_state, cu_seqlens, save=True,
+    layout = _layout(q, v, g, cu_seqlens)
+    _, _, saved = _run_forward(qn, kn, v, g, beta, scale, initial_state, layout, save=True,
                                write=False)  # fmt: skip
     N, H, L, K = q.shape
     Hv, V = v.shape[1], v.shape[3]
-    g4, cu, offsets, packed, sequences, _ = _layout(q, v, g, cu_seqlens)
+    g4, cu, offsets, packed, sequences, _ = layout
     blocks = -(-V // THREADS)
     f32 = {"dtype": torch.float32, "device": v.device}
     if output_final_state and g_final.numel():

@@ -16,6 +16,8 @@ import torch
 from cakeops import compute_dtype
 from cakeops.helpers import log_multiplier_grads, log_multipliers, position_log_grads
 
+from ._causal import causal_mm as _causal_mm
+
 CHUNK = 64
 
 
@@ -27,18 +29,6 @@ def _chunks(L: int, reverse: bool = False):
 
 def _t(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(-1, -2)
-
-
-def _causal_mm(scores: torch.Tensor, x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
-    """``scores @ x`` for ``scores`` that are zero outside the causal range (lower triangle,
-    upper with ``reverse``), with no masked zero times a NaN or Inf of ``x``: the non-finite
-    entries enter through a running sum instead, so they reach only the rows in their causal
-    range, as in the reference."""
-    finite = torch.isfinite(x)
-    out = scores @ x.where(finite, 0)
-    bad = x.masked_fill(finite, 0)
-    out.add_(bad.flip(-2).cumsum(-2).flip(-2) if reverse else bad.cumsum(-2))
-    return out
 
 
 def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=None,

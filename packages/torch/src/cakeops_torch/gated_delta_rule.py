@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from cakeops import compute_dtype
 from cakeops.ops.gated_delta_rule import L2NORM_EPS
 
+from ._causal import causal_mm as _causal_mm
+
 CHUNK = 64
 #: Bytes of the state-independent quantities of one group of chunks, computed at once (the
 #: backward keeps a state per chunk of one group, and one per group).
@@ -176,20 +178,6 @@ class _Chunk:
         return value
 
 
-def _causal_mm(scores: torch.Tensor, x: torch.Tensor, reverse: bool = False,
-               product=torch.matmul, guard: bool = True) -> torch.Tensor:  # fmt: skip
-    """``scores @ x`` (or ``product(scores, x)``) for ``scores`` zero outside the causal range
-    (lower triangle; upper with ``reverse``), with no zero times a NaN or Inf of ``x`` (when
-    ``guard``: the call has a non-finite input): the non-finite entries enter through a running
-    sum, reaching only the rows of their causal range."""
-    if not guard:
-        return product(scores, x)
-    finite = torch.isfinite(x)
-    out = product(scores, x.where(finite, 0))
-    bad = x.masked_fill(finite, 0)
-    return out + (bad.flip(-2).cumsum(-2).flip(-2) if reverse else bad.cumsum(-2))
-
-
 # --------------------------------------------------------------------------------------------
 # The scan over chunks
 
@@ -282,8 +270,8 @@ def _group_states(layout, intra, group, S, initial_state, H, shape):
 
 def _scan(layout, chunks, norms, initial_state, scale, H, guard, want_out=True, keep=False):
     """The forward over the chunks: the output chunks, the final states, and (``keep``) per
-    group its start state and its chunks' ``(I + A)^{-1}``. Only the state's chain runs chunk
-    by chunk; the outputs are products over a whole group."""
+    group its chunks, its start state and its chunks' ``(I + A)^{-1}``. Only the state's chain
+    runs chunk by chunk; the outputs are products over a whole group."""
     qc, _, vc, gc, _ = chunks
     B, _, G, n, C, V = vc.shape
     K = qc.shape[-1]
@@ -294,7 +282,7 @@ def _scan(layout, chunks, norms, initial_state, scale, H, guard, want_out=True, 
     for group in _groups(layout, (B, H, G, K, V), gc.dim() == 6):
         intra = _intra(chunks, norms, group, guard)
         if keep:
-            group_starts.append((S, intra.T))
+            group_starts.append((group, S, intra.T))
         states, us, S, ended = _group_states(layout, intra, group, S, initial_state, H,
                                              (B, G, K, V))  # fmt: skip
         finals.update(ended)
@@ -352,11 +340,10 @@ def _recurrent(q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
     return torch.stack(out, 3).flatten(1, 2), S
 
 
-def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+def forward(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
             cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
     N, H, L, K = q.shape
     Hv, V = v.shape[1], v.shape[3]
-    scale = K**-0.5 if scale is None else scale
     if 0 < L <= RECURRENT_UP_TO and cu_seqlens is None:
         out, S = _recurrent(q, k, v, g, beta, scale, initial_state, use_qk_l2norm)
         if not output_final_state:
@@ -442,18 +429,15 @@ def _group_backward(c: _Intra, S, U, sdO, dS, dW, kda):
     return dq, dk, dv, (dg if kda else dg[..., 0]), dbeta
 
 
-def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
+def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
              output_final_state=False, cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
     _, H, L, K = q.shape
     V = v.shape[3]
-    scale = K**-0.5 if scale is None else scale
     layout, norms, chunks = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
     _, _, vc, gc, bc = chunks
     ct = vc.dtype
     B, _, G, n, C, _ = vc.shape
     kda = gc.dim() == 6
-    shape = (B, H, G, K, V)
-    groups = _groups(layout, shape, kda)
     guard = _needs_guard(q, k, v, beta, initial_state, g_out, g_final, g=g)
     _, _, group_starts = _scan(layout, chunks, norms, initial_state, scale, H, guard,
                                want_out=False, keep=True)  # fmt: skip
@@ -480,7 +464,7 @@ def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
     if initial_state is not None:
         d_init = torch.zeros(initial_state.shape, dtype=ct, device=q.device)
     dS = torch.zeros(B, H, G, K, V, dtype=ct, device=q.device)
-    for group, (S, T) in reversed(list(zip(groups, group_starts, strict=True))):
+    for group, S, T in reversed(group_starts):
         intra = _intra(chunks, norms, group, guard, T)
         states, us, _, _ = _group_states(layout, intra, group, S, initial_state, H,
                                          (B, G, K, V))  # fmt: skip

@@ -144,6 +144,12 @@ def mma_operands_in_registers() -> bool:
     return target.backend == "cuda" and target.arch < 90
 
 
+def unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a contiguous last dim (a copy only when it has none): the kernels read a row's
+    elements as one vector and take every other stride as an argument."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` precision for float32 operands: TF32 only where the user enabled it."""
     tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not INTERPRET

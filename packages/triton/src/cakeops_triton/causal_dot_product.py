@@ -30,6 +30,7 @@ from cakeops_triton._common import (
     mma_operands_in_registers,
     round_to,
     serialised,
+    unit_stride_rows,
     untuned,
 )
 
@@ -262,11 +263,6 @@ _causal_tuned = triton.autotune(
 _causal_untuned = untuned(_causal_kernel, {"BLOCK_M": _block_m})
 
 
-def _strides(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with a contiguous last dim (a copy only when it has none)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _block_e(a: torch.Tensor, E: int, decays: bool) -> int:
     """The feature block: E's power of two; float32 with log multipliers always
     ``WIDE_F32_E`` (their one tile shape that compiles without spills on sm_80 and sm_90;
@@ -281,7 +277,7 @@ def _run(a, b, c, reverse: bool, lm=None, init=None, final=None, cu=None,
     starting states ``(S, H, E, M)`` read through their strides, ``final`` a float32 tensor
     the last states are written to (through its strides), ``cu`` packed sequences' offsets,
     ``scale`` what the output is multiplied by before it is rounded."""
-    a, b, c = _strides(a), _strides(b), _strides(c)
+    a, b, c = unit_stride_rows(a), unit_stride_rows(b), unit_stride_rows(c)
     cu = None if cu is None else cu.contiguous()  # the kernel reads offsets one after another
     N, H, L, E = a.shape
     M = c.shape[-1]

@@ -28,7 +28,14 @@ import triton
 import triton.language as tl
 
 from cakeops.ops import gated_delta_rule as spec
-from cakeops_triton._common import INTERPRET, multiprocessors, round_to, serialised, untuned
+from cakeops_triton._common import (
+    INTERPRET,
+    multiprocessors,
+    round_to,
+    serialised,
+    unit_stride_rows,
+    untuned,
+)
 
 #: Steps between stored states in the backward's first pass, and per recomputed stretch
 #: (``L / CHUNK + CHUNK`` states per program, least near ``CHUNK = sqrt(L)``); 4 under the
@@ -192,9 +199,11 @@ def _delta_backward(
                 db_sum = tl.load(db_row + t)
                 k = tl.load(k_row + t * sk_l + kk, mask=mk, other=0.0).to(tl.float32)
                 q = tl.load(q_row + t * sq_l + kk, mask=mk, other=0.0).to(tl.float32)
-                rk = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + EPS)
-                rq = 1.0 / tl.sqrt(tl.sum(q * q, axis=0) + EPS)
+                rk = tl.full((), 1.0, tl.float32)
+                rq = tl.full((), 1.0, tl.float32)
                 if L2NORM:
+                    rk = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + EPS)
+                    rq = 1.0 / tl.sqrt(tl.sum(q * q, axis=0) + EPS)
                     k, q = k * rk, q * rq
                 v = tl.load(v_row + t * sv_l, mask=mv, other=0.0).to(tl.float32)
                 do = tl.load(do_row + t * sd_l, mask=mv, other=0.0).to(tl.float32)
@@ -240,11 +249,6 @@ _delta_forward = untuned(_delta_forward)
 _delta_backward = untuned(_delta_backward)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with a contiguous last dim (a copy only when it has none)."""
-    return t if t.dim() < 4 or t.stride(-1) == 1 else t.contiguous()
-
-
 def _block_v(K: int, V: int, tile: int) -> tuple[int, int]:
     """``(BK, BV)``: the key rows whole, value columns so that a tile holds ``tile``."""
     bk = max(16, triton.next_power_of_2(K))
@@ -259,7 +263,8 @@ def _common(q, k, v, g, beta, cu_seqlens):
     """The arguments both kernels take first: the tensors, the packed sequences' offsets and
     where their stored states start (int64; unused placeholders unpacked), the strides (a gate
     per step is a KDA gate of stride 0 over the key rows), the sizes and the slots."""
-    q, k, v, g = _rows(q), _rows(k), _rows(v), _rows(g)
+    q, k, v = unit_stride_rows(q), unit_stride_rows(k), unit_stride_rows(v)
+    g = unit_stride_rows(g) if g.dim() == 4 else g  # a KDA gate's rows; a (N, H, L) gate as is
     N, H, L, K = q.shape
     Hv, V = v.shape[1], v.shape[3]
     if cu_seqlens is None:
@@ -301,7 +306,7 @@ def _forward(prepared, q, scale, initial_state, cu_seqlens, use_qk_l2norm, save:
 
 
 @serialised
-def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+def forward(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
             cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
     prepared = _common(q, k, v, g, beta, cu_seqlens)
     out, final, _ = _forward(prepared, q, scale, initial_state, cu_seqlens, use_qk_l2norm,
@@ -312,7 +317,7 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
 
 
 @serialised
-def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
+def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
              output_final_state=False, cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
     prepared = _common(q, k, v, g, beta, cu_seqlens)  # once for both kernels
     _, _, states = _forward(prepared, q, scale, initial_state, cu_seqlens, use_qk_l2norm,
