@@ -40,7 +40,7 @@ def _silu_parts(z):
 @triton.jit
 def _group_rstd(
     X, Z, rows64, row_ok, start, stride_x, stride_z, eps,
-    G, NORM_BEFORE_GATE: tl.constexpr,
+    G, NORM_BEFORE_GATE,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     """``rsqrt(mean(v^2) + eps)`` over the group starting at column ``start`` of each row, with
@@ -51,7 +51,7 @@ def _group_rstd(
         m = row_ok[:, None] & (cols < start + G)[None, :]
         v = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
         v = v.to(tl.float32)
-        if not NORM_BEFORE_GATE:
+        if NORM_BEFORE_GATE == 0:
             z = tl.load(Z + rows64[:, None] * stride_z + cols[None, :], mask=m, other=0.0)
             v = v * _silu_parts(z.to(tl.float32))[1]
         acc += tl.sum(v * v, axis=1)
@@ -78,7 +78,7 @@ def _chunk(
 
 
 @triton.jit
-def _norm_terms(x, z, w, g, r, NORM_BEFORE_GATE: tl.constexpr):
+def _norm_terms(x, z, w, g, r, NORM_BEFORE_GATE):
     """``(sigma(z), silu(z), n, a)``: the normalised ``n`` and its incoming gradient ``a``."""
     sig, gate = _silu_parts(z)
     if NORM_BEFORE_GATE:
@@ -94,7 +94,7 @@ def _forward_kernel(
     X, Z, W, Y,
     R, stride_x, stride_z,
     eps,
-    D, G, NORM_BEFORE_GATE: tl.constexpr,
+    D, G, NORM_BEFORE_GATE,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -125,7 +125,7 @@ def _backward_kernel(
     GO, X, Z, W, DX, DZ, DW_PARTIAL,
     R, PROGRAMS, stride_x, stride_z,
     eps,
-    D, G, NORM_BEFORE_GATE: tl.constexpr, SINGLE: tl.constexpr,
+    D, G, NORM_BEFORE_GATE, SINGLE,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -141,7 +141,7 @@ def _backward_kernel(
 @triton.jit
 def _backward_rows(
     GO, X, Z, W, DX, DZ, DW_ROW, row0, R, stride_x, stride_z, eps,
-    D, G, NORM_BEFORE_GATE: tl.constexpr, SINGLE: tl.constexpr,
+    D, G, NORM_BEFORE_GATE, SINGLE,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     """dx, dz of ``BLOCK_R`` rows from ``row0``, their dweight terms added to ``DW_ROW``."""
@@ -192,19 +192,28 @@ def _backward_rows(
             tl.store(DW_ROW + cols, dw, mask=col_ok)
 
 
-# Each kernel specialised on its sizes and strides, and untuned: one binary per block shape for
-# inputs too small to need vector loads (fewer than UNTUNED_BELOW elements).
-_forward_tuned = triton.jit(do_not_specialize=["R"])(_forward_kernel)
+# Each kernel specialised on its sizes and strides, and untuned: one binary (per dtype) for
+# inputs too small to need vector loads (fewer than UNTUNED_BELOW elements), in chunks of
+# UNTUNED_BLOCK_G columns whatever the group size. The options (norm before gate, groups of one)
+# are run-time flags: uniform branches in a memory-bound loop, and half the binaries each.
+_forward_tuned = triton.jit(do_not_specialize=["R", "NORM_BEFORE_GATE"])(_forward_kernel)
 _forward_untuned = untuned(_forward_kernel)
-_backward_tuned = triton.jit(do_not_specialize=["R", "PROGRAMS"])(_backward_kernel)
+_backward_tuned = triton.jit(do_not_specialize=["R", "PROGRAMS", "NORM_BEFORE_GATE", "SINGLE"])(
+    _backward_kernel
+)
 _backward_untuned = untuned(_backward_kernel)
 UNTUNED_BELOW = 1 << 16
+UNTUNED_BLOCK_G = 256
 
 
-def _blocks(group_size: int) -> tuple[int, int]:
+def _blocks(group_size: int, tuned: bool) -> tuple[int, int]:
     """``(BLOCK_R, BLOCK_G)``: chunks of the group's power of two, from 64 (narrower groups are
-    masked: a handful of compilations serves every group size) up to ``MAX_BLOCK_G``."""
-    block_g = min(max(MIN_BLOCK_G, triton.next_power_of_2(group_size)), MAX_BLOCK_G)
+    masked: a handful of compilations serves every group size) up to ``MAX_BLOCK_G``; a
+    problem too small to tune takes ``UNTUNED_BLOCK_G`` columns at a time."""
+    if tuned:
+        block_g = min(max(MIN_BLOCK_G, triton.next_power_of_2(group_size)), MAX_BLOCK_G)
+    else:
+        block_g = UNTUNED_BLOCK_G
     return max(1, min(64, TILE // block_g)), block_g
 
 
@@ -225,14 +234,15 @@ def forward(x, z, weight, eps, group_size, norm_before_gate):
     x2, z2 = _rows(x), _rows(z)
     R, D = x2.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_r, block_g = _blocks(group_size)
+    tuned = R * D >= UNTUNED_BELOW
+    block_r, block_g = _blocks(group_size, tuned)
     grid = (triton.cdiv(R, block_r),)
-    kernel = _forward_tuned if R * D >= UNTUNED_BELOW else _forward_untuned
+    kernel = _forward_tuned if tuned else _forward_untuned
     kernel[grid](
         x2, z2, weight.contiguous(), y,
         R, x2.stride(0), z2.stride(0),
         eps,
-        D=D, G=group_size, NORM_BEFORE_GATE=norm_before_gate,
+        D=D, G=group_size, NORM_BEFORE_GATE=int(norm_before_gate),
         BLOCK_R=block_r, BLOCK_G=block_g, num_warps=_warps(block_g), num_stages=1,
     )  # fmt: skip
     return y
@@ -244,15 +254,16 @@ def backward(g, x, z, weight, eps, group_size, norm_before_gate):
     R, D = x2.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
-    block_r, block_g = _blocks(group_size)
+    tuned = R * D >= UNTUNED_BELOW
+    block_r, block_g = _blocks(group_size, tuned)
     programs = min(triton.cdiv(R, block_r), PROGRAMS_PER_SM * multiprocessors(x.device))
     partial = torch.zeros((programs, D), dtype=torch.float32, device=x.device)
-    kernel = _backward_tuned if R * D >= UNTUNED_BELOW else _backward_untuned
+    kernel = _backward_tuned if tuned else _backward_untuned
     kernel[(programs,)](
         g, x2, z2, weight.contiguous(), dx, dz, partial,
         R, programs, x2.stride(0), z2.stride(0),
         eps,
-        D=D, G=group_size, NORM_BEFORE_GATE=norm_before_gate, SINGLE=group_size == 1,
+        D=D, G=group_size, NORM_BEFORE_GATE=int(norm_before_gate), SINGLE=int(group_size == 1),
         BLOCK_R=block_r, BLOCK_G=block_g, num_warps=_warps(block_g), num_stages=1,
     )  # fmt: skip
     return dx, dz, partial.sum(0).to(weight.dtype)
