@@ -9,6 +9,7 @@ The helpers here are shared by the suite's test modules.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -17,6 +18,13 @@ import torch
 
 from cakeops._spec import relative_error, tolerance
 from cakeops.measure import SavedTensors, peak_memory  # noqa: F401 (part of this API)
+
+#: Kernels run by an emulator on the CPU (Triton's interpreter, numba's CUDA simulator),
+#: thousands of times slower than on a device: the checks whose size is what they test keep a
+#: smaller size there, said where they do.
+EMULATED = (
+    os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+)
 
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str, dtype=None) -> None:

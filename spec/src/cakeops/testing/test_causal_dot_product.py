@@ -3,8 +3,6 @@ backend under test: the checks only this op has (``test_every_op`` has the share
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -12,6 +10,7 @@ import cakeops
 from cakeops._spec import tolerance
 from cakeops.reference import causal_dot_product as ref
 from cakeops.testing import (
+    EMULATED,
     assert_bad_input_raises,
     assert_matches,
     peak_memory,
@@ -20,10 +19,6 @@ from cakeops.testing import (
 )
 
 OP = "causal_dot_product"
-#: Kernels run by an emulator on the CPU, thousands of times slower than on a device.
-EMULATED = (
-    os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-)
 
 # name -> (N, H, L, E, M)
 CASES = {

@@ -5,20 +5,15 @@ the float64 recurrence of :mod:`cakeops.reference.gated_delta_rule`, one step at
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
 
 import cakeops
 from cakeops.reference import gated_delta_rule as ref
-from cakeops.testing import assert_bad_input_raises, assert_matches
+from cakeops.testing import EMULATED, assert_bad_input_raises, assert_matches
 
 OP = "gated_delta_rule"
-#: Kernels run by an emulator on the CPU, thousands of times slower than on a device.
-EMULATED = (
-    os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-)
 
 #: name -> the options a case gives (every case has grouped value heads: 2 per key head)
 OPTION_CASES = {

@@ -9,6 +9,7 @@ import torch
 import cakeops
 from cakeops.reference import rmsnorm_silu_gate as ref
 from cakeops.testing import (
+    EMULATED,
     SavedTensors,
     assert_bad_input_raises,
     assert_matches,
@@ -79,6 +80,9 @@ class TestRMSNormSiLUGate:
     @pytest.mark.parametrize("case", list(CASES))
     def test_matches_reference(self, backend, dtype, device, case):
         shape, group_size, nbg = CASES[case]
+        if EMULATED and shape[-1] > 16384 and dtype != torch.float32:
+            # a minute a dtype in the simulator; the 16-bit roundings are the narrower cases'
+            pytest.skip("under an emulator, rows over 16384 wide run in float32 only")
         x, z, w, g = make_inputs(shape, dtype, device)
         got = run(x, z, w, g, group_size, nbg)
         check_against_reference(x, z, w, g, group_size, nbg, got)
