@@ -147,7 +147,7 @@ def _causal_kernel(
     sa_n, sa_h, sa_l, sb_n, sb_h, sb_l, sc_n, sc_h, sc_l,
     si_s, si_h, si_e, si_m, sf_s, sf_h, sf_e, sf_m,
     REVERSE: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_LM: tl.constexpr, HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, PACKED: tl.constexpr,
+    HAS_LM: tl.constexpr, HAS_INIT, HAS_FINAL, PACKED,
     BLOCK_L: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     pid_nh = tl.program_id(0)
@@ -155,14 +155,13 @@ def _causal_kernel(
     h = (pid_nh % H).to(tl.int64)
     # the program's sequence: a batch row, or (PACKED) one of the packed sequences of row 0
     seq = (pid_nh // H).to(tl.int64)
+    n = seq
+    first = (L * 0).to(tl.int32)
+    end = L.to(tl.int32)
     if PACKED:
         n = seq * 0
         first = tl.load(CU + seq).to(tl.int32)
         end = tl.load(CU + seq + 1).to(tl.int32)
-    else:
-        n = seq
-        first = 0
-        end = L
     e = tl.arange(0, BLOCK_E)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     t = tl.arange(0, BLOCK_L)
@@ -173,11 +172,10 @@ def _causal_kernel(
     dtype = C.dtype.element_ty
     # The running state sum_j b_j c_j^T, kept in float32 and fed to the dot in the inputs' dtype.
     em = (e < E)[:, None] & (m < M)[None, :]
+    state = tl.zeros((BLOCK_E, BLOCK_M), dtype=tl.float32)
     if HAS_INIT:
         init = INIT + seq * si_s + h * si_h + e.to(tl.int64)[:, None] * si_e + m[None, :] * si_m
         state = tl.load(init, mask=em, other=0.0).to(tl.float32)
-    else:
-        state = tl.zeros((BLOCK_E, BLOCK_M), dtype=tl.float32)
     if REVERSE:
         keep = t[:, None] <= t[None, :]
     else:
@@ -250,14 +248,17 @@ def _causal_kernel(
         tl.store(final, state, mask=em)
 
 
-# the kernel autotuned (specialised on sizes and strides), and untuned for small problems
+# the kernel autotuned (specialised on sizes and strides), and untuned for small problems; the
+# options read or written once per program (initial and final states, packed sequences) are
+# run-time flags, not one binary each
+_FLAGS = ["HAS_INIT", "HAS_FINAL", "PACKED"]
 _causal_tuned = triton.autotune(
     configs=_CONFIGS,
     key=["BLOCK_E", "M_BUCKET", "REVERSE", "PRECISION", "HAS_LM"],
     prune_configs_by={"early_config_prune": _prune},
 )(
     triton.heuristics({"BLOCK_M": _block_m})(
-        triton.jit(do_not_specialize=["L", "E", "M", "M_BUCKET"])(_causal_kernel)
+        triton.jit(do_not_specialize=["L", "E", "M", "M_BUCKET", *_FLAGS])(_causal_kernel)
     )
 )
 _causal_untuned = untuned(_causal_kernel, {"BLOCK_M": _block_m})
@@ -278,7 +279,8 @@ def _run(a, b, c, reverse: bool, lm=None, init=None, final=None, cu=None,
     the last states are written to (through its strides), ``cu`` packed sequences' offsets,
     ``scale`` what the output is multiplied by before it is rounded."""
     a, b, c = unit_stride_rows(a), unit_stride_rows(b), unit_stride_rows(c)
-    cu = None if cu is None else cu.contiguous()  # the kernel reads offsets one after another
+    # the kernel reads offsets one after another, as int64 (one dtype: one binary)
+    cu = None if cu is None else cu.to(torch.int64).contiguous()
     N, H, L, E = a.shape
     M = c.shape[-1]
     out = torch.empty((N, H, L, M), dtype=out_dtype or c.dtype, device=c.device)
@@ -289,9 +291,13 @@ def _run(a, b, c, reverse: bool, lm=None, init=None, final=None, cu=None,
 
     init_strides = init.stride() if init is not None else (0, 0, 0, 0)
     final_strides = final.stride() if final is not None else (0, 0, 0, 0)
+    # an absent tensor is an empty one of the dtype a present one has (float32 states and
+    # multipliers, int64 offsets), so that the options share binaries (the flags are run-time)
+    unused = torch.empty(0, dtype=torch.float32, device=c.device)
     args = (
-        a, b, c, out, out if lm is None else lm, out if init is None else init,
-        out if final is None else final, out if cu is None else cu,
+        a, b, c, out, unused if lm is None else lm, unused if init is None else init,
+        unused if final is None else final,
+        unused.to(torch.int64) if cu is None else cu,
         L, H, E, M, triton.next_power_of_2(M), 1.0 if scale is None else float(scale),
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
@@ -299,8 +305,8 @@ def _run(a, b, c, reverse: bool, lm=None, init=None, final=None, cu=None,
     )  # fmt: skip
     meta = {"REVERSE": reverse, "PRECISION": dot_precision(a.dtype),
             "BLOCK_E": _block_e(a, E, lm is not None), "HAS_LM": lm is not None,
-            "HAS_INIT": init is not None, "HAS_FINAL": final is not None,
-            "PACKED": cu is not None}  # fmt: skip
+            "HAS_INIT": int(init is not None), "HAS_FINAL": int(final is not None),
+            "PACKED": int(cu is not None)}  # fmt: skip
     # too small to tune: the first config the rules keep (the smallest chunk), untuned
     kernels = (_causal_tuned, _causal_untuned)
     launch(kernels, grid, args, meta, tuned=N * H * L >= TUNE_FROM_POSITIONS)
