@@ -141,15 +141,18 @@ def _floored(lm):
     return tl.where(lm < -1e30, -1e30, lm)
 
 
-def _causal_kernel(
+@triton.jit
+def _causal_scan(
     A, B, C, OUT, LM, INIT, FINAL, CU,
-    L, H, E, M, M_BUCKET, SCALE,
+    L, H, E, M, SCALE,
     sa_n, sa_h, sa_l, sb_n, sb_h, sb_l, sc_n, sc_h, sc_l,
     si_s, si_h, si_e, si_m, sf_s, sf_h, sf_e, sf_m,
-    REVERSE: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_LM: tl.constexpr, HAS_INIT, HAS_FINAL, PACKED,
+    REVERSE: tl.constexpr, PRECISION: tl.constexpr, HAS_LM: tl.constexpr,
+    HAS_INIT, HAS_FINAL, PACKED,
     BLOCK_L: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
+    """The scan of one program (see the module's docstring). ``HAS_INIT``, ``HAS_FINAL`` and
+    ``PACKED`` are compile-time in the tuned kernel and run-time flags in the untuned one."""
     pid_nh = tl.program_id(0)
     pid_m = tl.program_id(1)
     h = (pid_nh % H).to(tl.int64)
@@ -248,20 +251,53 @@ def _causal_kernel(
         tl.store(final, state, mask=em)
 
 
-# the kernel autotuned (specialised on sizes and strides), and untuned for small problems; the
-# options read or written once per program (initial and final states, packed sequences) are
-# run-time flags, not one binary each
-_FLAGS = ["HAS_INIT", "HAS_FINAL", "PACKED"]
+def _causal_kernel(
+    A, B, C, OUT, LM, INIT, FINAL, CU,
+    L, H, E, M, M_BUCKET, SCALE,
+    sa_n, sa_h, sa_l, sb_n, sb_h, sb_l, sc_n, sc_h, sc_l,
+    si_s, si_h, si_e, si_m, sf_s, sf_h, sf_e, sf_m,
+    REVERSE: tl.constexpr, PRECISION: tl.constexpr, HAS_LM: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, PACKED: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    _causal_scan(
+        A, B, C, OUT, LM, INIT, FINAL, CU, L, H, E, M, SCALE,
+        sa_n, sa_h, sa_l, sb_n, sb_h, sb_l, sc_n, sc_h, sc_l,
+        si_s, si_h, si_e, si_m, sf_s, sf_h, sf_e, sf_m,
+        REVERSE, PRECISION, HAS_LM, HAS_INIT, HAS_FINAL, PACKED, BLOCK_L, BLOCK_E, BLOCK_M,
+    )  # fmt: skip
+
+
+def _causal_kernel_untuned(
+    A, B, C, OUT, LM, INIT, FINAL, CU,
+    L, H, E, M, M_BUCKET, SCALE,
+    sa_n, sa_h, sa_l, sb_n, sb_h, sb_l, sc_n, sc_h, sc_l,
+    si_s, si_h, si_e, si_m, sf_s, sf_h, sf_e, sf_m,
+    REVERSE: tl.constexpr, PRECISION: tl.constexpr, HAS_LM: tl.constexpr,
+    HAS_INIT, HAS_FINAL, PACKED,
+    BLOCK_L: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    _causal_scan(
+        A, B, C, OUT, LM, INIT, FINAL, CU, L, H, E, M, SCALE,
+        sa_n, sa_h, sa_l, sb_n, sb_h, sb_l, sc_n, sc_h, sc_l,
+        si_s, si_h, si_e, si_m, sf_s, sf_h, sf_e, sf_m,
+        REVERSE, PRECISION, HAS_LM, HAS_INIT, HAS_FINAL, PACKED, BLOCK_L, BLOCK_E, BLOCK_M,
+    )  # fmt: skip
+
+
+# the kernel autotuned (specialised on sizes, strides and options), and untuned for small
+# problems, where the options read or written once per program (initial and final states,
+# packed sequences) are run-time flags: one binary for all of them
 _causal_tuned = triton.autotune(
     configs=_CONFIGS,
     key=["BLOCK_E", "M_BUCKET", "REVERSE", "PRECISION", "HAS_LM"],
     prune_configs_by={"early_config_prune": _prune},
 )(
     triton.heuristics({"BLOCK_M": _block_m})(
-        triton.jit(do_not_specialize=["L", "E", "M", "M_BUCKET", *_FLAGS])(_causal_kernel)
+        triton.jit(do_not_specialize=["L", "E", "M", "M_BUCKET"])(_causal_kernel)
     )
 )
-_causal_untuned = untuned(_causal_kernel, {"BLOCK_M": _block_m})
+_causal_untuned = untuned(_causal_kernel_untuned, {"BLOCK_M": _block_m})
 
 
 def _block_e(a: torch.Tensor, E: int, decays: bool) -> int:

@@ -382,8 +382,8 @@ def _grouped_weight_grad(
 
 
 def _grouped_row_sum(
-    A, IDX, SCALE, OUT, STARTS, ENDS, stride_a, N,
-    GATHER: tl.constexpr, SCALED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    A, IDX, SCALE, OUT, STARTS, ENDS, stride_a, N, GATHER, SCALED,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """``out[e] = sum over the rows r of e, in order, of A[r]`` (``A``'s rows optionally
     gathered and scaled as they load): the biases' gradients, float32 sums stored in ``OUT``'s
@@ -397,7 +397,9 @@ def _grouped_row_sum(
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         ok = rows < end
-        src = _source_rows(IDX, rows, ok, GATHER)
+        src = rows.to(tl.int64)
+        if GATHER:  # a run-time flag, as SCALED: the three biases' sums share a binary
+            src = tl.load(IDX + rows, mask=ok, other=0).to(tl.int64)
         a = tl.load(A + src[:, None] * stride_a + cols[None, :], mask=ok[:, None] & col_ok[None, :],
                     other=0.0).to(tl.float32)  # fmt: skip
         if SCALED:
@@ -406,9 +408,10 @@ def _grouped_row_sum(
     tl.store(OUT + e * N + cols, round_to(acc, OUT.dtype.element_ty), mask=col_ok)
 
 
-def _slot_sum_kernel(SLOTS, IDS, OUT, D, E, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
+def _slot_sum_kernel(SLOTS, IDS, OUT, D, E, TOP_K, BLOCK_D: tl.constexpr):
     """``out[t] = sum_s slots[t, s]`` in slot order (deterministic), stored in ``OUT``'s dtype;
-    a dropped slot (id ``>= E``: no expert wrote its row) adds nothing."""
+    a dropped slot (id ``>= E``: no expert wrote its row) adds nothing. ``TOP_K`` is a run-time
+    value (one binary for every top-k)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = cols < D
@@ -448,9 +451,10 @@ _grouped_weight_grad_tuned = triton.autotune(
     prune_configs_by={"early_config_prune": _prune_grad},
 )(triton.jit(do_not_specialize=["P_BUCKET", "Q_BUCKET"])(_grouped_weight_grad))
 _grouped_weight_grad_untuned = untuned(_grouped_weight_grad)
-_slot_sum_tuned = triton.jit(_slot_sum_kernel)  # no configs to tune: "tuned" is specialised
+# no configs to tune: "tuned" is specialised (but not on the flags and top-k)
+_slot_sum_tuned = triton.jit(do_not_specialize=["TOP_K"])(_slot_sum_kernel)
 _slot_sum_untuned = untuned(_slot_sum_kernel)
-_row_sum_tuned = triton.jit(_grouped_row_sum)
+_row_sum_tuned = triton.jit(do_not_specialize=["GATHER", "SCALED"])(_grouped_row_sum)
 _row_sum_untuned = untuned(_grouped_row_sum)
 
 
@@ -463,7 +467,7 @@ def _slot_sum(slots: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torc
     block_d = min(1024, triton.next_power_of_2(max(D, 16)))
     kernel = _slot_sum_tuned if slots.shape[0] >= TUNE_FROM_ROWS else _slot_sum_untuned
     grid = (out.shape[0], triton.cdiv(D, block_d))
-    kernel[grid](slots, routing.experts.contiguous(), out, D, E, TOP_K=top_k, BLOCK_D=block_d)
+    kernel[grid](slots, routing.experts.contiguous(), out, D, E, top_k, BLOCK_D=block_d)
     return out
 
 
@@ -578,10 +582,12 @@ def _row_sum(a, idx, tables, num_experts: int, dtype: torch.dtype, scale=None) -
     N = a.shape[1]
     out = torch.empty((num_experts, N), dtype=dtype, device=a.device)
     kernel = _row_sum_tuned if a.shape[0] >= TUNE_FROM_ROWS else _row_sum_untuned
+    # absent tensors as empty ones of a present one's dtype: one signature with the flags off
+    unused = torch.empty(0, dtype=torch.float32, device=a.device)
     kernel[(num_experts, triton.cdiv(N, 128))](
-        a, a if idx is None else idx, a if scale is None else scale, out, starts, ends,
-        a.stride(0), N, GATHER=idx is not None, SCALED=scale is not None, BLOCK_R=32,
-        BLOCK_N=128, num_warps=4,
+        a, unused.to(torch.int64) if idx is None else idx, unused if scale is None else scale,
+        out, starts, ends, a.stride(0), N, int(idx is not None), int(scale is not None),
+        BLOCK_R=32, BLOCK_N=128, num_warps=4,
     )  # fmt: skip
     return out
 
