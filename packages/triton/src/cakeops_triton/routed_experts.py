@@ -611,14 +611,27 @@ def experts_forward(x, routing: Routing, ew: ExpertWeights) -> torch.Tensor:
     first = ew.w_up if form is not None and not form.gated else ew.w_gate
     block_m = _block_m(routing, x, *(w for w in ew.tensors[:3] if w is not None))
     tables = row_tiles(routing, block_m)
-    x = x.contiguous()
+    out_dtype = x.dtype
+    x = _in_products_dtype(x.contiguous(), ew)
     h = _mm(x, routing.token, first, tables, F_, D, w2=ew.w_up, mode=SWIGLU, block_m=block_m,
             b1=ew.b_gate, b2=ew.b_up, form=form)  # fmt: skip
     # the combine in the epilogue: w_ts * y_ts stored at its (token, slot) row
     slots = _mm(h, None, ew.w_down, tables, D, F_, dst=routing.order, scale=row_weights(routing),
                 block_m=block_m, b1=ew.b_down,
                 form=None if ew.b_down is None else form)  # fmt: skip
-    return _slot_sum(slots, routing, x.dtype)
+    return _slot_sum(slots, routing, out_dtype)
+
+
+def _in_products_dtype(t: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:
+    """``t`` in the products' dtype: a 16-bit ``x`` (or gradient) with float32 weights is
+    converted once, so that it runs the float32 kernels' binaries (every kernel converts its
+    operands to that dtype as it loads them: the same products, bit for bit) instead of a
+    binary per mix of dtypes."""
+    compute = t.dtype
+    for w in ew.tensors[:3]:
+        if w is not None:
+            compute = torch.promote_types(compute, w.dtype)
+    return t.to(compute)
 
 
 def experts_backward(g, x, routing: Routing, ew: ExpertWeights) -> tuple[torch.Tensor, ...]:
@@ -633,7 +646,9 @@ def experts_backward(g, x, routing: Routing, ew: ExpertWeights) -> tuple[torch.T
     weights = [w for w in ew.tensors[:3] if w is not None]
     block_m = _block_m(routing, x, *weights)
     tables = row_tiles(routing, block_m)
-    x, g, idx = x.contiguous(), g.contiguous(), routing.token
+    out_dtype = x.dtype
+    x, g = _in_products_dtype(x.contiguous(), ew), _in_products_dtype(g.contiguous(), ew)
+    idx = routing.token
     slot_w = row_weights(routing)
     # gate, up and u = g W_down[e] in one pass; the SwiGLU backward in its epilogue. On
     # 128-row tiles u is a product of its own first (wide tiles, float32 rows): the SwiGLU pass
@@ -672,7 +687,7 @@ def experts_backward(g, x, routing: Routing, ew: ExpertWeights) -> tuple[torch.T
     else:
         dx_slots = _mm(d_up_rows, None, ew.w_up, tables, D, F_, transpose=True,
                        dst=routing.order, block_m=block_m)  # fmt: skip
-    dx = _slot_sum(dx_slots, routing, x.dtype)
+    dx = _slot_sum(dx_slots, routing, out_dtype)
     return dx, dweights.view_as(routing.weights), d_gate, d_up, d_down, db_gate, db_up, db_down
 
 
