@@ -8,6 +8,7 @@ two are compared within twice that."""
 from __future__ import annotations
 
 import copy
+import inspect
 from pathlib import Path
 
 import pytest
@@ -182,25 +183,88 @@ if __name__ == "__main__":
         print(f"wrote {page}")
 
 
-def test_mamba2_gated_norm_swapped():
-    """Mamba2's grouped norm after the gate; called without a gate it stays the model's own."""
-    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+def _gated_norm_classes() -> dict[str, type]:
+    """Every ``*RMSNormGated`` class of the installed transformers (found in its modeling files,
+    then imported), by name."""
+    import importlib
+    import re
 
-    torch.manual_seed(0)
-    norm = MambaRMSNormGated(32, group_size=8, eps=1e-5)
-    norm.weight.data.uniform_(0.5, 1.5)
-    holder = torch.nn.Sequential(copy.deepcopy(norm))
-    apply_cakeops(holder)
-    patched = holder[0]
-    assert type(patched).__name__ == "CakeopsMambaRMSNormGated"
-    x, z = torch.randn(6, 32, requires_grad=True), torch.randn(6, 32, requires_grad=True)
-    for gate in (z, None):
-        want = norm(x, gate)
-        got = patched(x, gate)
+    found = {}
+    for path in sorted(Path(tf.__file__).parent.glob("models/*/modeling_*.py")):
+        names = re.findall(r"^class (\w+RMSNormGated)\(", path.read_text(), re.MULTILINE)
+        if names:
+            module = importlib.import_module(f"transformers.models.{path.parent.name}.{path.stem}")
+            found.update({name: getattr(module, name) for name in names})
+    return found
+
+
+GATED_NORM_CLASSES = _gated_norm_classes()
+
+
+def test_every_gated_norm_is_served_or_says_why():
+    from cakeops.integrations.transformers import GATED_NORMS, NOT_SERVED_NORMS
+
+    unknown = set(GATED_NORM_CLASSES) - set(GATED_NORMS) - set(NOT_SERVED_NORMS)
+    assert not unknown, f"gated norms neither served nor listed as not served: {sorted(unknown)}"
+    assert "Qwen3NextRMSNormGated" in GATED_NORM_CLASSES and "MambaRMSNormGated" in GATED_NORMS
+
+
+def _norm_variants(cls: type) -> list[dict]:
+    """Constructor arguments of a 32-wide norm: groups of 8 where the class takes them, and
+    Falcon-H1's gate both before and after the norm."""
+    params = inspect.signature(cls.__init__).parameters
+    kwargs = {"eps": 1e-5}
+    if "group_size" in params:
+        kwargs["group_size"] = 8
+    if "n_groups" in params:
+        return [{**kwargs, "n_groups": 4, "norm_before_gate": nbg} for nbg in (True, False)]
+    return [kwargs]
+
+
+@pytest.mark.parametrize("name", sorted(GATED_NORM_CLASSES))
+def test_gated_norm_swapped_matches_the_models_own(name, monkeypatch):
+    """Each served gated norm, swapped by apply_cakeops, dispatches rmsnorm_silu_gate and
+    matches the model's own forward and gradients; called without a gate (where the model's
+    own accepts that) it stays the model's own; one not served keeps its class."""
+    from cakeops.integrations import transformers as integration
+
+    calls = []
+    op = integration.rmsnorm_silu_gate
+    monkeypatch.setattr(
+        integration, "rmsnorm_silu_gate", lambda *a, **k: calls.append(1) or op(*a, **k)
+    )
+    cls = GATED_NORM_CLASSES[name]
+    for kwargs in _norm_variants(cls):
+        torch.manual_seed(0)
+        norm = cls(32, **kwargs)
+        norm.weight.data.uniform_(0.5, 1.5)
+        holder = torch.nn.Sequential(copy.deepcopy(norm))
+        apply_cakeops(holder)
+        patched = holder[0]
+        if name in integration.NOT_SERVED_NORMS:
+            assert type(patched) is cls
+            continue
+        assert type(patched).__name__ == f"Cakeops{name}"
+        assert dict(patched.state_dict()).keys() == dict(norm.state_dict()).keys()
+        x = torch.randn(2, 3, 32, requires_grad=True)
+        z = torch.randn(2, 3, 32, requires_grad=True)
+        before = len(calls)
+        got, want = patched(x, z), norm(x, z)
+        assert len(calls) == before + 1, "rmsnorm_silu_gate was not dispatched"
         assert cakeops.relative_error(got, want) <= TOLERANCE
-    (dx,) = torch.autograd.grad(patched(x, z).sum(), x)
-    (want_dx,) = torch.autograd.grad(norm(x, z).sum(), x)
-    assert cakeops.relative_error(dx, want_dx) <= TOLERANCE
+        g = torch.randn_like(want)
+        leaves = (x, z, patched.weight)
+        mine = torch.autograd.grad(got, leaves, g)
+        theirs = torch.autograd.grad(want, (x, z, norm.weight), g)
+        for a, b in zip(mine, theirs, strict=True):
+            assert cakeops.relative_error(a, b) <= TOLERANCE
+        try:
+            want = norm(x)
+        except (AttributeError, TypeError):  # the model's own needs a gate
+            continue
+        before = len(calls)
+        assert cakeops.relative_error(patched(x), want) <= TOLERANCE
+        assert len(calls) == before
 
 
 def test_hf_models_benchmark_runs_and_writes_its_table(tmp_path, monkeypatch):

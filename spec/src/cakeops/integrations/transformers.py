@@ -6,7 +6,8 @@
   with an expert bias, grouped top-k: whatever the model computes) and its packed
   ``gate_up_proj`` read as two views, without a copy.
 - :func:`apply_cakeops` does that on a built model and also swaps its gated RMSNorms
-  (``Qwen3NextRMSNormGated``, ``MambaRMSNormGated``) for :func:`cakeops.rmsnorm_silu_gate`,
+  (Qwen3-Next's, Mamba2's and their copies: :data:`GATED_NORMS`) for
+  :func:`cakeops.rmsnorm_silu_gate`,
   keeping their parameters and state-dict names, MiniMax's lightning attention's core for
   :func:`cakeops.causal_dot_product`, and the gated delta rule and KDA of every layer that calls
   transformers' ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` /
@@ -236,13 +237,24 @@ def register() -> None:
 # Gated norms
 
 
-def _qwen3_next_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def _own_forward(self, *args):
+    """The model's own forward (the class ``apply_cakeops`` subclassed)."""
+    return type(self).__mro__[1].forward(self, *args)
+
+
+def _norm_then_gate_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None):
+    """Qwen3-Next's norm and its copies (Qwen3.5, OLMo-Hybrid, ...): ``norm(x) * w * act(gate)``
+    over the last dim; a gate other than SiLU, or none, runs the model's own code."""
+    if gate is None or getattr(self, "activation", "silu") not in ("silu", "swish"):
+        return _own_forward(self, hidden_states, gate)
     return rmsnorm_silu_gate(hidden_states, gate, self.weight, self.variance_epsilon)
 
 
 def _mamba_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None):
-    if gate is None:  # a plain grouped RMSNorm: the model's own code
-        return type(self).__mro__[1].forward(self, hidden_states)
+    """Mamba2's grouped norm after the gate (and its copies: Bamba, Granite 4.0, Nemotron-H,
+    Zamba2); without a gate, a plain grouped RMSNorm: the model's own code."""
+    if gate is None:
+        return _own_forward(self, hidden_states)
     return rmsnorm_silu_gate(
         hidden_states,
         gate,
@@ -253,11 +265,37 @@ def _mamba_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None 
     )
 
 
-#: gated-norm class name -> the forward on cakeops (norm before gate: Qwen3-Next; after: Mamba2)
+def _falcon_h1_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None):
+    """Falcon-H1's: ``n_groups`` groups, the gate before or after the norm (its
+    ``norm_before_gate``)."""
+    if gate is None:
+        return _own_forward(self, hidden_states, gate)
+    return rmsnorm_silu_gate(
+        hidden_states,
+        gate,
+        self.weight,
+        self.variance_epsilon,
+        group_size=hidden_states.shape[-1] // self.n_groups,
+        norm_before_gate=self.norm_before_gate,
+    )
+
+
+#: gated-norm class name -> the forward on cakeops. tests/test_transformers.py finds every
+#: ``*RMSNormGated`` class of the installed transformers and checks each is here (and matches
+#: the model's own) or in NOT_SERVED_NORMS.
+_NORM_THEN_GATE = ("Qwen3NextRMSNormGated", "Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated",
+                   "Qwen4ExpTextRMSNormGated", "OlmoHybridRMSNormGated",
+                   "LaraMiniRMSNormGated")  # fmt: skip
+_MAMBA = ("MambaRMSNormGated", "BambaRMSNormGated", "GraniteMoeHybridRMSNormGated",
+          "NemotronHRMSNormGated", "Zamba2RMSNormGated")  # fmt: skip
 GATED_NORMS = {
-    "Qwen3NextRMSNormGated": _qwen3_next_forward,
-    "MambaRMSNormGated": _mamba_forward,
+    **dict.fromkeys(_NORM_THEN_GATE, _norm_then_gate_forward),
+    **dict.fromkeys(_MAMBA, _mamba_forward),
+    "FalconH1RMSNormGated": _falcon_h1_forward,
 }
+#: gated-norm class name -> why cakeops leaves it to the model
+_SIGMOID = ("KimiLinearRMSNormGated", "BailingHybridRMSNormGated", "Glm5NextTextRMSNormGated")
+NOT_SERVED_NORMS = dict.fromkeys(_SIGMOID, "a sigmoid gate (rmsnorm_silu_gate's gate is SiLU)")
 
 
 # --------------------------------------------------------------------------------------------
