@@ -5,8 +5,9 @@ model (Gated DeltaNet, then full attention) from its cache.
 
     python -m cakeops.bench.qwen3_next [--quick] [--markdown PATH]
 
-Only the delta rule changes between the two (the layer's projections, convolution, gated norm
-and the model's other layers are Hugging Face's own in both), timed in alternation in one run.
+The cakeops side is what ``apply_cakeops`` leaves: the delta rule and the gated norm on cakeops;
+the layer's projections and convolution and the model's other layers are Hugging Face's own in
+both. Timed in alternation in one run.
 Needs ``cakeops[transformers]`` (exits with status 2 without it).
 """
 
@@ -49,15 +50,13 @@ def config(hidden: int, heads: int, value_heads: int, head_dim: int):
 
 
 def on_cakeops(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``module`` whose Gated DeltaNet layers run the delta rule on cakeops (and
-    nothing else changed)."""
-    from cakeops.integrations import transformers as integration
+    """A copy of ``module`` as ``apply_cakeops`` leaves it: the Gated DeltaNet layers' delta
+    rule and the gated norms on cakeops, the rest the model's own."""
+    from cakeops.integrations.transformers import apply_cakeops
 
-    module = copy.deepcopy(module)
-    for m in module.modules():
-        if integration._served_names(type(m)):
-            m.__class__ = integration._delta_rule_class(type(m))
-    return module
+    holder = torch.nn.ModuleList([copy.deepcopy(module)])
+    apply_cakeops(holder)
+    return holder[0]
 
 
 def train_case(L: int, hidden: int, heads: int, value_heads: int, head_dim: int, quick: bool):

@@ -97,8 +97,8 @@ def measure(
     fresh memory from the operating system, which no kernel controls. Peak memory is measured
     after all timing, so the profiler it needs on CPU never overlaps a timed step. A contender
     whose second warm-up step still takes over ``slow_s`` seconds (the first may compile) is
-    timed once, on the run that measures its peak memory: the profiler's overhead is small next
-    to such a step.
+    timed once more, alone (not under the profiler that measures its peak memory: its overhead
+    grows with the number of ops, which differs between contenders).
     """
     slow, fast = {}, []
     for label, (_forward, step) in contenders.items():
@@ -119,8 +119,10 @@ def measure(
     for label, (forward, step) in contenders.items():
         if label in slow:
             start = time.perf_counter()
-            peak = peak_memory(step, device)
+            step()
+            sync(device)
             seconds, repeats_spread = time.perf_counter() - start, 0.0
+            peak = peak_memory(step, device)
         else:
             seconds, repeats_spread = statistics.median(times[label]), spread(times[label])
             peak = peak_memory(step, device)
