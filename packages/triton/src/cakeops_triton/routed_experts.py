@@ -451,7 +451,7 @@ _grouped_weight_grad_tuned = triton.autotune(
     prune_configs_by={"early_config_prune": _prune_grad},
 )(triton.jit(do_not_specialize=["P_BUCKET", "Q_BUCKET"])(_grouped_weight_grad))
 _grouped_weight_grad_untuned = untuned(_grouped_weight_grad)
-# no configs to tune: "tuned" is specialised (but not on the flags and top-k)
+# no configs to tune: "tuned" is specialised (but not on top-k)
 _slot_sum_tuned = triton.jit(do_not_specialize=["TOP_K"])(_slot_sum_kernel)
 _slot_sum_untuned = untuned(_slot_sum_kernel)
 _row_sum_tuned = triton.jit(do_not_specialize=["GATHER", "SCALED"])(_grouped_row_sum)
