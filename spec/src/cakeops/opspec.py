@@ -259,6 +259,24 @@ def _may_differentiate_backward() -> bool:
     return torch.is_grad_enabled() or torch._C._are_functorch_transforms_active()
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _direct(tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether an eager call may skip the custom op: no gradient to record (grad mode off or no
+    input requiring one), plain tensors only (a subclass dispatches through the op), and no
+    torch function mode, dispatch mode or tracer that expects to see the op as one node."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values()):
+        return False
+    if any(type(t) not in _PLAIN_TENSORS for t in tensors.values()):
+        return False
+    return not (
+        torch._C._is_torch_function_mode_enabled()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._get_tracing_state()
+    )
+
+
 def _with_signature(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with its signature computed once: ``Function.apply`` asks for it on every call."""
     fn.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
@@ -453,6 +471,10 @@ class OpSpec:
         values = inputs.values()
         if torch._C._are_functorch_transforms_active():
             return self._function.apply(*values)
+        if _direct(inputs.tensors):
+            # nothing for autograd to record and nothing watching the dispatcher: what the custom
+            # op would run, without the dispatcher's boxing and redispatch (a decode step's cost)
+            return self._run_forward(self.check(inputs))
         short = self._short
         options = zip(values[self.leading :], self.arguments[self.leading :], strict=True)
         if short is not None and all(_at_default(v, d) for v, (_, _, d, _) in options):
@@ -535,7 +557,11 @@ class OpSpec:
         return ops
 
     def _forward(self, *values: Any) -> Any:
-        inputs = self.validate(values)
+        return self._run_forward(self.validate(values))
+
+    def _run_forward(self, inputs: OpInputs) -> Any:
+        """The forward of validated inputs: zeros without work, else the chosen backend's kernel,
+        its outputs checked."""
         if self.no_work(inputs):
             out = self.output_like(inputs).zero_()
             if self.second is None:

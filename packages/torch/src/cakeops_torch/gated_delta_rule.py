@@ -185,8 +185,7 @@ class _Chunk:
 def _inverse_norms(x: torch.Tensor) -> torch.Tensor:
     """``1 / sqrt(sum(x^2) + eps)`` per position ``(..., 1)`` (``use_qk_l2norm``), without a
     full-size temporary."""
-    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    return torch.rsqrt(norm * norm + L2NORM_EPS)
+    return torch.linalg.vecdot(x, x).unsqueeze(-1).add_(L2NORM_EPS).rsqrt_()
 
 
 def _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm):
@@ -317,27 +316,32 @@ RECURRENT_UP_TO = 4
 
 
 def _recurrent(q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
-    """``(out (N, Hv, L, V), final (N, H, G, K, V))`` one step at a time (no packing)."""
+    """``(out (N, Hv, L, V), final (N, H, G, K, V))`` one step at a time (no packing), in as few
+    ops as the recurrence allows: a decode step's cost is the ops' count, not their size."""
     N, H, L, K = q.shape
     Hv, V = v.shape[1], v.shape[3]
     ct = compute_dtype(q.dtype)
     q, k = q.to(ct), k.to(ct)
     if use_qk_l2norm:
         q, k = q * _inverse_norms(q), k * _inverse_norms(k)
-    v, g, beta = (_heads(t.to(ct), H) for t in (v, g, beta))  # (N, H, G, L, ...)
+    q = q * scale
+    G = Hv // H
+    decay = torch.exp(_heads(g.to(ct), H))  # (N, H, G, L[, K])
+    decay = decay.unsqueeze(-1) if decay.dim() == 5 else decay[..., None, None]
+    v, beta = _heads(v.to(ct), H), _heads(beta.to(ct), H)[..., None, None]
     if initial_state is None:
-        S = torch.zeros(N, H, Hv // H, K, V, dtype=ct, device=q.device)
+        S = torch.zeros(N, H, G, K, V, dtype=ct, device=q.device)
     else:
         S = _heads(initial_state.to(ct), H)
     out = []
     for t in range(L):
-        decay = torch.exp(g[:, :, :, t])
-        S = S * (decay.unsqueeze(-1) if g.dim() == 5 else decay[..., None, None])
-        kt = k[:, :, None, t].unsqueeze(-2)  # (N, H, 1, 1, K)
-        u = beta[:, :, :, t, None] * (v[:, :, :, t] - (kt @ S).squeeze(-2))
-        S = S + kt.transpose(-1, -2) * u.unsqueeze(-2)
-        out.append(scale * (q[:, :, None, t].unsqueeze(-2) @ S).squeeze(-2))
-    return torch.stack(out, 3).flatten(1, 2), S
+        S = S * decay[:, :, :, t]  # a new tensor: the caller's state is never written
+        kt = k[:, :, None, t, None]  # (N, H, 1, 1, K)
+        u = (v[:, :, :, t, None] - kt @ S) * beta[:, :, :, t]  # (N, H, G, 1, V)
+        S.addcmul_(kt.transpose(-1, -2), u)
+        out.append(q[:, :, None, t, None] @ S)
+    out = out[0] if L == 1 else torch.cat(out, -2)  # (N, H, G, L, V)
+    return out.reshape(N, Hv, L, V), S
 
 
 def forward(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
