@@ -120,3 +120,43 @@ def test_options_at_their_defaults_take_the_short_op():
             outs[name] = cakeops.routed_experts(*tensors, **kwargs)
         assert mode.seen == [op], name
     torch.testing.assert_close(outs["a bias"], outs["left out"])
+
+
+def test_a_call_without_autograd_skips_the_dispatcher_unless_something_watches_it():
+    """With nothing for autograd to record (grad mode off, or no input requiring a gradient), an
+    eager call runs its kernel without the custom op (a decode step's fixed cost); the result is
+    the same, a dispatch mode still sees the op as one node, and a call that records a gradient
+    still goes through it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "cakeops":
+                self.seen.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    def custom_op_calls(fn):
+        with torch.profiler.profile() as prof:
+            out = fn()
+        return out, sum(e.count for e in prof.key_averages() if e.key.startswith("cakeops::"))
+
+    x = torch.randn(5)
+    leaf = x.clone().requires_grad_()
+    with torch.no_grad():
+        plain, calls = custom_op_calls(lambda: SPEC(x=leaf, scale=2.0))
+    assert calls == 0
+    not_requiring, calls = custom_op_calls(lambda: SPEC(x=x, scale=2.0))
+    assert calls == 0
+    recorded, calls = custom_op_calls(lambda: SPEC(x=leaf, scale=2.0))
+    assert calls >= 1 and recorded.requires_grad
+    torch.testing.assert_close(plain, recorded.detach())
+    torch.testing.assert_close(not_requiring, plain)
+    with torch.no_grad(), Ops() as mode:
+        SPEC(x=x, scale=2.0)
+    assert mode.seen == ["test_scaled_square"]
+    with pytest.raises(ValueError, match="test_scaled_square: argument 'x'"), torch.no_grad():
+        SPEC(x=torch.randn(2, 2))
