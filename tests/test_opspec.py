@@ -160,3 +160,41 @@ def test_a_call_without_autograd_skips_the_dispatcher_unless_something_watches_i
     assert mode.seen == ["test_scaled_square"]
     with pytest.raises(ValueError, match="test_scaled_square: argument 'x'"), torch.no_grad():
         SPEC(x=torch.randn(2, 2))
+
+
+def _with(name, value):
+    return lambda kwargs: {**kwargs, name: value(kwargs)}
+
+
+_GDR_CU = torch.tensor([0, 3, 5, 8])
+_CDP_GATES = _with("log_gates", lambda a: -torch.rand(a["q"].shape[:3]))
+
+
+@pytest.mark.parametrize(
+    "op, name, good, bad",
+    [
+        ("gated_delta_rule", "g", None, lambda a: a["g"].abs() + 0.1),
+        # a NaN beside a positive log gate: the positive one is still found
+        ("gated_delta_rule", "g", None,
+         lambda a: a["g"].abs().index_fill(-1, torch.tensor([0]), float("nan")) + 0.1),
+        ("gated_delta_rule", "cu_seqlens", _with("cu_seqlens", lambda a: _GDR_CU),
+         lambda a: _GDR_CU[[0, 2, 1, 3]]),
+        ("causal_dot_product", "log_gates", _CDP_GATES, lambda a: a["log_gates"].abs() + 0.1),
+        ("routed_experts", "top_k_index", None, lambda a: a["top_k_index"] - 100),
+    ],
+)  # fmt: skip
+def test_a_signature_checked_before_still_checks_its_values(op, name, good, bad):
+    """A call without autograd skips the checks its signature passed before (types, shapes,
+    dtypes): not those that read values (log gates <= 0, sorted offsets, ids >= 0)."""
+    from cakeops.ops import SPECS
+
+    spec = SPECS[op]
+    kwargs = dict(spec.example())
+    if good is not None:
+        kwargs = good(kwargs)
+    wrong = {**kwargs, name: bad(kwargs)}
+    with torch.no_grad():
+        spec(**kwargs)
+        spec(**kwargs)
+        with pytest.raises(ValueError, match=f"^{op}: argument '{name}' expected"):
+            spec(**wrong)

@@ -256,3 +256,20 @@ def test_gated_delta_rule_paths_agree(monkeypatch, kda, path):
         monkeypatch.setattr(kernel, "RECURRENT_UP_TO", 3)  # L = 4 through the chunks
     with cakeops.use_backend("torch"):
         gdr.check_against_reference(*gdr.make_inputs(given, torch.float64, "cpu", L=L))
+
+
+@pytest.mark.parametrize("given", [("l2norm",), ("initial_state", "final", "kda")])
+def test_gated_delta_rule_compiled_step(monkeypatch, compiled_path, given):
+    """The step-by-step path of short calls compiled (as decode-sized states take it on the
+    CPU), against the float64 recurrence (float32 inputs: the path's dtype)."""
+    from cakeops.testing import test_gated_delta_rule as gdr
+    from cakeops_torch import gated_delta_rule as kernel
+
+    ran = []
+    run_compiled = compile_.run_compiled
+    monkeypatch.setattr(kernel, "RECURRENT_COMPILE_MIN_STATE", 0)
+    monkeypatch.setattr(
+        kernel, "run_compiled", lambda *a: ran.append(a[1].__name__) or run_compiled(*a)
+    )
+    gdr.check_against_reference(*gdr.make_inputs(given, torch.float32, "cpu", L=3))
+    assert "_recurrent" in ran

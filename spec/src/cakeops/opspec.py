@@ -260,15 +260,38 @@ def _may_differentiate_backward() -> bool:
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+#: the argument types a lean call takes (anything else: the full path, whose checks name it)
+_PLAIN_VALUES = frozenset({*_PLAIN_TENSORS, type(None), bool, int, float, str})
+#: what :meth:`OpSpec._lean` returns for a call it does not take
+_NOT_LEAN = object()
+#: signatures remembered per op (then forgotten all at once: a bound, not an eviction policy)
+_PLANS = 512
 
 
-def _direct(tensors: Mapping[str, torch.Tensor]) -> bool:
+def _signature(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What ``check`` depends on besides tensor values: each tensor's dtype, device, shape and
+    strides, every other argument's type and value."""
+    return tuple(
+        (v.dtype, v.device, v.shape, v.stride()) if isinstance(v, torch.Tensor) else (type(v), v)
+        for v in values
+    )
+
+
+def _forward_ad_active() -> bool:
+    """Whether a forward-AD level is open (a tensor may then carry a tangent)."""
+    return torch.autograd.forward_ad._current_level >= 0
+
+
+def _direct(tensors: Any) -> bool:
     """Whether an eager call may skip the custom op: no gradient to record (grad mode off or no
     input requiring one), plain tensors only (a subclass dispatches through the op), and no
-    torch function mode, dispatch mode or tracer that expects to see the op as one node."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values()):
+    torch function mode, dispatch mode or tracer that expects to see the op as one node
+    (``tensors``: a mapping of them, or a list)."""
+    if isinstance(tensors, Mapping):
+        tensors = tensors.values()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    if any(type(t) not in _PLAIN_TENSORS for t in tensors.values()):
+    if any(type(t) not in _PLAIN_TENSORS for t in tensors):
         return False
     return not (
         torch._C._is_torch_function_mode_enabled()
@@ -373,6 +396,11 @@ class OpSpec:
     second: Callable[[Any], tuple[Shape, torch.dtype] | None] | None = None
     second_flag: str = ""
     second_no_work: Callable[[Any], torch.Tensor] | None = None
+    #: The part of ``check`` that reads tensor values (log gates ``<= 0``, sorted offsets, ids
+    #: in range): ``check_data(inputs)``, run on every call; the rest of ``check`` depends only
+    #: on the signature (types, shapes, strides, dtypes, devices, the other arguments' values),
+    #: and an eager call whose signature passed it before does not run it again.
+    check_data: Callable[[Any], None] | None = None
     #: Whether backends get the upstream gradients contiguous (a copy when they are not); an op
     #: whose kernels take any strides says False (a transposed view's gradient is one too).
     contiguous_grads: bool = True
@@ -462,6 +490,10 @@ class OpSpec:
             return self.forward_op(
                 *(arguments.get(name, default) for name, _, default, _ in self.arguments)
             )
+        if not torch._C._are_functorch_transforms_active():
+            result = self._lean(arguments)
+            if result is not _NOT_LEAN:
+                return result
         try:
             given = self.inputs(**arguments)  # the defaults; a missing argument is a TypeError
         except TypeError as exc:
@@ -486,6 +518,38 @@ class OpSpec:
         # job, a fifth cheaper.
         return self.forward_op(*values)
 
+    def _lean(self, arguments: dict[str, Any]) -> Any:
+        """An eager call without autograd (:func:`_direct`) whose signature was checked before:
+        its data checks only, then the kernel. :data:`_NOT_LEAN` when the call is not one (the
+        full path then runs, and raises what it raises)."""
+        if not arguments.keys() <= self.inputs._name_set() or _forward_ad_active():
+            return _NOT_LEAN
+        values = tuple(arguments.get(name, default) for name, _, default, _ in self.arguments)
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        if any(v is dataclasses.MISSING for v in values) or not _direct(tensors):
+            return _NOT_LEAN
+        if any(type(v) not in _PLAIN_VALUES for v in values):
+            return _NOT_LEAN  # a list, a NumPy number, ...: the type checks will say
+        key = _signature(values)
+        resolved = self._plans.get(key)
+        if resolved is None:
+            resolved = self.check(self.typed(values)).values()
+            if len(self._plans) >= _PLANS:
+                self._plans.clear()
+            self._plans[key] = tuple(None if isinstance(v, torch.Tensor) else v for v in resolved)
+            inputs = self._make(resolved)
+        else:
+            given = zip(values, resolved, strict=True)
+            inputs = self._make(tuple(v if r is None else r for v, r in given))
+            if self.check_data is not None:
+                self.check_data(inputs)
+        return self._run_forward(inputs)
+
+    def _make(self, values: tuple[Any, ...]) -> OpInputs:
+        """The inputs from values in declaration order (no checks)."""
+        n = self._positional
+        return self.inputs(*values[:n], **dict(zip(self.names[n:], values[n:], strict=True)))
+
     def positional(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The op with every argument positional too, in declaration order (an autograd
         ``Function.apply`` shape); the missing ones take their defaults."""
@@ -509,6 +573,8 @@ class OpSpec:
             ("_full", full),
             ("_short", short),
             ("_function", self._autograd_function(full)),
+            ("_plans", {}),
+            ("_positional", sum(1 for *_, kw_only in self.arguments if not kw_only)),
         ):
             object.__setattr__(self, name, value)
 

@@ -66,11 +66,14 @@ def run_compiled(op: str, fn: Callable, *args: Any) -> Any:
     for t in args:
         if isinstance(t, torch.Tensor) and t.dim() == 2:
             torch._dynamo.maybe_mark_dynamic(t, 0)
+    # Each dtype, width and variant is a graph of its own: allow more of them than dynamo's
+    # default before it gives up compiling a function (set and restored directly: the config's
+    # patch() context costs a decode step's call 30 us).
+    config = torch._dynamo.config
+    limit = getattr(config, _RECOMPILE_LIMIT)
     try:
-        # Each dtype, width and variant is a graph of its own: allow more of them than dynamo's
-        # default before it gives up compiling a function.
-        with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT: 64}):
-            return _compiled(fn)(*args)
+        setattr(config, _RECOMPILE_LIMIT, max(limit, 64))
+        return _compiled(fn)(*args)
     except _compiler_errors() as e:  # the compiler failed: use the eager code from now on
         _compile_error = f"{type(e).__name__}: {e}"
         warnings.warn(
@@ -80,3 +83,5 @@ def run_compiled(op: str, fn: Callable, *args: Any) -> Any:
             stacklevel=3,
         )
         return FAILED
+    finally:
+        setattr(config, _RECOMPILE_LIMIT, limit)

@@ -109,6 +109,15 @@ def _check_options(a: Inputs) -> None:
             _spec.check_log_multipliers(OP, name, t)
 
 
+def check_data(a: Inputs) -> None:
+    """The checks of :func:`check` that read values: sorted offsets, log multipliers ``<= 0``."""
+    if a.cu_seqlens is not None:
+        _spec.check_cu_seqlens(OP, a.cu_seqlens, a.q.shape[0], a.q.shape[2])
+    for name in ("log_decay", "log_gates"):
+        if a[name] is not None:
+            _spec.check_log_multipliers(OP, name, a[name])
+
+
 def example(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Inputs:
     """Small valid inputs, for ``cakeops info`` and smoke tests."""
     q = torch.randn(1, 2, 40, 8, device=device, dtype=dtype) * 8**-0.5
@@ -129,6 +138,7 @@ def _final_state(a: Inputs):
 SPEC = OpSpec(
     inputs=Inputs,
     check=check,
+    check_data=check_data,
     output=lambda a: ((*a.q.shape[:3], a.v.shape[3]), a.q.dtype),
     no_work=_spec.state_no_work,
     example=example,

@@ -116,6 +116,13 @@ def check(a: Inputs) -> Inputs:
     return a
 
 
+def check_data(a: Inputs) -> None:
+    """The checks of :func:`check` that read values: log gates ``<= 0``, sorted offsets."""
+    _spec.check_log_multipliers(OP, "g", a.g)
+    if a.cu_seqlens is not None:
+        _spec.check_cu_seqlens(OP, a.cu_seqlens, a.q.shape[0], a.q.shape[2])
+
+
 def example(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Inputs:
     """Small valid inputs (two value heads per key head), for ``cakeops info`` and smoke
     tests."""
@@ -142,6 +149,7 @@ def _final_state(a: Inputs):
 SPEC = OpSpec(
     inputs=Inputs,
     check=check,
+    check_data=check_data,
     output=lambda a: ((a.v.shape[0], a.v.shape[1], a.v.shape[2], a.v.shape[3]), a.q.dtype),
     no_work=_spec.state_no_work,
     example=example,

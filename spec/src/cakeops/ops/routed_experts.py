@@ -205,6 +205,11 @@ def _check_ids(index: Tensor, E: int) -> None:
         torch._assert_async(~bad.any(), message)
 
 
+def check_data(a: Inputs) -> None:
+    """The check of :func:`check` that reads values: expert ids ``>= 0``."""
+    _check_ids(a.top_k_index, a.w_down.shape[0])
+
+
 def example(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Inputs:
     """Small valid inputs (T, D, F, E, k = 8, 16, 24, 4, 2), for ``cakeops info`` and smoke
     tests: each token's two experts distinct, weights like a renormalised softmax."""
@@ -224,6 +229,7 @@ def ungated(a: OpInputs) -> bool:
 SPEC = OpSpec(
     inputs=Inputs,
     check=check,
+    check_data=check_data,
     example=example,
     # output like x; no work without rows, hidden features or slots
     no_work=lambda a: a.x.numel() == 0 or a.top_k_index.shape[1] == 0,
