@@ -198,3 +198,46 @@ def test_a_signature_checked_before_still_checks_its_values(op, name, good, bad)
         spec(**kwargs)
         with pytest.raises(ValueError, match=f"^{op}: argument '{name}' expected"):
             spec(**wrong)
+
+
+def test_a_remembered_signature_still_follows_the_backend_choice(monkeypatch):
+    """A call without autograd of a signature seen before chooses its backend again when
+    ``use_backend()``, ``CAKEOPS_BACKEND`` or the installed backends changed."""
+    from cakeops.registry import backends
+
+    ran = []
+    for name in ("torch", "reference"):
+        module = backends()[name].kernels("rmsnorm_silu_gate")
+        forward = module.forward
+        monkeypatch.setattr(
+            module, "forward", lambda *a, name=name, f=forward: ran.append(name) or f(*a)
+        )
+    x, z, w = torch.randn(2, 8), torch.randn(2, 8), torch.randn(8)
+
+    def which():
+        with torch.no_grad():
+            cakeops.rmsnorm_silu_gate(x, z, w)
+        return ran.pop()
+
+    monkeypatch.delenv("CAKEOPS_BACKEND", raising=False)
+    monkeypatch.delenv("CAKEOPS_BACKEND_RMSNORM_SILU_GATE", raising=False)
+    assert which() == "torch" and which() == "torch"
+    with cakeops.use_backend("reference"):
+        assert which() == "reference"
+    assert which() == "torch"
+    monkeypatch.setenv("CAKEOPS_BACKEND_RMSNORM_SILU_GATE", "reference")
+    assert which() == "reference"
+    monkeypatch.delenv("CAKEOPS_BACKEND_RMSNORM_SILU_GATE")
+    assert which() == "torch"
+    first = backends()["reference"]
+    ops = {"rmsnorm_silu_gate": dataclasses.replace(first.ops["rmsnorm_silu_gate"],
+                                                    devices={"cpu": 1000})}  # fmt: skip
+    cakeops.register_backend(cakeops.Backend("eager-first", first.distribution, ops=ops))
+    try:
+        ran_before = len(ran)
+        with torch.no_grad():
+            cakeops.rmsnorm_silu_gate(x, z, w)
+        assert len(ran) == ran_before + 1 and ran[-1] == "reference"  # its kernels: reference's
+    finally:
+        cakeops.unregister_backend("eager-first")
+    assert which() == "torch"

@@ -45,7 +45,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import torch
 
 from cakeops import _spec
-from cakeops.registry import Backend, forcing, select
+from cakeops.registry import Backend, forcing, select, selection_token
 
 Shape = tuple[int, ...]
 
@@ -213,12 +213,30 @@ def _autocast_on(device: str) -> bool:
         return True
 
 
-def _run_kernel(backend: Backend, op: str, kind: str, *args: Any) -> Any:
+class _Plan:
+    """What one signature of an op decided (see ``OpSpec._lean``): the non-tensor arguments as
+    ``check`` resolved them (None in a tensor's place), whether there is work, the outputs'
+    ``(shape, dtype, device)``, the tensors' device types, and the backend chosen under the
+    selection state ``token``."""
+
+    __slots__ = ("backend", "devices", "no_work", "out", "resolved", "second", "token")
+
+    def __init__(self, resolved, no_work, out, second, devices):
+        self.resolved, self.no_work, self.out, self.second = resolved, no_work, out, second
+        self.devices = devices
+        self.backend: Backend | None = None
+        self.token: tuple[Any, ...] | None = None
+
+
+def _run_kernel(
+    backend: Backend, op: str, kind: str, *args: Any, devices: frozenset[str] | None = None
+) -> Any:
     """``backend``'s ``forward`` or ``backward`` kernel with autocast off: the kernels compute in
     their inputs' dtypes whatever autocast region surrounds the op (the ops have no autocast
     rule, like a custom op: cast the inputs to run them in 16-bit), forward and backward alike."""
     kernel = getattr(backend.kernels(op), kind)
-    devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
+    if devices is None:
+        devices = frozenset(a.device.type for a in args if isinstance(a, torch.Tensor))
     autocasting = [d for d in devices & _AUTOCAST_DEVICES if _autocast_on(d)]
     if not autocasting:  # the common case: no context to enter (a few microseconds each)
         return kernel(*args)
@@ -519,31 +537,62 @@ class OpSpec:
         return self.forward_op(*values)
 
     def _lean(self, arguments: dict[str, Any]) -> Any:
-        """An eager call without autograd (:func:`_direct`) whose signature was checked before:
-        its data checks only, then the kernel. :data:`_NOT_LEAN` when the call is not one (the
-        full path then runs, and raises what it raises)."""
+        """An eager call without autograd (:func:`_direct`): the first of its signature checked
+        in full and remembered (:class:`_Plan`), a later one with the checks that read values
+        only, the backend chosen again only when the selection state changed, then the kernel.
+        :data:`_NOT_LEAN` when the call is not one (the full path then runs, and raises what it
+        raises)."""
         if not arguments.keys() <= self.inputs._name_set() or _forward_ad_active():
             return _NOT_LEAN
         values = tuple(arguments.get(name, default) for name, _, default, _ in self.arguments)
-        tensors = [v for v in values if isinstance(v, torch.Tensor)]
-        if any(v is dataclasses.MISSING for v in values) or not _direct(tensors):
-            return _NOT_LEAN
         if any(type(v) not in _PLAIN_VALUES for v in values):
-            return _NOT_LEAN  # a list, a NumPy number, ...: the type checks will say
+            return _NOT_LEAN  # missing, a list, a NumPy number, a subclass: the full path says
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        if not _direct(tensors):
+            return _NOT_LEAN
         key = _signature(values)
-        resolved = self._plans.get(key)
-        if resolved is None:
-            resolved = self.check(self.typed(values)).values()
+        plan = self._plans.get(key)
+        if plan is None:
+            inputs = self.check(self.typed(values))
+            plan = self._plan(inputs)
             if len(self._plans) >= _PLANS:
                 self._plans.clear()
-            self._plans[key] = tuple(None if isinstance(v, torch.Tensor) else v for v in resolved)
-            inputs = self._make(resolved)
+            self._plans[key] = plan
         else:
-            given = zip(values, resolved, strict=True)
+            given = zip(values, plan.resolved, strict=True)
             inputs = self._make(tuple(v if r is None else r for v, r in given))
             if self.check_data is not None:
                 self.check_data(inputs)
-        return self._run_forward(inputs)
+        if plan.no_work:
+            return self._run_forward(inputs)
+        token = selection_token(self.name)
+        if plan.token != token:
+            plan.backend, plan.token = select(self.name, inputs), token
+        backend = plan.backend
+        result = _run_kernel(backend, self.name, "forward", *inputs.values(), devices=plan.devices)
+        if self.second is None:
+            return _checked(self.name, backend, "the output", result, plan.out)
+        return (
+            _checked(self.name, backend, "the output", result[0], plan.out),
+            _checked(self.name, backend, "the second output", result[1], plan.second),
+        )
+
+    def _plan(self, inputs: OpInputs) -> _Plan:
+        """What a checked call's signature decides, for the next call of that signature."""
+        device = inputs.selecting.device
+        shape, dtype = self.output(inputs)
+        second = None
+        if self.second is not None:
+            wanted = self.second(inputs)
+            shape2, dtype2 = wanted if wanted is not None else ((0,), inputs.dtype)
+            second = (torch.Size(shape2), dtype2, device)
+        return _Plan(
+            resolved=tuple(None if isinstance(v, torch.Tensor) else v for v in inputs.values()),
+            no_work=self.no_work(inputs),
+            out=(torch.Size(shape), dtype, device),
+            second=second,
+            devices=frozenset(t.device.type for t in inputs.tensors.values()),
+        )
 
     def _make(self, values: tuple[Any, ...]) -> OpInputs:
         """The inputs from values in declaration order (no checks)."""

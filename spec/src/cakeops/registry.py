@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import difflib
+import functools
 import importlib
 import importlib.util
 import os
@@ -140,7 +141,10 @@ class Backend:
 
     def not_supported_reasons(self, op: str, inputs: OpInputs) -> list[str]:
         """Every reason this backend cannot run ``op`` on ``inputs`` (empty when it can): the
-        op's validated ``Inputs`` (read them by attribute, or by name like a mapping)."""
+        op's validated ``Inputs`` (read them by attribute, or by name like a mapping). The
+        answer depends on the inputs' signature (types, shapes, strides, dtypes, devices, the
+        options' values), never on tensor values: a call without autograd reuses it for a
+        signature it has seen while :func:`selection_token` is unchanged."""
         kernels = self.ops.get(op)
         if kernels is None:
             return [f"does not implement {op}"]
@@ -211,6 +215,8 @@ _lock = threading.Lock()
 _backends: dict[str, Backend] | None = None
 _load_errors: dict[str, str] = {}
 _implicit_order: dict[tuple[str, str], tuple[Backend, ...]] = {}
+#: bumped whenever the installed backends change (what :func:`selection_token` reads)
+_generation = 0
 _unavailable: dict[str, str | None] = {}
 _missing: dict[tuple[str, str], str | None] = {}
 
@@ -297,9 +303,10 @@ def backends() -> dict[str, Backend]:
 
 def rediscover() -> dict[str, Backend]:
     """Forget every backend and discover them again (after installing one at run time)."""
-    global _backends
+    global _backends, _generation
     with _lock:
         _backends = None
+        _generation += 1
         _load_errors.clear()
         _implicit_order.clear()
         _unavailable.clear()
@@ -312,14 +319,18 @@ def register_backend(backend: Backend, *, replace: bool = False) -> None:
     found = backends()
     if backend.name in found and not replace:
         raise ValueError(f"a backend named {backend.name!r} is already registered")
+    global _generation
     found[backend.name] = backend
+    _generation += 1
     _implicit_order.clear()
     _unavailable.pop(backend.name, None)
     _missing.clear()
 
 
 def unregister_backend(name: str) -> None:
+    global _generation
     backends().pop(name, None)
+    _generation += 1
     _implicit_order.clear()
     _unavailable.pop(name, None)
     _missing.clear()
@@ -396,6 +407,19 @@ def forcing(names: str | tuple[str, ...], op: str | None) -> Iterator[None]:
         yield
     finally:
         _forced.reset(token)
+
+
+@functools.cache
+def _variables(op: str) -> tuple[str, str]:
+    return f"CAKEOPS_BACKEND_{op.upper()}", "CAKEOPS_BACKEND"
+
+
+def selection_token(op: str) -> tuple[Any, ...]:
+    """What :func:`select` depends on besides the inputs' signature: the installed backends,
+    ``use_backend()`` and the environment variables. Equal tokens, the same signature: the same
+    backend (``not_supported_reasons`` answers from the signature, not from tensor values)."""
+    env = os.environ
+    return (_generation, _forced.get(), *(env.get(v) for v in _variables(op)))
 
 
 def forced_choice(op: str) -> tuple[tuple[str, ...], str] | None:
