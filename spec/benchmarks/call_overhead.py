@@ -1,67 +1,236 @@
-"""The fixed cost of one op call: each op on tiny CPU inputs, forward alone and forward+backward,
-beside the chosen backend's kernels called directly (no validation, no selection, no autograd).
+"""What a small call costs: every op at decode size (one token, a model's widths), on the CPU in
+float32, beside the chosen backend's kernels called directly and the eager composite of the same
+math a model would run instead.
 
-    python spec/benchmarks/call_overhead.py
+    python spec/benchmarks/call_overhead.py [--quick]
 
-On tiny inputs the kernels' arithmetic is negligible, so the difference between the two columns
-is what the spec adds per call (argument checks, backend selection, the custom op and its
-autograd).
+Two tables, medians of the contenders timed in alternation:
+
+- **calls**: forward under ``no_grad`` and forward+backward, for the op, its kernels alone and
+  the composite; the op's ratio to the composite (#37's goal: 1.0x or less) and its fixed cost,
+  the op's time less its kernels' (the goal: at most 50 us).
+- **phases** of the forward: the lean call (a signature checked before; what a decode step
+  runs), every check of a first call, the backend's selection, the custom op's dispatch (the
+  dispatcher's boxing and redispatch, the difference between ``cakeops::<op>`` and the Python
+  it runs) and the autograd node (the same custom op with inputs that require gradients).
+
+``--quick`` runs tiny shapes, few repeats: CI runs it so that a change of a kernel's signature
+cannot leave this script broken.
 """
 
 from __future__ import annotations
 
-import torch
+import argparse
+from collections.abc import Callable
+from typing import Any
 
+import torch
+import torch.nn.functional as F
+
+import cakeops
 from cakeops.measure import alternating_medians
 from cakeops.ops import SPECS
 from cakeops.registry import select
 
 CPU = torch.device("cpu")
+EPS = 1e-6
 
 
-def microseconds(name: str) -> tuple[str, dict[str, float]]:
+def _norm_case(quick: bool) -> tuple[dict[str, Any], Callable[..., Any]]:
+    D = 256 if quick else 1024
+    x, z = torch.randn(1, D), torch.randn(1, D)
+
+    def composite(x, z, weight, eps):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h * F.silu(z)
+
+    return {"x": x, "z": z, "weight": torch.rand(D) + 0.5, "eps": EPS}, composite
+
+
+def _causal_case(quick: bool) -> tuple[dict[str, Any], Callable[..., Any]]:
+    """MiniMax's lightning attention decoding a token: one decayed step from a state."""
+    H, E = (2, 32) if quick else (8, 128)
+    q, k, v = (torch.randn(1, H, 1, E) * E**-0.5 for _ in range(3))
+    arguments = {"q": q, "k": k, "v": v, "log_decay": -torch.rand(H),
+                 "initial_state": torch.randn(1, H, E, E), "output_final_state": True}  # fmt: skip
+
+    def composite(q, k, v, log_decay, initial_state, output_final_state):
+        state = initial_state * log_decay.exp()[:, None, None] + k.transpose(-1, -2) @ v
+        return q @ state, state
+
+    return arguments, composite
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + EPS)
+
+
+def _delta_case(quick: bool) -> tuple[dict[str, Any], Callable[..., Any]]:
+    """A Gated DeltaNet layer decoding a token, in the models' ``(N, L, H, D)`` layout."""
+    H, Hv, D = (2, 4, 16) if quick else (8, 16, 64)
+    q, k = (torch.randn(1, 1, H, D).transpose(1, 2) for _ in range(2))
+    v = torch.randn(1, 1, Hv, D).transpose(1, 2)
+    g = -torch.rand(1, 1, Hv).transpose(1, 2)
+    beta = torch.rand(1, 1, Hv).transpose(1, 2)
+    arguments = {"q": q, "k": k, "v": v, "g": g, "beta": beta,
+                 "initial_state": torch.randn(1, Hv, D, D) * 0.1, "output_final_state": True,
+                 "use_qk_l2norm": True}  # fmt: skip
+
+    def composite(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm):
+        # transformers' torch_recurrent_gated_delta_rule, one step
+        q, k = (_l2norm(t[:, :, 0]).repeat_interleave(Hv // H, 1) for t in (q, k))
+        state = initial_state * g[:, :, 0].exp()[..., None, None]
+        delta = (v[:, :, 0] - (state * k[..., None]).sum(-2)) * beta[:, :, 0, None]
+        state = state + k[..., None] * delta[..., None, :]
+        return (state * q[..., None]).sum(-2)[:, :, None] * D**-0.5, state
+
+    return arguments, composite
+
+
+def _experts_loop(x, index, weights, w_gate, w_up, w_down):
+    """Hugging Face's eager experts: one pass per expert a token chose."""
+    y = torch.zeros_like(x)
+    for e in index.unique().tolist():
+        token, slot = torch.where(index == e)
+        h = F.silu(x[token] @ w_gate[e].T) * (x[token] @ w_up[e].T)
+        y = y.index_add(0, token, (h @ w_down[e].T) * weights[token, slot, None])
+    return y
+
+
+def _expert_weights(E: int, D: int, F_: int) -> dict[str, torch.Tensor]:
+    return {"w_gate": torch.randn(E, F_, D) * D**-0.5, "w_up": torch.randn(E, F_, D) * D**-0.5,
+            "w_down": torch.randn(E, D, F_) * F_**-0.5}  # fmt: skip
+
+
+def _experts_case(quick: bool) -> tuple[dict[str, Any], Callable[..., Any]]:
+    E, D, F_, k = (4, 64, 128, 2) if quick else (8, 1024, 512, 2)
+    arguments = {"x": torch.randn(1, D), "router_logits": torch.randn(1, E),
+                 **_expert_weights(E, D, F_), "top_k": k}  # fmt: skip
+
+    def composite(x, router_logits, w_gate, w_up, w_down, top_k):
+        weights, index = router_logits.softmax(-1).topk(top_k)
+        weights = weights / weights.sum(-1, keepdim=True)
+        return _experts_loop(x, index, weights, w_gate, w_up, w_down)
+
+    return arguments, composite
+
+
+def _routed_case(quick: bool) -> tuple[dict[str, Any], Callable[..., Any]]:
+    E, D, F_, k = (4, 64, 128, 2) if quick else (8, 1024, 512, 2)
+    weights = torch.rand(1, k)
+    arguments = {"x": torch.randn(1, D), "top_k_index": torch.randperm(E)[:k][None],
+                 "top_k_weights": weights / weights.sum(), **_expert_weights(E, D, F_)}  # fmt: skip
+
+    def composite(x, top_k_index, top_k_weights, w_gate, w_up, w_down):
+        return _experts_loop(x, top_k_index, top_k_weights, w_gate, w_up, w_down)
+
+    return arguments, composite
+
+
+CASES = {
+    "rmsnorm_silu_gate": _norm_case,
+    "causal_dot_product": _causal_case,
+    "gated_delta_rule": _delta_case,
+    "moe_experts": _experts_case,
+    "routed_experts": _routed_case,
+}
+
+
+def _first(result: Any) -> torch.Tensor:
+    return result[0] if isinstance(result, tuple) else result
+
+
+def measure(name: str, quick: bool) -> tuple[str, dict[str, float]]:
     """The chosen backend's name and the median microseconds of each way of calling ``name``."""
     spec = SPECS[name]
-    inputs = spec.validate(tuple(spec.example(CPU, torch.float32).values()))  # defaults resolved
+    arguments, composite = CASES[name](quick)
+    op = getattr(cakeops, name)
+    inputs = spec.bind(**arguments)  # every check, defaults resolved (the kernels' arguments)
+    values = tuple(inputs.values())
     backend = select(name, inputs)
     kernels = backend.kernels(name)
-    values = tuple(inputs.values())
-    leaves = tuple(
-        v.detach().requires_grad_() if n in spec.differentiable and v is not None else v
-        for n, v in zip(spec.names, values, strict=True)
-    )
-    wanted = tuple(leaves[spec.names.index(n)] for n in spec.differentiable_given(inputs))
-    g = torch.randn_like(spec.output_like(inputs))
+    wanted = spec.differentiable_given(inputs)
+    leaves = {n: t.detach().requires_grad_() if n in wanted else t for n, t in arguments.items()}
+    leaf_values = tuple(leaves.get(n, v) for n, v in zip(spec.names, values, strict=True))
+    grads_of = tuple(leaves[n] for n in wanted)
+    out = _first(op(**arguments))
+    g = torch.randn_like(out)
+    final = kernels.forward(*values)[1] if spec.second is not None else None
+    grads_out = (g,) if final is None else (g, torch.zeros_like(final))
 
-    def op_forward():
-        with torch.no_grad():
-            return spec.positional(*values)
+    def no_grad(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.no_grad():
+                return fn()
 
-    def op_step():
-        return torch.autograd.grad(spec.positional(*leaves), wanted, g)
+        return run
 
-    def kernel_step():
+    def kernels_step() -> Any:
         kernels.forward(*values)
-        return kernels.backward(g, *values)
+        return kernels.backward(*grads_out, *values)
 
     steps = {
-        "op fwd": op_forward,
+        "op fwd": no_grad(lambda: op(**arguments)),
         "kernel fwd": lambda: kernels.forward(*values),
-        "op fwd+bwd": op_step,
-        "kernels fwd+bwd": kernel_step,
+        "composite fwd": no_grad(lambda: composite(**arguments)),
+        "op fwd+bwd": lambda: torch.autograd.grad(_first(op(**leaves)), grads_of, g),
+        "kernels fwd+bwd": kernels_step,
+        "composite fwd+bwd": lambda: torch.autograd.grad(_first(composite(**leaves)), grads_of, g),
+        "checks": lambda: spec.validate(values),
+        "selection": lambda: select(name, inputs),
+        "custom op": no_grad(lambda: spec.forward_op(*values)),
+        "custom op's Python": no_grad(lambda: spec._forward(*values)),
+        "custom op, recording": lambda: spec.forward_op(*leaf_values),
     }
-    times = alternating_medians(steps, CPU, repeats=2000, warmup=50)
+    times = alternating_medians(steps, CPU, repeats=20 if quick else 400, warmup=3)
     return backend.name, {label: t * 1e6 for label, t in times.items()}
 
 
-def main() -> None:
-    print(f"{torch.get_num_threads()} threads; microseconds per call, median of alternating runs")
-    columns = ("op fwd", "kernel fwd", "op fwd+bwd", "kernels fwd+bwd")
-    print(f"{'op':<20} {'backend':<8} " + " ".join(f"{c:>15}" for c in columns))
-    for name in ("rmsnorm_silu_gate", "causal_dot_product", "moe_experts"):
-        backend, us = microseconds(name)
-        print(f"{name:<20} {backend:<8} " + " ".join(f"{us[c]:15.0f}" for c in columns))
+def tables(results: dict[str, tuple[str, dict[str, float]]]) -> str:
+    """The two markdown tables of :func:`measure`'s results."""
+    lines = [
+        "| op (backend) | | op (us) | kernels (us) | composite (us) | op / composite "
+        "| fixed cost (us) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, (backend, us) in results.items():
+        for part, op, kernel, composite in (
+            ("forward", "op fwd", "kernel fwd", "composite fwd"),
+            ("forward+backward", "op fwd+bwd", "kernels fwd+bwd", "composite fwd+bwd"),
+        ):
+            lines.append(
+                f"| `{name}` ({backend}) | {part} | {us[op]:.0f} | {us[kernel]:.0f} | "
+                f"{us[composite]:.0f} | {us[op] / us[composite]:.2f}x | "
+                f"{us[op] - us[kernel]:.0f} |"
+            )
+    lines += [
+        "",
+        "| op | lean call (us) | its kernel | every check | selection | dispatch | autograd node |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, (_, us) in results.items():
+        dispatch = us["custom op"] - us["custom op's Python"]
+        node = us["custom op, recording"] - us["custom op"]
+        lines.append(
+            f"| `{name}` | {us['op fwd']:.0f} | {us['kernel fwd']:.0f} | {us['checks']:.0f} | "
+            f"{us['selection']:.0f} | {dispatch:.0f} | {node:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, few repeats")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    results = {}
+    for name in CASES:
+        results[name] = measure(name, args.quick)
+    print(f"CPU, float32, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+          "microseconds per call, medians of alternating runs\n")  # fmt: skip
+    print(tables(results))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """The numba CPU ``causal_dot_product`` kernels alone and inside the op, against the float32
 matmul rate.
 
-    python packages/numba/benchmarks/cpu_causal_kernels.py
+    python packages/numba/benchmarks/cpu_causal_kernels.py [--quick]
 
 Times, at the benchmark shapes, float32 and bfloat16, in alternation: the backend's ``forward``
 and ``backward`` (the njit kernels and their host code: no autograd, no op dispatch), and the
@@ -10,10 +10,13 @@ whole op's step as ``cakeops bench`` times it (``torch.autograd.grad`` of
 first (recurrent-form work, ``12 N H L E M`` FLOPs) and the page faults a step of the op takes
 (fresh outputs the allocator had to ask the system for), so the gap between the kernels and the
 op is seen pass by pass.
+
+``--quick``: one tiny shape, two repeats (CI runs it so that it keeps running).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 
 import torch
@@ -25,16 +28,20 @@ from cakeops_numba.cpu import causal_dot_product as kernels
 
 CPU = torch.device("cpu")
 SHAPES = ((2, 4, 2048, 64), (1, 8, 8192, 64), (8, 8, 512, 128))
+QUICK_SHAPES = ((1, 2, 64, 16),)
 
 
 def main() -> None:
-    rate = measure_limits(CPU)["float32_flop_per_s"]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one tiny shape, two repeats")
+    quick = parser.parse_args().quick
+    rate = measure_limits(CPU, quick)["float32_flop_per_s"]
     print(f"float32 matmul {rate / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads")
     print(
         f"{'shape':<22} {'dtype':<9} {'forward ms':>10} {'backward ms':>11} {'kernels':>8} "
         f"{'op step ms':>10} {'op':>5} {'faults/step':>11}"
     )
-    for N, H, L, E in SHAPES:
+    for N, H, L, E in QUICK_SHAPES if quick else SHAPES:
         steps = {}
         for dtype in (torch.float32, torch.bfloat16):
             q, k, v, g = (torch.randn(N, H, L, E).to(dtype) for _ in range(4))
@@ -45,7 +52,7 @@ def main() -> None:
                 cakeops.causal_dot_product(*leaves), leaves, g
             )
         faults: dict = {}
-        times = alternating_times(steps, CPU, repeats=9, warmup=1, faults=faults)
+        times = alternating_times(steps, CPU, 2 if quick else 9, warmup=1, faults=faults)
         for dtype in (torch.float32, torch.bfloat16):
             fwd, bwd, step = (
                 statistics.median(times[dtype, s]) for s in ("forward", "backward", "op")

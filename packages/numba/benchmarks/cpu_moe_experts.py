@@ -8,12 +8,15 @@ sum of outer products. Routing, the SwiGLU's pointwise part, the combine and the
 backward are the spec's helpers, as in the other kernel backends. Timed against the torch
 backend's CPU path (MKL/oneDNN matmuls) on the op's benchmark shapes, float32, forward+backward::
 
-    python packages/numba/benchmarks/cpu_moe_experts.py
+    python packages/numba/benchmarks/cpu_moe_experts.py [--quick]
 
 It is not part of the wheel: the backend ships no CPU kernel while this prints ratios above 1.
+``--quick``: one tiny shape (CI runs it so that it keeps running).
 """
 
 from __future__ import annotations
+
+import argparse
 
 import numpy as np
 import torch
@@ -144,7 +147,8 @@ def compare(T: int, D: int, F_: int, E: int, top_k: int) -> float:
 
     def torch_step():
         fwd = torch_kernels.forward(x, logits, wg, wu, wd, top_k, True, 1.0)
-        return fwd, *torch_kernels.backward(g, x, logits, wg, wu, wd, top_k, True, 1.0)
+        grads = torch_kernels.backward(g, x, logits, wg, wu, wd, top_k, True, 1.0)
+        return fwd, *grads[:5]  # x, logits and the three weights (the biases are not given)
 
     for a, b in zip(numba_step(), torch_step(), strict=True):
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-3 * float(b.abs().max())), "mismatch"
@@ -159,9 +163,14 @@ def compare(T: int, D: int, F_: int, E: int, top_k: int) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one tiny shape")
+    quick = parser.parse_args().quick
     print(f"torch {torch.get_num_threads()} threads, float32, forward+backward")
-    compare(4096, 1024, 2816, 8, 2)
-    compare(4096, 512, 1024, 64, 8)
+    for shape in (
+        [(64, 32, 64, 4, 2)] if quick else [(4096, 1024, 2816, 8, 2), (4096, 512, 1024, 64, 8)]
+    ):
+        compare(*shape)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Where the time of ``rmsnorm_silu_gate`` goes on a CPU, pass by pass, against the copy bound.
 
-    python packages/torch/benchmarks/cpu_rmsnorm_passes.py [--rows 8192] [--dim 4096]
+    python packages/torch/benchmarks/cpu_rmsnorm_passes.py [--rows 8192] [--dim 4096] [--quick]
 
 Prints, for float32 and bfloat16: the forward and the backward of the ``torch`` backend, each
 beside the time its bytes take at the measured copy bandwidth, and the cost of what no kernel
@@ -10,7 +10,8 @@ functions run again and again on one block of ``--hot-rows`` rows, outputs inclu
 in the last-level cache, scaled to the whole tensor (no memory traffic, no page faults, no op
 dispatch). Run it again with glibc told to keep freed memory
 (``MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296``, or jemalloc/tcmalloc
-preloaded) to see the op without the operating system's page faults.
+preloaded) to see the op without the operating system's page faults. ``--quick``: 256 x 256,
+small limit probes (CI runs it so that it keeps running).
 """
 
 from __future__ import annotations
@@ -81,8 +82,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--hot-rows", type=int, default=128, help="rows of the in-cache block")
+    parser.add_argument("--quick", action="store_true", help="256 x 256, small limit probes")
     args = parser.parse_args()
-    bandwidth = measure_limits(CPU)["copy_bytes_per_s"]
+    if args.quick:
+        args.rows = args.dim = 256
+        args.hot_rows = 32
+    bandwidth = measure_limits(CPU, args.quick)["copy_bytes_per_s"]
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, {torch.get_num_threads()} threads")
     print(f"{'dtype':<9} {'pass':<40} {'ms':>8} {'bound ms':>9} {'of bound':>9}")
     for dtype in (torch.float32, torch.bfloat16):
