@@ -2,7 +2,7 @@
 float32, beside the chosen backend's kernels called directly and the eager composite of the same
 math a model would run instead.
 
-    python spec/benchmarks/call_overhead.py [--quick]
+    python spec/benchmarks/call_overhead.py [--quick] [--markdown docs/bench/cpu/call_overhead.md]
 
 Two tables, medians of the contenders timed in alternation:
 
@@ -12,7 +12,8 @@ Two tables, medians of the contenders timed in alternation:
 - **phases** of the forward: the lean call (a signature checked before; what a decode step
   runs), every check of a first call, the backend's selection, the custom op's dispatch (the
   dispatcher's boxing and redispatch, the difference between ``cakeops::<op>`` and the Python
-  it runs) and the autograd node (the same custom op with inputs that require gradients).
+  it runs) and the autograd node (the same custom op with inputs that require gradients), on
+  tiny inputs: hot caches, so that the differences are readable.
 
 ``--quick`` runs tiny shapes, few repeats: CI runs it so that a change of a kernel's signature
 cannot leave this script broken.
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -140,54 +143,83 @@ def _first(result: Any) -> torch.Tensor:
     return result[0] if isinstance(result, tuple) else result
 
 
-def measure(name: str, quick: bool) -> tuple[str, dict[str, float]]:
-    """The chosen backend's name and the median microseconds of each way of calling ``name``."""
+def _prepared(name: str, quick: bool):
+    """``name``'s case: the op, its arguments, the composite, the validated inputs, the chosen
+    backend and its kernels, the arguments with leaves that require gradients."""
     spec = SPECS[name]
     arguments, composite = CASES[name](quick)
-    op = getattr(cakeops, name)
     inputs = spec.bind(**arguments)  # every check, defaults resolved (the kernels' arguments)
-    values = tuple(inputs.values())
     backend = select(name, inputs)
-    kernels = backend.kernels(name)
     wanted = spec.differentiable_given(inputs)
     leaves = {n: t.detach().requires_grad_() if n in wanted else t for n, t in arguments.items()}
-    leaf_values = tuple(leaves.get(n, v) for n, v in zip(spec.names, values, strict=True))
-    grads_of = tuple(leaves[n] for n in wanted)
-    out = _first(op(**arguments))
-    g = torch.randn_like(out)
+    return spec, arguments, composite, inputs, backend, leaves, tuple(leaves[n] for n in wanted)
+
+
+def _no_grad(fn: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        with torch.no_grad():
+            return fn()
+
+    return run
+
+
+def measure(name: str, quick: bool) -> tuple[str, dict[str, float]]:
+    """The chosen backend's name and the median microseconds of the op, its kernels and the
+    composite, forward without autograd and forward+backward, at decode size."""
+    spec, arguments, composite, inputs, backend, leaves, grads_of = _prepared(name, quick)
+    op, kernels, values = getattr(cakeops, name), backend.kernels(name), tuple(inputs.values())
+    g = torch.randn_like(_first(op(**arguments)))
     final = kernels.forward(*values)[1] if spec.second is not None else None
     grads_out = (g,) if final is None else (g, torch.zeros_like(final))
-
-    def no_grad(fn: Callable[[], Any]) -> Callable[[], Any]:
-        def run() -> Any:
-            with torch.no_grad():
-                return fn()
-
-        return run
 
     def kernels_step() -> Any:
         kernels.forward(*values)
         return kernels.backward(*grads_out, *values)
 
-    steps = {
-        "op fwd": no_grad(lambda: op(**arguments)),
+    forward = {
+        "op fwd": _no_grad(lambda: op(**arguments)),
         "kernel fwd": lambda: kernels.forward(*values),
-        "composite fwd": no_grad(lambda: composite(**arguments)),
+        "composite fwd": _no_grad(lambda: composite(**arguments)),
+    }
+    step = {
         "op fwd+bwd": lambda: torch.autograd.grad(_first(op(**leaves)), grads_of, g),
         "kernels fwd+bwd": kernels_step,
         "composite fwd+bwd": lambda: torch.autograd.grad(_first(composite(**leaves)), grads_of, g),
-        "checks": lambda: spec.validate(values),
-        "selection": lambda: select(name, inputs),
-        "custom op": no_grad(lambda: spec.forward_op(*values)),
-        "custom op's Python": no_grad(lambda: spec._forward(*values)),
-        "custom op, recording": lambda: spec.forward_op(*leaf_values),
     }
-    times = alternating_medians(steps, CPU, repeats=20 if quick else 400, warmup=3)
+    # two groups, each in alternation: a forward timed right after a forward+backward would
+    # start with the caches the backward's weight gradients emptied
+    repeats = 20 if quick else 300
+    times = {
+        **alternating_medians(forward, CPU, repeats, warmup=3),
+        **alternating_medians(step, CPU, repeats, warmup=3),
+    }
     return backend.name, {label: t * 1e6 for label, t in times.items()}
 
 
-def tables(results: dict[str, tuple[str, dict[str, float]]]) -> str:
-    """The two markdown tables of :func:`measure`'s results."""
+def phases(name: str, quick: bool) -> dict[str, float]:
+    """Median microseconds of the forward's phases, on the tiny inputs of ``--quick`` (what the
+    spec does per call does not depend on the sizes; tiny kernels keep the caches hot and the
+    differences readable)."""
+    spec, arguments, _, inputs, backend, leaves, _ = _prepared(name, True)
+    op, kernels, values = getattr(cakeops, name), backend.kernels(name), tuple(inputs.values())
+    recording = tuple(leaves.get(n, v) for n, v in zip(spec.names, values, strict=True))
+    steps = {
+        "lean call": _no_grad(lambda: op(**arguments)),
+        "kernel": lambda: kernels.forward(*values),
+        "every check": lambda: spec.validate(values),
+        "selection": lambda: select(name, inputs),
+        "custom op": _no_grad(lambda: spec.forward_op(*values)),
+        "custom op's Python": _no_grad(lambda: spec._forward(*values)),
+        "custom op, recording": lambda: spec.forward_op(*recording),
+    }
+    times = alternating_medians(steps, CPU, repeats=20 if quick else 2000, warmup=10)
+    return {label: t * 1e6 for label, t in times.items()}
+
+
+def tables(
+    results: dict[str, tuple[str, dict[str, float]]], phase_results: dict[str, dict[str, float]]
+) -> str:
+    """The markdown tables of :func:`measure`'s and :func:`phases`' results."""
     lines = [
         "| op (backend) | | op (us) | kernels (us) | composite (us) | op / composite "
         "| fixed cost (us) |",
@@ -205,15 +237,20 @@ def tables(results: dict[str, tuple[str, dict[str, float]]]) -> str:
             )
     lines += [
         "",
-        "| op | lean call (us) | its kernel | every check | selection | dispatch | autograd node |",
+        "The forward's phases on tiny inputs (those of `--quick`), microseconds: the lean "
+        "call and its kernel; every check of a signature's first call; the selection; the "
+        "dispatch (the custom op `cakeops::<op>` less the Python it runs); the autograd node "
+        "(the custom op with inputs that require gradients, less without).",
+        "",
+        "| op | lean call | its kernel | every check | selection | dispatch | autograd node |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name, (_, us) in results.items():
+    for name, us in phase_results.items():
         dispatch = us["custom op"] - us["custom op's Python"]
         node = us["custom op, recording"] - us["custom op"]
         lines.append(
-            f"| `{name}` | {us['op fwd']:.0f} | {us['kernel fwd']:.0f} | {us['checks']:.0f} | "
-            f"{us['selection']:.0f} | {dispatch:.0f} | {node:.0f} |"
+            f"| `{name}` | {us['lean call']:.0f} | {us['kernel']:.0f} | {us['every check']:.0f} "
+            f"| {us['selection']:.0f} | {dispatch:.0f} | {node:.0f} |"
         )
     return "\n".join(lines)
 
@@ -221,14 +258,22 @@ def tables(results: dict[str, tuple[str, dict[str, float]]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few repeats")
+    parser.add_argument("--markdown", metavar="PATH", help="write the tables there too")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    results = {}
-    for name in CASES:
-        results[name] = measure(name, args.quick)
-    print(f"CPU, float32, {torch.get_num_threads()} threads, torch {torch.__version__}; "
-          "microseconds per call, medians of alternating runs\n")  # fmt: skip
-    print(tables(results))
+    results = {name: measure(name, args.quick) for name in CASES}
+    phase_results = {name: phases(name, args.quick) for name in CASES}
+    text = (
+        f"Measured {datetime.now(timezone.utc):%Y-%m-%d} on a CPU ({torch.get_num_threads()} "
+        f"threads), float32, torch {torch.__version__}, with `python "
+        f"spec/benchmarks/call_overhead.py{' --quick' if args.quick else ''}`: microseconds "
+        "per call, medians of the contenders timed in alternation.\n\n"
+        + tables(results, phase_results)
+        + "\n"
+    )
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
     return 0
 
 

@@ -219,10 +219,12 @@ class _Plan:
     ``(shape, dtype, device)``, the tensors' device types, and the backend chosen under the
     selection state ``token``."""
 
-    __slots__ = ("backend", "devices", "no_work", "out", "resolved", "second", "token")
+    __slots__ = ("backend", "devices", "no_work", "out", "resolved", "resolves", "second", "token")
 
     def __init__(self, resolved, no_work, out, second, devices):
-        self.resolved, self.no_work, self.out, self.second = resolved, no_work, out, second
+        self.resolved = resolved
+        self.resolves = False  # whether ``check`` resolved any argument (set by the caller)
+        self.no_work, self.out, self.second = no_work, out, second
         self.devices = devices
         self.backend: Backend | None = None
         self.token: tuple[Any, ...] | None = None
@@ -544,32 +546,41 @@ class OpSpec:
         raises)."""
         if not arguments.keys() <= self.inputs._name_set() or _forward_ad_active():
             return _NOT_LEAN
-        values = tuple(arguments.get(name, default) for name, _, default, _ in self.arguments)
-        if any(type(v) not in _PLAIN_VALUES for v in values):
-            return _NOT_LEAN  # missing, a list, a NumPy number, a subclass: the full path says
-        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        values = tuple([arguments.get(name, default) for name, default in self._defaults])
+        tensors = []
+        for v in values:
+            kind = type(v)
+            if kind not in _PLAIN_VALUES:
+                return _NOT_LEAN  # missing, a list, a NumPy number, a subclass: the full path says
+            if kind in _PLAIN_TENSORS:
+                tensors.append(v)
         if not _direct(tensors):
             return _NOT_LEAN
         key = _signature(values)
         plan = self._plans.get(key)
+        inputs = None
         if plan is None:
             inputs = self.check(self.typed(values))
             plan = self._plan(inputs)
+            plan.resolves = any(a is not b for a, b in zip(values, inputs.values(), strict=True))
             if len(self._plans) >= _PLANS:
                 self._plans.clear()
             self._plans[key] = plan
+            values = inputs.values()
         else:
-            given = zip(values, plan.resolved, strict=True)
-            inputs = self._make(tuple(v if r is None else r for v, r in given))
+            if plan.resolves:
+                given = zip(values, plan.resolved, strict=True)
+                values = tuple([v if r is None else r for v, r in given])
             if self.check_data is not None:
+                inputs = self._make(values)
                 self.check_data(inputs)
         if plan.no_work:
-            return self._run_forward(inputs)
+            return self._run_forward(inputs or self._make(values))
         token = selection_token(self.name)
         if plan.token != token:
-            plan.backend, plan.token = select(self.name, inputs), token
+            plan.backend, plan.token = select(self.name, inputs or self._make(values)), token
         backend = plan.backend
-        result = _run_kernel(backend, self.name, "forward", *inputs.values(), devices=plan.devices)
+        result = _run_kernel(backend, self.name, "forward", *values, devices=plan.devices)
         if self.second is None:
             return _checked(self.name, backend, "the output", result, plan.out)
         return (
@@ -595,9 +606,12 @@ class OpSpec:
         )
 
     def _make(self, values: tuple[Any, ...]) -> OpInputs:
-        """The inputs from values in declaration order (no checks)."""
-        n = self._positional
-        return self.inputs(*values[:n], **dict(zip(self.names[n:], values[n:], strict=True)))
+        """The inputs from values in declaration order (no checks): filled in directly, as
+        the frozen dataclass's ``__init__`` would (which costs a decode step several times
+        this)."""
+        inputs = object.__new__(self.inputs)
+        inputs.__dict__.update(zip(self.names, values, strict=True))
+        return inputs
 
     def positional(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The op with every argument positional too, in declaration order (an autograd
@@ -623,6 +637,7 @@ class OpSpec:
             ("_short", short),
             ("_function", self._autograd_function(full)),
             ("_plans", {}),
+            ("_defaults", tuple((name, default) for name, _, default, _ in self.arguments)),
             ("_positional", sum(1 for *_, kw_only in self.arguments if not kw_only)),
         ):
             object.__setattr__(self, name, value)

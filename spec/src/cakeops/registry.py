@@ -414,12 +414,21 @@ def _variables(op: str) -> tuple[str, str]:
     return f"CAKEOPS_BACKEND_{op.upper()}", "CAKEOPS_BACKEND"
 
 
+@functools.cache
+def _encoded_variables(op: str) -> tuple[Any, ...]:
+    return tuple(os.environ.encodekey(v) for v in _variables(op))  # type: ignore[attr-defined]
+
+
 def selection_token(op: str) -> tuple[Any, ...]:
     """What :func:`select` depends on besides the inputs' signature: the installed backends,
     ``use_backend()`` and the environment variables. Equal tokens, the same signature: the same
     backend (``not_supported_reasons`` answers from the signature, not from tensor values)."""
-    env = os.environ
-    return (_generation, _forced.get(), *(env.get(v) for v in _variables(op)))
+    # os.environ's own store, read with its encoded keys (what os.environ.get does, less the
+    # encoding and decoding of every lookup: a small call's share); elsewhere, os.environ
+    data = getattr(os.environ, "_data", None)
+    if isinstance(data, dict) and hasattr(os.environ, "encodekey"):
+        return (_generation, _forced.get(), *(data.get(k) for k in _encoded_variables(op)))
+    return (_generation, _forced.get(), *(os.environ.get(v) for v in _variables(op)))
 
 
 def forced_choice(op: str) -> tuple[tuple[str, ...], str] | None:

@@ -106,21 +106,26 @@ def _fused_backward(
 def _small_forward(x, z, weight, eps, group_size, norm_before_gate):
     """The forward of one block's worth of rows in five ops (``F.rms_norm`` fused): a decode
     step's call, where the blocked code's twenty small ops cost four times the math."""
-    ct = compute_dtype(x.dtype)
-    zf, w = z.to(ct), weight.to(ct)
-    gate = torch.nn.functional.silu(zf)
-    v = x.to(ct) if norm_before_gate else x.to(ct) * gate
+    ct, out_dtype = compute_dtype(x.dtype), x.dtype
+    if x.dtype != ct:  # (a no-op .to still costs a microsecond or two: a decode step's share)
+        x, z, weight = x.to(ct), z.to(ct), weight.to(ct)
+    elif weight.dtype != ct:
+        weight = weight.to(ct)
+    gate = torch.nn.functional.silu(z)
+    v = x if norm_before_gate else x * gate
     D = x.shape[-1]
     if group_size == D:
-        n = torch.nn.functional.rms_norm(v, (D,), w, eps)
+        n = torch.nn.functional.rms_norm(v, (D,), weight, eps)
     else:
         groups = v.unflatten(-1, (D // group_size, group_size))
-        n = torch.nn.functional.rms_norm(groups, (group_size,), None, eps).flatten(-2) * w
-    return (n * gate if norm_before_gate else n).to(x.dtype)
+        n = torch.nn.functional.rms_norm(groups, (group_size,), None, eps).flatten(-2) * weight
+    y = n * gate if norm_before_gate else n
+    return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 def forward(x, z, weight, eps, group_size, norm_before_gate):
-    if x.numel() <= BLOCK_ELEMENTS and not use_compiled(x, COMPILE_MIN_ELEMENTS):
+    small = x.numel() < COMPILE_MIN_ELEMENTS  # (use_compiled reads the environment: skip it)
+    if small or (x.numel() <= BLOCK_ELEMENTS and not use_compiled(x, COMPILE_MIN_ELEMENTS)):
         return _small_forward(x, z, weight, eps, group_size, norm_before_gate)
     xr, zr = _rows(x), _rows(z)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)

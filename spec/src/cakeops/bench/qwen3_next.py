@@ -111,7 +111,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     same = torch.equal(decode(model)(), decode(patched)())
     times = alternating_times({"Hugging Face model": decode(model),
                                "cakeops model": decode(patched)}, device,
-                              repeats=3 if quick else 7, warmup=1)  # fmt: skip
+                              repeats=3 if quick else 15, warmup=1 if quick else 2)  # fmt: skip
     decode_s = {label: statistics.median(t) for label, t in times.items()}
     print(f"  greedy decode of {DECODE_TOKENS} tokens after a {PREFILL}-token prompt (same "
           f"tokens: {same}): " + ", ".join(f"{k} {v * 1e3:.1f} ms"
