@@ -9,7 +9,8 @@ written once here (the conformance guide names this module).
   (:func:`kept_rows`);
 - ``causal_dot_product``: the backward as three causal scans (:func:`backward_by_scans`), the
   per-position log multipliers (:func:`log_multipliers`) and their gradients
-  (:func:`position_log_grads`, :func:`log_multiplier_grads`);
+  (:func:`position_log_grads`, :func:`log_multiplier_grads`), one decode step
+  (:func:`causal_step`);
 - every op: :func:`cast_grads` (each gradient in its input's dtype) and
   :func:`cakeops.compute_dtype` (the precision to compute in).
 """
@@ -30,6 +31,7 @@ __all__ = [
     "SwiGLUGrads",
     "backward_by_scans",
     "cast_grads",
+    "causal_step",
     "combine",
     "compute_dtype",
     "dispatch_backward",
@@ -73,6 +75,26 @@ def log_multipliers(q, log_decay, log_gates, dtype=torch.float32) -> torch.Tenso
     if log_gates is not None:
         lm += log_gates.to(dtype)
     return lm
+
+
+def causal_step(q, k, v, lm, initial_state, scale):
+    """``(out, state)`` of one position (``L = 1``, one sequence per row): ``S = exp(lm) S_0 +
+    k^T v``, ``out = scale q S``, the state in the compute dtype (``S_0``: ``initial_state``,
+    zeros when None; ``lm``: :func:`log_multipliers`, None for none). A decode step's few ops
+    where the chunked forms would run their whole machinery for one position."""
+    ct = compute_dtype(q.dtype)
+    qt, kt, vt = (x[:, :, 0].to(ct) for x in (q, k, v))  # (N, H, E) and (N, H, M)
+    if initial_state is None:
+        state = kt[..., :, None] * vt[..., None, :]
+    else:
+        s0 = initial_state.to(ct)
+        if lm is not None:
+            s0 = s0 * torch.exp(lm[:, :, 0].to(ct))[..., None, None]
+        state = torch.addcmul(s0, kt[..., :, None], vt[..., None, :])
+    out = qt[:, :, None] @ state  # (N, H, 1, M)
+    if scale is not None:
+        out = out.mul_(scale)
+    return out.to(q.dtype), state
 
 
 def position_log_grads(q, k, dq, dk) -> torch.Tensor:

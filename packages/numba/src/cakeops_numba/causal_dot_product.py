@@ -23,6 +23,7 @@ from numba import cuda, float32
 
 from cakeops.helpers import (
     backward_by_scans,
+    causal_step,
     log_multiplier_grads,
     log_multipliers,
     position_log_grads,
@@ -198,11 +199,14 @@ def _plain(scale, lm, initial_state, output_final_state, cu_seqlens) -> bool:
 def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=None,
             output_final_state=False, cu_seqlens=None):  # fmt: skip
     lm = log_multipliers(q, log_decay, log_gates)
-    if _plain(scale, lm, initial_state, output_final_state, cu_seqlens):
+    if _on_cpu_kernels(q) and q.shape[2] == 1 and cu_seqlens is None:
+        # a decode step: a few PyTorch ops beat the kernels' host code for one position
+        out, final = causal_step(q, k, v, lm, initial_state, scale)
+    elif _plain(scale, lm, initial_state, output_final_state, cu_seqlens):
         if _on_cpu_kernels(q):
             return cpu.forward(q, k, v), q.new_empty(0)
         return _run(q, k, v, reverse=False), q.new_empty(0)
-    if _on_cpu_kernels(q):
+    elif _on_cpu_kernels(q):
         out, final = cpu.forward_options(q, k, v, lm, initial_state, cu_seqlens, scale)
     else:
         out, final = _run_options(q, k, v, lm, initial_state, cu_seqlens, scale)

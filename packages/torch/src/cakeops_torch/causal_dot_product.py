@@ -14,7 +14,12 @@ import itertools
 import torch
 
 from cakeops import compute_dtype
-from cakeops.helpers import log_multiplier_grads, log_multipliers, position_log_grads
+from cakeops.helpers import (
+    causal_step,
+    log_multiplier_grads,
+    log_multipliers,
+    position_log_grads,
+)
 
 from ._causal import causal_mm as _causal_mm
 
@@ -34,7 +39,10 @@ def _t(x: torch.Tensor) -> torch.Tensor:
 def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=None,
             output_final_state=False, cu_seqlens=None):  # fmt: skip
     lm = log_multipliers(q, log_decay, log_gates, compute_dtype(q.dtype))
-    if lm is None and initial_state is None and not output_final_state and cu_seqlens is None:
+    if q.shape[2] == 1 and cu_seqlens is None:  # a decode step
+        out, final = causal_step(q, k, v, lm, initial_state, scale)
+        finals = (final,)
+    elif lm is None and initial_state is None and not output_final_state and cu_seqlens is None:
         out = _forward(q, k, v, scale)
     else:
         outs, finals = zip(*(_forward_options(q[r], k[r], v[r], None if lm is None else lm[r],
@@ -45,7 +53,8 @@ def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=N
     if not output_final_state:
         return out, q.new_empty(0)
     dtype = initial_state.dtype if initial_state is not None else compute_dtype(q.dtype)
-    return out, torch.cat(finals).to(dtype)
+    final = finals[0] if len(finals) == 1 else torch.cat(finals)  # (a cat copies even one)
+    return out, final.to(dtype)
 
 
 def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,

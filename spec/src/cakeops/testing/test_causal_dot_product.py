@@ -299,6 +299,15 @@ class TestCausalOptions:
         # at these sizes the log multipliers' gradients meet the plain tolerance too
         check_against_scan((q, k, v), tensors, fixed, g, g_final, plain_logs=True)
 
+    def test_a_decode_step(self, backend, dtype, device):
+        """One position from a state, every option (a decode step, which a kernel may run
+        apart from its chunked form): against the float64 scan."""
+        if backend in NOT_YET:
+            pytest.xfail(NOT_YET[backend])
+        given = OPTION_CASES["all"]
+        (q, k, v), tensors, fixed, g, g_final = _option_inputs(given, dtype, device, L=1)
+        check_against_scan((q, k, v), tensors, fixed, g, g_final, plain_logs=True)
+
     def test_no_positions_hand_the_initial_state_on(self, backend, dtype, device):
         """L = 0: the final states are the initial ones, and their gradient reaches them."""
         q, k, v = (torch.zeros(1, 2, 0, d, device=device, dtype=dtype) for d in (3, 3, 4))

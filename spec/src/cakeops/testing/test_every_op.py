@@ -68,6 +68,10 @@ class Contract:
             assert torch.equal(a, b)
 
     def test_deterministic(self, backend, dtype, device):
+        if EMULATED and dtype != torch.float32:
+            # a kernel's order of summation does not depend on the dtype; under an emulator
+            # (minutes per experts op) one dtype, natively and on a GPU every one
+            pytest.skip("under an emulator, determinism is checked in float32 only")
         tensors, g, op, _ = example(self.spec, device, dtype)
         first = run_with_grads(op, tensors, g)
         second = run_with_grads(op, tensors, g)
