@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import cakeops
 from cakeops.opspec import OpInputs, OpSpec
@@ -85,22 +86,23 @@ def test_no_work_gives_zeros_without_a_backend():
     assert y.shape == (0,) and dx.shape == (0,)
 
 
+class Ops(TorchDispatchMode):
+    """Records the cakeops ops the dispatcher sees, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "cakeops":
+            self.seen.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
 def test_options_at_their_defaults_take_the_short_op():
     """``routed_experts`` with its options at their defaults (left out or passed) runs
     ``cakeops::routed_experts_defaults`` (six arguments through the dispatcher); with an option
     set, the full op; both give the same result when the option is neutral."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "cakeops":
-                self.seen.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
     import cakeops
 
     inputs = cakeops.ops.SPECS["routed_experts"].example()
@@ -127,17 +129,6 @@ def test_a_call_without_autograd_skips_the_dispatcher_unless_something_watches_i
     eager call runs its kernel without the custom op (a decode step's fixed cost); the result is
     the same, a dispatch mode still sees the op as one node, and a call that records a gradient
     still goes through it."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "cakeops":
-                self.seen.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
 
     def custom_op_calls(fn):
         with torch.profiler.profile() as prof:
