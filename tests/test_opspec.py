@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cakeops
+from cakeops.ops import SPECS
 from cakeops.opspec import OpInputs, OpSpec
 
 
@@ -232,3 +233,17 @@ def test_a_remembered_signature_still_follows_the_backend_choice(monkeypatch):
     finally:
         cakeops.unregister_backend("eager-first")
     assert which() == "torch"
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_inputs_made_without_init_read_like_the_dataclass(name):
+    """The lean path fills an op's inputs directly (its ``__init__`` costs a decode step): they
+    read exactly as the dataclass built them."""
+    spec = SPECS[name]
+    built = spec.validate(tuple(spec.example().values()))
+    made = spec._make(tuple(built.values()))
+    assert type(made) is type(built)
+    assert made.values() == built.values() and list(made) == list(built)
+    assert made.tensors.keys() == built.tensors.keys() and made.selecting is built.selecting
+    for field in dataclasses.fields(built):
+        assert getattr(made, field.name) is getattr(built, field.name)

@@ -638,7 +638,6 @@ class OpSpec:
             ("_function", self._autograd_function(full)),
             ("_plans", {}),
             ("_defaults", tuple((name, default) for name, _, default, _ in self.arguments)),
-            ("_positional", sum(1 for *_, kw_only in self.arguments if not kw_only)),
         ):
             object.__setattr__(self, name, value)
 
