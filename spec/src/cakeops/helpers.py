@@ -10,7 +10,7 @@ written once here (the conformance guide names this module).
 - ``causal_dot_product``: the backward as three causal scans (:func:`backward_by_scans`), the
   per-position log multipliers (:func:`log_multipliers`) and their gradients
   (:func:`position_log_grads`, :func:`log_multiplier_grads`), one decode step
-  (:func:`causal_step`);
+  (:func:`causal_step`, :func:`causal_step_backward`);
 - every op: :func:`cast_grads` (each gradient in its input's dtype) and
   :func:`cakeops.compute_dtype` (the precision to compute in).
 """
@@ -32,6 +32,7 @@ __all__ = [
     "backward_by_scans",
     "cast_grads",
     "causal_step",
+    "causal_step_backward",
     "combine",
     "compute_dtype",
     "dispatch_backward",
@@ -95,6 +96,40 @@ def causal_step(q, k, v, lm, initial_state, scale):
     if scale is not None:
         out = out.mul_(scale)
     return out.to(q.dtype), state
+
+
+def causal_step_backward(g, g_final, q, k, v, scale, log_decay, log_gates, initial_state):
+    """The six gradients of a ``causal_dot_product`` kernel's backward (None for an option not
+    given) for one position (:func:`causal_step`; ``g_final`` None for none): with ``R = s q
+    g^T + g_final``, the gradient reaching the state, ``dq = s S g``, ``dk = R v``, ``dv = R^T
+    k``, the initial state's ``a R`` and the log multiplier's ``a <R, S_0>`` (``a`` its exp;
+    exactly 0 where ``a`` is)."""
+    ct = compute_dtype(q.dtype)
+    lm = log_multipliers(q, log_decay, log_gates, ct)
+    s = 1.0 if scale is None else scale
+    _, state = causal_step(q, k, v, lm, initial_state, None)
+    qt, kt, vt, gt = (x[:, :, 0].to(ct) for x in (q, k, v, g))
+    reach = (qt * s)[..., :, None] * gt[..., None, :]  # (N, H, E, M)
+    if g_final is not None:
+        reach = reach + g_final.to(ct)
+    dq = (state @ gt[..., None]).mul_(s)
+    dk = reach @ vt[..., None]
+    dv = reach.transpose(-1, -2) @ kt[..., None]
+    a = None if lm is None else torch.exp(lm[:, :, 0])  # (N, H)
+    d_init = d_decay = d_gates = None
+    if initial_state is not None:
+        d_init = (reach if a is None else reach * a[..., None, None]).to(initial_state.dtype)
+    if a is not None:
+        if initial_state is None:
+            d_lm = torch.zeros_like(a)
+        else:
+            d_lm = (reach * initial_state.to(ct)).sum((-1, -2)) * a
+            d_lm = d_lm.masked_fill(a == 0, 0.0)
+        d_decay = None if log_decay is None else d_lm.sum(0).to(log_decay.dtype)
+        d_gates = None if log_gates is None else d_lm[..., None].to(log_gates.dtype)
+    grads = (t.transpose(-1, -2) for t in (dq, dk, dv))  # (N, H, 1, E) and (N, H, 1, M)
+    dq, dk, dv = cast_grads(tuple(grads), (q, k, v))
+    return dq, dk, dv, d_decay, d_gates, d_init
 
 
 def position_log_grads(q, k, dq, dk) -> torch.Tensor:
