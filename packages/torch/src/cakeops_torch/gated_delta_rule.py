@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from cakeops import compute_dtype
+from cakeops.helpers import cast_grads
 from cakeops.ops.gated_delta_rule import L2NORM_EPS
 
 from ._causal import causal_mm as _causal_mm
@@ -446,10 +447,65 @@ def _group_backward(c: _Intra, S, U, sdO, dS, dW, kda):
     return dq, dk, dv, (dg if kda else dg[..., 0]), dbeta
 
 
+def _step_backward(g_out, g_final, q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
+    """The gradients of one position (``L = 1``, no packing): a decode step's few products
+    instead of the chunked backward's machinery. With ``S' = a S_0`` (``a`` the gate, per key
+    channel for KDA), ``u = beta (v - S'^T k)``, ``S = S' + k u^T``, ``o = s S^T q`` (q and k
+    normalised with ``use_qk_l2norm``) and ``R = s q g_o^T + g_final`` the gradient reaching
+    ``S``: ``dq = s S g_o``, ``du = R^T k``, ``dk = R u - S' beta du``, ``dv = beta du``,
+    ``dbeta = du . (v - S'^T k)``, ``dS' = R - k (beta du)^T``, ``dS_0 = a dS'`` and the log
+    gate's ``a <dS', S_0>`` (per key channel for KDA)."""
+    N, H, _, K = q.shape
+    Hv, V = v.shape[1], v.shape[3]
+    G = Hv // H
+    ct = compute_dtype(q.dtype)
+    qn, kn = q[:, :, 0].to(ct), k[:, :, 0].to(ct)  # (N, H, K)
+    if use_qk_l2norm:
+        rq, rk = _inverse_norms(qn), _inverse_norms(kn)
+        qn, kn = qn * rq, kn * rk
+    a = torch.exp(g[:, :, 0].to(ct)).reshape(N, H, G, -1, 1)  # (N, H, G, 1 or K, 1)
+    vt = v[:, :, 0].to(ct).reshape(N, H, G, V)
+    bt = beta[:, :, 0].to(ct).reshape(N, H, G, 1)
+    go = g_out[:, :, 0].to(ct).reshape(N, H, G, V)
+    qc, kc = qn[:, :, None, :, None], kn[:, :, None, :, None]  # (N, H, 1, K, 1)
+    S0 = None if initial_state is None else initial_state.to(ct).reshape(N, H, G, K, V)
+    Sd = torch.zeros(N, H, G, K, V, dtype=ct, device=q.device) if S0 is None else S0 * a
+    r = vt - (kc * Sd).sum(-2)  # v - S'^T k: (N, H, G, V)
+    u = bt * r
+    S = Sd + kc * u[..., None, :]
+    R = (qc * scale) * go[..., None, :]  # (N, H, G, K, V)
+    if g_final is not None:
+        R = R + g_final.to(ct).reshape(N, H, G, K, V)
+    du = (R * kc).sum(-2)  # (N, H, G, V)
+    bdu = bt * du
+    dqn = (S @ go[..., None])[..., 0].mul_(scale)  # (N, H, G, K)
+    dkn = (R @ u[..., None])[..., 0] - (Sd @ bdu[..., None])[..., 0]
+    dSd = R - kc * bdu[..., None, :]
+    dq, dk = dqn.sum(2), dkn.sum(2)  # the value heads of a key head summed: (N, H, K)
+    if use_qk_l2norm:  # through x / sqrt(|x|^2 + eps)
+        dq = rq * (dq - qn * (qn * dq).sum(-1, keepdim=True))
+        dk = rk * (dk - kn * (kn * dk).sum(-1, keepdim=True))
+    if S0 is None:
+        dg = torch.zeros(N, H, G, a.shape[-2], dtype=ct, device=q.device)
+        d_init = None
+    else:
+        dg = (dSd * S0).sum(-1)  # (N, H, G, K)
+        dg = (dg if g.dim() == 4 else dg.sum(-1, keepdim=True)) * a[..., 0]
+        d_init = (dSd * a).reshape(initial_state.shape).to(initial_state.dtype)
+    dg = dg.reshape(N, Hv, 1, -1) if g.dim() == 4 else dg.reshape(N, Hv, 1)
+    grads = (dq[:, :, None], dk[:, :, None], bdu.reshape(N, Hv, 1, V),
+             dg, (du * r).sum(-1).reshape(N, Hv, 1))  # fmt: skip
+    return (*cast_grads(grads, (q, k, v, g, beta)), d_init)
+
+
 def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
              output_final_state=False, cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
     _, H, L, K = q.shape
     V = v.shape[3]
+    if L == 1 and cu_seqlens is None:
+        has_final = output_final_state and g_final.numel() > 0
+        return _step_backward(g_out, g_final if has_final else None, q, k, v, g, beta, scale,
+                              initial_state, use_qk_l2norm)  # fmt: skip
     layout, norms, chunks = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
     _, _, vc, gc, bc = chunks
     ct = vc.dtype

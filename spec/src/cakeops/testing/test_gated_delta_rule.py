@@ -120,9 +120,12 @@ class TestGatedDeltaRule:
 
     @pytest.mark.parametrize("L", [1, 3])
     @pytest.mark.parametrize("kda", [False, True])
-    def test_short_sequences(self, backend, dtype, device, L, kda):
-        """Decoding's sizes (a backend may run them step by step): every option but packing."""
-        given = ("scale", "initial_state", "final", "l2norm") + (("kda",) if kda else ())
+    @pytest.mark.parametrize("start", ["initial_state", "zeros"])
+    def test_short_sequences(self, backend, dtype, device, L, kda, start):
+        """Decoding's sizes (a backend may run them step by step): every option but packing,
+        from a given state and from zeros."""
+        given = ("scale", "final", "l2norm") + (("kda",) if kda else ())
+        given += ("initial_state",) if start == "initial_state" else ()
         check_against_reference(*make_inputs(given, dtype, device, L=L))
 
     @pytest.mark.cakeops_dtypes(torch.float16, torch.bfloat16)
