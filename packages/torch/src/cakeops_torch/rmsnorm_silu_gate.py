@@ -104,8 +104,9 @@ def _fused_backward(
 
 
 def _small_forward(x, z, weight, eps, group_size, norm_before_gate):
-    """The forward of one block's worth of rows in five ops (``F.rms_norm`` fused): a decode
-    step's call, where the blocked code's twenty small ops cost four times the math."""
+    """The forward of one block's worth of rows in three ops (``F.rms_norm``, the gate, the
+    product): a decode step's call, where the blocked code's twenty small ops cost four times
+    the math."""
     ct, out_dtype = compute_dtype(x.dtype), x.dtype
     if x.dtype != ct:  # (a no-op .to still costs a microsecond or two: a decode step's share)
         x, z, weight = x.to(ct), z.to(ct), weight.to(ct)
@@ -124,8 +125,11 @@ def _small_forward(x, z, weight, eps, group_size, norm_before_gate):
 
 
 def forward(x, z, weight, eps, group_size, norm_before_gate):
-    small = x.numel() < COMPILE_MIN_ELEMENTS  # (use_compiled reads the environment: skip it)
-    if small or (x.numel() <= BLOCK_ELEMENTS and not use_compiled(x, COMPILE_MIN_ELEMENTS)):
+    n = x.numel()
+    # (below the compile threshold, use_compiled's reading of the environment is skipped)
+    if n <= BLOCK_ELEMENTS and (
+        n < COMPILE_MIN_ELEMENTS or not use_compiled(x, COMPILE_MIN_ELEMENTS)
+    ):
         return _small_forward(x, z, weight, eps, group_size, norm_before_gate)
     xr, zr = _rows(x), _rows(z)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
