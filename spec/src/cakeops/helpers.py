@@ -83,19 +83,23 @@ def causal_step(q, k, v, lm, initial_state, scale):
     k^T v``, ``out = scale q S``, the state in the compute dtype (``S_0``: ``initial_state``,
     zeros when None; ``lm``: :func:`log_multipliers`, None for none). A decode step's few ops
     where the chunked forms would run their whole machinery for one position."""
-    ct = compute_dtype(q.dtype)
-    qt, kt, vt = (x[:, :, 0].to(ct) for x in (q, k, v))  # (N, H, E) and (N, H, M)
-    if initial_state is None:
-        state = kt[..., :, None] * vt[..., None, :]
-    else:
-        s0 = initial_state.to(ct)
-        if lm is not None:
-            s0 = s0 * torch.exp(lm[:, :, 0].to(ct))[..., None, None]
-        state = torch.addcmul(s0, kt[..., :, None], vt[..., None, :])
-    out = qt[:, :, None] @ state  # (N, H, 1, M)
+    state = _step_state(k, v, lm, initial_state)
+    out = q[:, :, 0, None].to(state.dtype) @ state  # (N, H, 1, M)
     if scale is not None:
         out = out.mul_(scale)
     return out.to(q.dtype), state
+
+
+def _step_state(k, v, lm, initial_state):
+    """``S = exp(lm) S_0 + k^T v`` of one position, in the compute dtype: ``(N, H, E, M)``."""
+    ct = compute_dtype(k.dtype)
+    kt, vt = k[:, :, 0].to(ct), v[:, :, 0].to(ct)  # (N, H, E) and (N, H, M)
+    if initial_state is None:
+        return kt[..., :, None] * vt[..., None, :]
+    s0 = initial_state.to(ct)
+    if lm is not None:
+        s0 = s0 * torch.exp(lm[:, :, 0].to(ct))[..., None, None]
+    return torch.addcmul(s0, kt[..., :, None], vt[..., None, :])
 
 
 def causal_step_backward(g, g_final, q, k, v, scale, log_decay, log_gates, initial_state):
@@ -107,7 +111,7 @@ def causal_step_backward(g, g_final, q, k, v, scale, log_decay, log_gates, initi
     ct = compute_dtype(q.dtype)
     lm = log_multipliers(q, log_decay, log_gates, ct)
     s = 1.0 if scale is None else scale
-    _, state = causal_step(q, k, v, lm, initial_state, None)
+    state = _step_state(k, v, lm, initial_state)
     qt, kt, vt, gt = (x[:, :, 0].to(ct) for x in (q, k, v, g))
     reach = (qt * s)[..., :, None] * gt[..., None, :]  # (N, H, E, M)
     if g_final is not None:

@@ -39,7 +39,7 @@ import threading
 import types
 import typing
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
@@ -215,15 +215,14 @@ def _autocast_on(device: str) -> bool:
 
 class _Plan:
     """What one signature of an op decided (see ``OpSpec._lean``): the non-tensor arguments as
-    ``check`` resolved them (None in a tensor's place), whether there is work, the outputs'
-    ``(shape, dtype, device)``, the tensors' device types, and the backend chosen under the
-    selection state ``token``."""
+    ``check`` resolved them (None in a tensor's place) and whether it resolved any, whether
+    there is work, the outputs' ``(shape, dtype, device)``, the tensors' device types, and the
+    backend chosen under the selection state ``token``."""
 
     __slots__ = ("backend", "devices", "no_work", "out", "resolved", "resolves", "second", "token")
 
-    def __init__(self, resolved, no_work, out, second, devices):
-        self.resolved = resolved
-        self.resolves = False  # whether ``check`` resolved any argument (set by the caller)
+    def __init__(self, resolved, resolves, no_work, out, second, devices):
+        self.resolved, self.resolves = resolved, resolves
         self.no_work, self.out, self.second = no_work, out, second
         self.devices = devices
         self.backend: Backend | None = None
@@ -302,13 +301,10 @@ def _forward_ad_active() -> bool:
     return torch.autograd.forward_ad._current_level >= 0
 
 
-def _direct(tensors: Any) -> bool:
+def _direct(tensors: Collection[torch.Tensor]) -> bool:
     """Whether an eager call may skip the custom op: no gradient to record (grad mode off or no
     input requiring one), plain tensors only (a subclass dispatches through the op), and no
-    torch function mode, dispatch mode or tracer that expects to see the op as one node
-    (``tensors``: a mapping of them, or a list)."""
-    if isinstance(tensors, Mapping):
-        tensors = tensors.values()
+    torch function mode, dispatch mode or tracer that expects to see the op as one node."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     if any(type(t) not in _PLAIN_TENSORS for t in tensors):
@@ -523,7 +519,7 @@ class OpSpec:
         values = inputs.values()
         if torch._C._are_functorch_transforms_active():
             return self._function.apply(*values)
-        if _direct(inputs.tensors):
+        if _direct(inputs.tensors.values()):
             # nothing for autograd to record and nothing watching the dispatcher: what the custom
             # op would run, without the dispatcher's boxing and redispatch (a decode step's cost)
             return self._run_forward(self.check(inputs))
@@ -561,8 +557,7 @@ class OpSpec:
         inputs = None
         if plan is None:
             inputs = self.check(self.typed(values))
-            plan = self._plan(inputs)
-            plan.resolves = any(a is not b for a, b in zip(values, inputs.values(), strict=True))
+            plan = self._plan(values, inputs)
             if len(self._plans) >= _PLANS:
                 self._plans.clear()
             self._plans[key] = plan
@@ -588,8 +583,9 @@ class OpSpec:
             _checked(self.name, backend, "the second output", result[1], plan.second),
         )
 
-    def _plan(self, inputs: OpInputs) -> _Plan:
-        """What a checked call's signature decides, for the next call of that signature."""
+    def _plan(self, given: tuple[Any, ...], inputs: OpInputs) -> _Plan:
+        """What a checked call's signature decides (``given`` its values as passed, ``inputs``
+        as ``check`` returned them), for the next call of that signature."""
         device = inputs.selecting.device
         shape, dtype = self.output(inputs)
         second = None
@@ -599,6 +595,7 @@ class OpSpec:
             second = (torch.Size(shape2), dtype2, device)
         return _Plan(
             resolved=tuple(None if isinstance(v, torch.Tensor) else v for v in inputs.values()),
+            resolves=any(a is not b for a, b in zip(given, inputs.values(), strict=True)),
             no_work=self.no_work(inputs),
             out=(torch.Size(shape), dtype, device),
             second=second,

@@ -437,7 +437,7 @@ def forced_choice(op: str) -> tuple[tuple[str, ...], str] | None:
     for key in (op, None):
         if key in forced:
             return forced[key], "use_backend()"
-    for var in (f"CAKEOPS_BACKEND_{op.upper()}", "CAKEOPS_BACKEND"):
+    for var in _variables(op):
         value = os.environ.get(var, "").strip()
         if value:
             return _parse_names(value, var), var

@@ -218,11 +218,11 @@ def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=N
 
 def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
              initial_state=None, output_final_state=False, cu_seqlens=None):  # fmt: skip
-    lm = log_multipliers(q, log_decay, log_gates)
     g_final = g_final if output_final_state and g_final.numel() else None
     if _on_cpu_kernels(q) and q.shape[2] == 1 and cu_seqlens is None:  # a decode step
         return causal_step_backward(g, g_final, q, k, v, scale, log_decay, log_gates,
                                     initial_state)  # fmt: skip
+    lm = log_multipliers(q, log_decay, log_gates)
     if _plain(scale, lm, initial_state, g_final is not None, cu_seqlens):
         if _on_cpu_kernels(q):
             return (*cpu.backward(g, q, k, v), None, None, None)

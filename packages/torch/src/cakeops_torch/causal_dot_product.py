@@ -60,13 +60,13 @@ def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=N
 
 def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
              initial_state=None, output_final_state=False, cu_seqlens=None):  # fmt: skip
-    # the output's gradient carries the scale
-    gs = g if scale is None else g.to(compute_dtype(g.dtype)) * scale
-    lm = log_multipliers(q, log_decay, log_gates, compute_dtype(q.dtype))
     g_final = g_final if output_final_state and g_final.numel() else None
     if q.shape[2] == 1 and cu_seqlens is None:  # a decode step
         return causal_step_backward(g, g_final, q, k, v, scale, log_decay, log_gates,
                                     initial_state)  # fmt: skip
+    # the output's gradient carries the scale
+    gs = g if scale is None else g.to(compute_dtype(g.dtype)) * scale
+    lm = log_multipliers(q, log_decay, log_gates, compute_dtype(q.dtype))
     if lm is None and initial_state is None and g_final is None and cu_seqlens is None:
         return (*_backward(gs, q, k, v), None, None, None)
     sequences = _sequences(q, cu_seqlens)  # once: cu_seqlens is read on the host

@@ -502,8 +502,8 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
              output_final_state=False, cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
     _, H, L, K = q.shape
     V = v.shape[3]
+    has_final = output_final_state and g_final.numel() > 0
     if L == 1 and cu_seqlens is None:
-        has_final = output_final_state and g_final.numel() > 0
         return _step_backward(g_out, g_final if has_final else None, q, k, v, g, beta, scale,
                               initial_state, use_qk_l2norm)  # fmt: skip
     layout, norms, chunks = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
@@ -515,7 +515,6 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
     _, _, group_starts = _scan(layout, chunks, norms, initial_state, scale, H, guard,
                                want_out=False, keep=True)  # fmt: skip
     dO = _heads(layout.chunks(g_out, ct), H)
-    has_final = output_final_state and g_final.numel() > 0
     gf = _heads(g_final.to(ct), H) if has_final else None
     inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     if (
