@@ -28,6 +28,7 @@ _PUBLIC: dict[str, str | None] = {
     "tolerance": "cakeops._spec",
     "explain": "cakeops.ops",
     "CausalDotProduct": "cakeops.ops.causal_dot_product",
+    "causal_conv1d": "cakeops.ops.causal_conv1d",
     "causal_dot_product": "cakeops.ops.causal_dot_product",
     "gated_delta_rule": "cakeops.ops.gated_delta_rule",
     "moe_experts": "cakeops.ops.moe_experts",
@@ -49,6 +50,7 @@ __all__ = [
     "OpKernels",
     "RMSNormSiLUGateFunction",
     "backends",
+    "causal_conv1d",
     "causal_dot_product",
     "compute_dtype",
     "explain",
@@ -69,6 +71,7 @@ if TYPE_CHECKING:
     from cakeops import nn
     from cakeops._spec import TOLERANCES, compute_dtype, relative_error, tolerance
     from cakeops.ops import explain
+    from cakeops.ops.causal_conv1d import causal_conv1d
     from cakeops.ops.causal_dot_product import CausalDotProduct, causal_dot_product
     from cakeops.ops.gated_delta_rule import gated_delta_rule
     from cakeops.ops.moe_experts import moe_experts

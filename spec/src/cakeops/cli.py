@@ -15,7 +15,8 @@ from typing import Any
 
 #: the ops' names, for ``--op`` without importing torch (a test checks them against the specs)
 OP_NAMES = (
-    "causal_dot_product", "gated_delta_rule", "moe_experts", "rmsnorm_silu_gate", "routed_experts"
+    "causal_conv1d", "causal_dot_product", "gated_delta_rule", "moe_experts", "rmsnorm_silu_gate",
+    "routed_experts",
 )  # fmt: skip
 
 DESCRIPTION = (

@@ -137,12 +137,12 @@ _KINDS = {torch.Tensor: "Tensor", float: "float", int: "int", bool: "bool", str:
 
 def _kind(annotation: Any) -> str:
     """``Tensor``, ``float``, ``int``, ``bool``, ``str``, or one of ``Tensor?``, ``float?``,
-    ``int?`` (the type or None): the custom-op schema type of an argument."""
+    ``int?``, ``str?`` (the type or None): the custom-op schema type of an argument."""
     if annotation in _KINDS:
         return _KINDS[annotation]
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = set(typing.get_args(annotation)) - {type(None)}
-        if len(args) == 1 and (base := args.pop()) in (torch.Tensor, float, int):
+        if len(args) == 1 and (base := args.pop()) in (torch.Tensor, float, int, str):
             return f"{_KINDS[base]}?"
     raise TypeError(f"unsupported argument annotation {annotation!r}")
 
@@ -420,6 +420,9 @@ class OpSpec:
     #: Whether backends get the upstream gradients contiguous (a copy when they are not); an op
     #: whose kernels take any strides says False (a transposed view's gradient is one too).
     contiguous_grads: bool = True
+    #: The input whose layout the output takes (``torch.empty_like`` of it: a transposed view
+    #: gives a transposed output, saving the models a copy each way), or "" for contiguous.
+    output_layout_of: str = ""
     #: name, kind, default (``dataclasses.MISSING`` when required), keyword-only
     arguments: tuple[tuple[str, str, Any, bool], ...] = dataclasses.field(init=False)
     #: every argument, in declaration order
@@ -486,7 +489,16 @@ class OpSpec:
 
     def output_like(self, inputs: OpInputs) -> torch.Tensor:
         shape, dtype = self.output(inputs)
+        if self.output_layout_of:
+            return torch.empty_like(inputs[self.output_layout_of], dtype=dtype)
         return torch.empty(shape, dtype=dtype, device=inputs.selecting.device)
+
+    def _laid_out(self, out: torch.Tensor, values: tuple[Any, ...]) -> torch.Tensor:
+        """A checked output in the layout :meth:`output_like` gives (a copy only when a backend
+        returned another)."""
+        if not self.output_layout_of:
+            return out.contiguous()
+        return _like(out, values[self.names.index(self.output_layout_of)])
 
     # -- the public call ------------------------------------------------------------------
 
@@ -577,9 +589,11 @@ class OpSpec:
         backend = plan.backend
         result = _run_kernel(backend, self.name, "forward", *values, devices=plan.devices)
         if self.second is None:
-            return _checked(self.name, backend, "the output", result, plan.out)
+            out = _checked(self.name, backend, "the output", result, plan.out, False)
+            return self._laid_out(out, values)
+        out = _checked(self.name, backend, "the output", result[0], plan.out, False)
         return (
-            _checked(self.name, backend, "the output", result[0], plan.out),
+            self._laid_out(out, values),
             _checked(self.name, backend, "the second output", result[1], plan.second),
         )
 
@@ -700,7 +714,9 @@ class OpSpec:
         out = result if self.second is None else result[0]
         shape, dtype = self.output(inputs)
         like = (torch.Size(shape), dtype, inputs.selecting.device)
-        out = _checked(self.name, backend, "the output", out, like)
+        out = self._laid_out(
+            _checked(self.name, backend, "the output", out, like, False), inputs.values()
+        )
         if self.second is None:
             return out
         wanted = self.second(inputs)  # type: ignore[misc]

@@ -165,7 +165,7 @@ def _bad_arguments(spec: OpSpec, inputs, kind: str) -> list[tuple[str, Any, type
                 if k.removesuffix("?") == "float"]  # fmt: skip
     # a string where a number or a flag goes, a number where a string goes
     return [
-        (name, 0 if k == "str" else "0", TypeError)
+        (name, 0 if k.removesuffix("?") == "str" else "0", TypeError)
         for name, k, _, _ in spec.arguments
         if k != "Tensor"
     ]
