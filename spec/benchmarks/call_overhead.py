@@ -90,6 +90,23 @@ def _delta_case(quick: bool) -> tuple[dict[str, Any], Callable[..., Any]]:
     return arguments, composite
 
 
+def _conv_case(quick: bool) -> tuple[dict[str, Any], Callable[..., Any]]:
+    """A Gated DeltaNet layer's convolution decoding a token (Qwen3-Next at hidden 1024: q, k
+    and v's 2048 channels, width 4), x in the models' layout."""
+    C, W = (128, 4) if quick else (2048, 4)
+    arguments = {"x": torch.randn(1, 1, C).transpose(1, 2), "weight": torch.randn(C, W) * 0.5,
+                 "bias": torch.randn(C) * 0.1, "activation": "silu",
+                 "initial_state": torch.randn(1, C, W - 1), "output_final_state": True}  # fmt: skip
+
+    def composite(x, weight, bias, activation, initial_state, output_final_state):
+        # transformers' torch_causal_conv1d_update, the state returned instead of written
+        extended = torch.cat([initial_state, x], -1)
+        out = F.silu(F.conv1d(extended, weight[:, None], bias, groups=C))
+        return out, extended[:, :, 1:]
+
+    return arguments, composite
+
+
 def _experts_loop(x, index, weights, w_gate, w_up, w_down):
     """Hugging Face's eager experts: one pass per expert a token chose."""
     y = torch.zeros_like(x)
@@ -131,6 +148,7 @@ def _routed_case(quick: bool) -> tuple[dict[str, Any], Callable[..., Any]]:
 
 
 CASES = {
+    "causal_conv1d": _conv_case,
     "rmsnorm_silu_gate": _norm_case,
     "causal_dot_product": _causal_case,
     "gated_delta_rule": _delta_case,

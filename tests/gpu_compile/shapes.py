@@ -14,6 +14,7 @@ from cakeops.bench import causal_dot_product as bench_causal
 from cakeops.bench import gpu as bench_gpu
 from cakeops.bench import moe_experts as bench_moe
 from cakeops.bench import rmsnorm_silu_gate as bench_rmsnorm
+from cakeops.testing import test_causal_conv1d as suite_conv
 from cakeops.testing import test_causal_dot_product as suite_causal
 from cakeops.testing import test_moe_experts as suite_moe
 from cakeops.testing import test_rmsnorm_silu_gate as suite_rmsnorm
@@ -64,6 +65,12 @@ def calls(dtypes=DTYPES) -> Iterator[Call]:
         # the gated delta rule and KDA: every option, grouped value heads, and packed
         out += [Call("gated_delta_rule", dtype, DELTA_SUITE, v) for v in DELTA_VARIANTS]
         out += [Call("gated_delta_rule", dtype, (1, 1, 1, 20, 136, 5), "kda")]  # wide heads
+        # the causal convolution: every width the suite takes, every option, packed, and x in
+        # the models' layout
+        out += [Call("causal_conv1d", dtype, (2, 5, suite_conv.L, W), v)
+                for W in (1, 2, 3, 4, 5) for v in ("", "options")]  # fmt: skip
+        out += [Call("causal_conv1d", dtype, (1, 5, suite_conv.L, 4), "packed")]
+        out += [Call("causal_conv1d", dtype, (2, 6, suite_conv.L, 4), "models")]
         out += [Call("moe_experts", dtype, c) for c in moe]
         if dtype != torch.float32:
             out += [Call("moe_experts", dtype, (16, 12, 20, 4, 2), "float32-weights")]
@@ -124,6 +131,9 @@ def sweep_calls(dtypes=(torch.bfloat16, torch.float16)) -> Iterator[Call]:
         out += [Call("gated_delta_rule", dtype, (1, 2, 2, 512, D, D), v)
                 for D in (*DELTA_HEADS, 96, 192) for v in ("options", "options-kda")]  # fmt: skip
         out += [Call("rmsnorm_silu_gate", dtype, ((64, D), None, True)) for D in NORM_SIZES]
+        # Qwen3-Next-80B's and Granite 4.0's channels, long sequences, widths to 16
+        out += [Call("causal_conv1d", dtype, (1, C, 8192, W), "models")
+                for C in (8192, 12544) for W in (4, 16)]  # fmt: skip
         out += [Call("rmsnorm_silu_gate", dtype, ((64, D), 64, False)) for D in NORM_SIZES[:3]]
         for D, F in EXPERT_SIZES:
             # 4096 tokens x 2: enough rows to be tuned (every kept config compiled)
@@ -172,6 +182,8 @@ def inputs(call: Call) -> tuple[tuple, tuple]:
         return (q, k, v), (empty(N, H, L, M), empty(0), q, k, v)
     if call.op == "gated_delta_rule":
         return _delta_inputs(call, empty)
+    if call.op == "causal_conv1d":
+        return _conv_inputs(call, empty)
     T, D, F, E, top_k = call.shape
     if call.variant.startswith("form:"):
         return _form_inputs(call, empty)
@@ -218,6 +230,24 @@ def _delta_inputs(call: Call, empty) -> tuple[tuple, tuple]:
     g_final = torch.randn(S, Hv, K, V) if options else empty(0)
     g_out = empty(N, L, Hv, V).transpose(1, 2) if models else empty(N, Hv, L, V)
     return (q, k, v, g, beta, *opts), (g_out, g_final, q, k, v, g, beta, *opts)
+
+
+def _conv_inputs(call: Call, empty) -> tuple[tuple, tuple]:
+    """``causal_conv1d``'s kernel arguments: ``options`` gives a bias, SiLU and both states,
+    ``packed`` packed sequences too, ``models`` Hugging Face's ``(N, L, C)`` layout passed as a
+    transposed view, with every option."""
+    N, C, L, W = call.shape
+    models = call.variant == "models"
+    x = empty(N, L, C).transpose(1, 2) if models else empty(N, C, L)
+    options = call.variant in ("options", "packed", "models")
+    cu = torch.tensor([0, 10, 10, L]) if call.variant == "packed" else None
+    S = N if cu is None else cu.numel() - 1
+    init = torch.randn(S, C, W - 1) if options else None
+    opts = (torch.randn(C) if options else None, "silu" if options else None, init, options, cu)
+    g_final = torch.randn(S, C, W - 1) if options else empty(0)
+    g_out = empty(N, L, C).transpose(1, 2) if models else empty(N, C, L)
+    weight = torch.randn(C, W)
+    return (x, weight, *opts), (g_out, g_final, x, weight, *opts)
 
 
 def _form_inputs(call: Call, empty) -> tuple[tuple, tuple]:

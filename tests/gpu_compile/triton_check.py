@@ -200,6 +200,7 @@ def dots(ttgir: str) -> list[dict]:
 
 
 def run_calls(arch: int, dtypes, ops=None, sweep=False) -> list[dict]:
+    import cakeops_triton.causal_conv1d
     import cakeops_triton.causal_dot_product
     import cakeops_triton.gated_delta_rule
     import cakeops_triton.moe_experts
@@ -208,6 +209,7 @@ def run_calls(arch: int, dtypes, ops=None, sweep=False) -> list[dict]:
 
     modules = {
         "rmsnorm_silu_gate": cakeops_triton.rmsnorm_silu_gate,
+        "causal_conv1d": cakeops_triton.causal_conv1d,
         "causal_dot_product": cakeops_triton.causal_dot_product,
         "gated_delta_rule": cakeops_triton.gated_delta_rule,
         "moe_experts": cakeops_triton.moe_experts,
@@ -225,7 +227,7 @@ def run_calls(arch: int, dtypes, ops=None, sweep=False) -> list[dict]:
             " x, float32 weights" if call.variant == "float32-weights" else ""
         )
         # float32 products also take TF32 where the user enables it: a path of its own
-        products = call.op not in ("rmsnorm_silu_gate", "gated_delta_rule")
+        products = call.op not in ("rmsnorm_silu_gate", "gated_delta_rule", "causal_conv1d")
         tf32_too = call.dtype == torch.float32 and products
         for tf32 in (False, True) if tf32_too else (False,):
             torch.backends.cuda.matmul.allow_tf32 = tf32

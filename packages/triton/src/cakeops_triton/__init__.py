@@ -29,6 +29,18 @@ class TritonBackend(Backend):
             return "no CUDA or ROCm device (TRITON_INTERPRET=1 runs the kernels on CPU tensors)"
         return None
 
+    def not_supported_reasons(self, op, inputs) -> list[str]:
+        reasons = super().not_supported_reasons(op, inputs)
+        if op == "causal_conv1d" and _row_extent(inputs.x) >= 2**31:
+            reasons.append("indexes within a row of x in 32 bits: C * L below 2**31 elements")
+        return reasons
+
+
+def _row_extent(x: torch.Tensor) -> int:
+    """Elements one row of ``(N, C, L)`` spans in memory (at least ``C * L``)."""
+    _, C, L = x.shape
+    return max(C * L, 1 + (C - 1) * abs(x.stride(1)) + (L - 1) * abs(x.stride(2)))
+
 
 backend = TritonBackend(
     name="triton",
