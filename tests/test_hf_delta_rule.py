@@ -33,6 +33,11 @@ def tokens(seed: int = 1, shape=(2, 12)):
     return torch.randint(3, 64, shape, generator=torch.Generator().manual_seed(seed))
 
 
+def delta_rule_names(cls: type) -> dict[str, str]:
+    """The delta-rule kernels ``cls.forward`` calls (its convolution aside)."""
+    return integration._served_names(cls, integration.DELTA_RULES)
+
+
 def served_modules() -> set[str]:
     """The transformers model modules with a layer that calls a delta-rule kernel."""
     found = set()
@@ -46,7 +51,7 @@ def served_modules() -> set[str]:
             continue
         for obj in vars(module).values():
             if (isinstance(obj, type) and issubclass(obj, torch.nn.Module)
-                    and obj.__module__ == name and integration._served_names(obj)):  # fmt: skip
+                    and obj.__module__ == name and delta_rule_names(obj)):  # fmt: skip
                 found.add(info.name)
     return found
 
@@ -81,7 +86,7 @@ def test_the_op_runs_once_per_layer_and_pass(family, monkeypatch):
 
         monkeypatch.setattr(kernels, kind, counted)
     _, patched = pair(family)
-    layers = sum(1 for m in patched.modules() if integration._served_names(type(m)))
+    layers = sum(1 for m in patched.modules() if delta_rule_names(type(m)))
     with cakeops.use_backend("torch"):
         patched(tokens(), labels=tokens()).loss.backward()
     assert layers and calls == {"forward": layers, "backward": layers}
@@ -95,7 +100,7 @@ def test_loss_and_every_gradient_match_the_model(family):
     float32 fallback is itself further than that from them in some gradients (``dt_bias``:
     5.7e-5 on Qwen3.5), from its ``exp(b_i - b_j)`` of running sums of the gates."""
     model, patched = pair(family)
-    assert any(integration._served_names(type(m)) for m in patched.modules())
+    assert any(delta_rule_names(type(m)) for m in patched.modules())
     ids = tokens()
     # proof that cakeops runs the delta rule: a backend that does not exist is refused
     with (cakeops.use_backend("nope", op="gated_delta_rule"),
@@ -224,11 +229,11 @@ def delta_rule_table() -> str:
         layers, kernels = [], set()
         for obj in vars(models).values():
             is_layer = isinstance(obj, type) and issubclass(obj, torch.nn.Module)
-            if is_layer and obj.__module__ == models.__name__ and integration._served_names(obj):
+            if is_layer and obj.__module__ == models.__name__ and delta_rule_names(obj):
                 layers.append(obj.__name__)
                 scope = vars(models)
                 kernels |= {integration._hub_name(scope[n]) for n in
-                            integration._served_names(obj)}  # fmt: skip
+                            delta_rule_names(obj)}  # fmt: skip
         checked = ("tiny model: loss, gradients, generation" if family in BUILT
                    else f"layer found; no tiny model: {NOT_BUILT[module]}")  # fmt: skip
         rows.append(f"| {family} | `{module}` | {', '.join(f'`{n}`' for n in sorted(layers))} "

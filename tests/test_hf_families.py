@@ -109,7 +109,7 @@ def _exact(model: torch.nn.Module) -> torch.nn.Module:
     exact = copy.deepcopy(model).double()
     for m in exact.modules():
         if integration._served_names(type(m)):
-            m.__class__ = integration._delta_rule_class(type(m))
+            m.__class__ = integration._kernels_class(type(m))
     return exact
 
 

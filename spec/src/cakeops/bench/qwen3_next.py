@@ -1,13 +1,13 @@
 """Qwen3-Next's Gated DeltaNet layer (transformers' ``Qwen3NextGatedDeltaNet``) as Hugging Face
-runs it without flash-linear-attention and with its delta rule on cakeops (``apply_cakeops``):
+runs it without flash-linear-attention (nor causal-conv1d) and on cakeops (``apply_cakeops``):
 a training step (forward+backward) of a prefill, and a 32-token greedy decode of a two-layer
 model (Gated DeltaNet, then full attention) from its cache.
 
     python -m cakeops.bench.qwen3_next [--quick] [--markdown PATH]
 
-The cakeops side is what ``apply_cakeops`` leaves: the delta rule and the gated norm on cakeops;
-the layer's projections and convolution and the model's other layers are Hugging Face's own in
-both. Timed in alternation in one run.
+The cakeops side is what ``apply_cakeops`` leaves: the delta rule, the causal convolution and
+the gated norm on cakeops; the layer's projections and the model's other layers are Hugging
+Face's own in both. Timed in alternation in one run.
 Needs ``cakeops[transformers]`` (exits with status 2 without it).
 """
 
@@ -130,8 +130,9 @@ def markdown(record: dict[str, Any]) -> str:
         f"Measured {datetime.now(timezone.utc):%Y-%m-%d} on {where}, float32, torch "
         f"{torch.__version__}, transformers {tf.__version__}, with "
         "`python -m cakeops.bench.qwen3_next`: one `Qwen3NextGatedDeltaNet` layer, median "
-        "times, the contenders in alternation; Hugging Face's runs its PyTorch fallback "
-        "(`torch_chunk_gated_delta_rule`, flash-linear-attention not installed).",
+        "times, the contenders in alternation; Hugging Face's runs its PyTorch fallbacks "
+        "(`torch_chunk_gated_delta_rule` and `causal_conv1d_fn`, flash-linear-attention and "
+        "causal-conv1d not installed).",
         "",
         "| layer, forward+backward | L | time (ms) | vs Hugging Face | peak (MiB) | saved (MiB) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",

@@ -12,7 +12,9 @@
   :func:`cakeops.causal_dot_product`, and the gated delta rule and KDA of every layer that calls
   transformers' ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` /
   ``chunk_kda`` / ``fused_recurrent_kda`` (Qwen3-Next, Qwen3.5, OLMo-Hybrid, Kimi Linear, ...)
-  for :func:`cakeops.gated_delta_rule`, packed sequences included.
+  for :func:`cakeops.gated_delta_rule`, and the causal convolutions of every layer that calls
+  ``causal_conv1d_fn`` / ``causal_conv1d_update`` (those families, the Mamba and Mamba2
+  families, LFM2, ...) for :func:`cakeops.causal_conv1d`, packed sequences included.
 
 Importing this module registers ``"cakeops"``. Checkpoints are unchanged: no weight is copied or
 renamed.
@@ -28,6 +30,8 @@ from typing import Any
 
 import torch
 
+from cakeops.ops.causal_conv1d import ACTIVATIONS as CONV_ACTIVATIONS
+from cakeops.ops.causal_conv1d import causal_conv1d
 from cakeops.ops.causal_dot_product import causal_dot_product
 from cakeops.ops.gated_delta_rule import gated_delta_rule
 from cakeops.ops.rmsnorm_silu_gate import rmsnorm_silu_gate
@@ -353,10 +357,78 @@ def _hf_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None
     return t(out), (state if output_final_state else None)
 
 
+# --------------------------------------------------------------------------------------------
+# The causal convolution (Mamba, Mamba2, Gated DeltaNet, KDA and short-convolution layers)
+
+
+def _packed_offsets(x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """Packed sequences' offsets from what the layers pass along: ``cu_seq_lens_q``
+    (``DataCollatorWithFlattening``) or Mamba's per-position ``seq_idx`` ``(1, L)`` (its
+    offsets read from the changes of sequence: a synchronisation on a GPU)."""
+    if x.shape[0] != 1:
+        return None
+    cu = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seqlens"))
+    if cu is not None:
+        return cu
+    seq_idx = kwargs.get("seq_idx")
+    if seq_idx is None:
+        return None
+    ids = seq_idx.reshape(-1)
+    starts = (ids[1:] != ids[:-1]).nonzero().flatten() + 1
+    ends = torch.tensor([0, ids.numel()], device=ids.device)
+    return torch.cat([ends[:1], starts, ends[1:]])
+
+
+def _conv(x, weight, bias, activation, **options):
+    """:func:`cakeops.causal_conv1d` with transformers' activation (SiLU fused, any other
+    applied after) and its dtype rule (x in a 16-bit weight's dtype, as its fallback casts)."""
+    if weight.dtype not in (x.dtype, torch.float32):
+        x = x.to(weight.dtype)
+    fused = activation in CONV_ACTIVATIONS
+    out = causal_conv1d(x, weight, bias, activation=activation if fused else None, **options)
+    if fused:
+        return out
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[activation](out)
+
+
+def _hf_causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+    """transformers' (and causal-conv1d's) ``causal_conv1d_fn`` on
+    :func:`cakeops.causal_conv1d`: ``(N, C, L)`` as the layers pass it (a transposed view, taken
+    without a copy; the output comes back in that layout), packed sequences kept apart
+    (``cu_seq_lens_q`` or ``seq_idx``), causal-conv1d's ``initial_states`` and
+    ``return_final_states`` too."""
+    initial = kwargs.get("initial_states")
+    wanted = bool(kwargs.get("return_final_states", False))
+    return _conv(hidden_states, weight, bias, activation, initial_state=initial,
+                 output_final_state=wanted,
+                 cu_seqlens=_packed_offsets(hidden_states, kwargs))  # fmt: skip
+
+
+def _hf_causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None,
+                             **kwargs):  # fmt: skip
+    """``causal_conv1d_update`` on :func:`cakeops.causal_conv1d`: the new positions from the
+    cached state's last ``W - 1`` inputs, and the state rolled in place as transformers' does
+    (its cache holds ``W`` of them)."""
+    width, kept = weight.shape[-1], conv_state.shape[-1]
+    past = conv_state[:, :, kept - (width - 1) :]
+    out = _conv(hidden_states, weight, bias, activation, initial_state=past)
+    rolled = torch.cat([conv_state, hidden_states.to(conv_state.dtype)], -1)[:, :, -kept:]
+    conv_state.copy_(rolled)
+    return out
+
+
 #: the kernel names transformers' ``use_kernel_func_from_hub_with_fallback`` wraps that
-#: cakeops serves
+#: cakeops serves: the delta rules, the convolutions, and what serves each
 DELTA_RULES = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda",
                "fused_recurrent_kda")  # fmt: skip
+CONVOLUTIONS = ("causal_conv1d_fn", "causal_conv1d_update")
+SERVED_KERNELS = {
+    **dict.fromkeys(DELTA_RULES, _hf_delta_rule),
+    "causal_conv1d_fn": _hf_causal_conv1d_fn,
+    "causal_conv1d_update": _hf_causal_conv1d_update,
+}
 
 
 def _hub_name(fn: Any) -> str | None:
@@ -381,14 +453,17 @@ def _layers(fn: Any) -> list[Any]:
     return chain
 
 
-def _served_names(cls: type) -> tuple[str, ...]:
-    """The globals ``cls.forward`` (or a function it wraps) calls that are delta-rule kernels
-    cakeops serves."""
-    names = []
+def _served_names(cls: type, kernels=tuple(SERVED_KERNELS)) -> dict[str, str]:
+    """The globals ``cls.forward`` (or a function it wraps) calls that are transformers' hub
+    kernels among ``kernels`` (by default every one cakeops serves): name -> kernel name."""
+    names = {}
     for fn in _layers(cls.__dict__.get("forward")):
         scope = fn.__globals__
-        names += [n for n in fn.__code__.co_names if _hub_name(scope.get(n)) in DELTA_RULES]
-    return tuple(dict.fromkeys(names))
+        for n in fn.__code__.co_names:
+            kernel = _hub_name(scope.get(n))
+            if kernel in kernels:
+                names[n] = kernel
+    return names
 
 
 def _served_module(scope: dict[str, Any], served: dict[str, Any]) -> types.ModuleType:
@@ -429,11 +504,11 @@ def _rebound(fn: Any, served: dict[str, Any]) -> Any:
         copy, fn, updated=())  # fmt: skip
 
 
-def _delta_rule_class(cls: type) -> type:
-    """``cls`` with its forward reading the delta-rule kernels from cakeops (other models of
-    the family keep transformers' functions)."""
+def _kernels_class(cls: type) -> type:
+    """``cls`` with its forward reading the hub kernels cakeops serves (the delta rules, the
+    convolutions) from cakeops (other models of the family keep transformers' functions)."""
     if cls not in _patched:
-        served = dict.fromkeys(_served_names(cls), _hf_delta_rule)
+        served = {name: SERVED_KERNELS[kernel] for name, kernel in _served_names(cls).items()}
         forward = _rebound(cls.__dict__["forward"], served)
         body = {"forward": forward, "__reduce_ex__": _reduce_ex, "__cakeops_original__": cls}
         _patched[cls] = type(f"Cakeops{cls.__name__}", (cls,), body)
@@ -442,7 +517,7 @@ def _delta_rule_class(cls: type) -> type:
 
 def _new_patched(cls: type) -> torch.nn.Module:
     """Unpickling: an empty instance of ``cls``'s patched class (its state comes after)."""
-    patched = _patched_class(cls) if cls.__name__ in PATCHED else _delta_rule_class(cls)
+    patched = _patched_class(cls) if cls.__name__ in PATCHED else _kernels_class(cls)
     return object.__new__(patched)
 
 
@@ -463,9 +538,11 @@ def _patched_class(cls: type) -> type:
 
 def apply_cakeops(model: torch.nn.Module) -> torch.nn.Module:
     """Run ``model``'s experts on cakeops (``experts_implementation="cakeops"``), its gated
-    RMSNorms on :func:`cakeops.rmsnorm_silu_gate` and the core of its linear attention
-    (MiniMax's lightning attention) on :func:`cakeops.causal_dot_product`, in place; returns
-    the model. Parameters, buffers and state-dict names stay as they are."""
+    RMSNorms on :func:`cakeops.rmsnorm_silu_gate`, the core of its linear attention
+    (MiniMax's lightning attention) on :func:`cakeops.causal_dot_product`, its delta rules on
+    :func:`cakeops.gated_delta_rule` and its causal convolutions on
+    :func:`cakeops.causal_conv1d`, in place; returns the model. Parameters, buffers and
+    state-dict names stay as they are."""
     register()
     check_model(model)
     if (
@@ -478,7 +555,7 @@ def apply_cakeops(model: torch.nn.Module) -> torch.nn.Module:
         if cls.__name__ in PATCHED:
             module.__class__ = _patched_class(cls)
         elif cls not in _patched.values() and _served_names(cls):
-            module.__class__ = _delta_rule_class(cls)
+            module.__class__ = _kernels_class(cls)
     return model
 
 
