@@ -36,7 +36,7 @@ def test_moe_experts_never_waits_for_the_device():
 
 
 DECODE_OPS = ("rmsnorm_silu_gate", "gated_delta_rule", "causal_dot_product", "moe_experts",
-              "routed_experts")  # fmt: skip
+              "routed_experts", "causal_conv1d")  # fmt: skip
 
 
 def _decode_steps(dtype: torch.dtype) -> dict:
@@ -58,7 +58,14 @@ def _decode_steps(dtype: torch.dtype) -> dict:
     ws.append(torch.randn(E, D * 4, F, **dev) * 0.05)
     index = torch.tensor([[3, 5]], device="cuda")
     weights = torch.tensor([[0.75, 0.25]], **dev)
+    # a Gated DeltaNet layer's convolution: q, k and v's channels, width 4, the models' layout
+    xc = torch.randn(1, 1, 2 * H * D + Hv * D, **dev).transpose(1, 2)
+    wc, bc = torch.randn(xc.shape[1], 4, **dev), torch.randn(xc.shape[1], **dev)
+    conv_state = torch.randn(1, xc.shape[1], 3, **dev)
     return {
+        "causal_conv1d": lambda: cakeops.causal_conv1d(
+            xc, wc, bc, activation="silu", initial_state=conv_state, output_final_state=True
+        ),
         "rmsnorm_silu_gate": lambda: cakeops.rmsnorm_silu_gate(x, z, w, 1e-6),
         "gated_delta_rule": lambda: cakeops.gated_delta_rule(
             q, kk, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm=True

@@ -113,9 +113,26 @@ def _pre_activation(xe: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tenso
     return pre
 
 
-def forward(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens):
+def _step(x, weight, bias, activation, initial_state, output_final_state):
+    """One position per row from a given state (a decode step): the window as one small
+    tensor, a handful of ops."""
     dtype = compute_dtype(x.dtype)
+    window = torch.cat([initial_state.to(dtype), x.to(dtype)], 2)  # (N, C, W)
+    pre = (window * weight.to(dtype)).sum(2, keepdim=True)
+    if bias is not None:
+        pre += bias.to(dtype)[:, None]
+    out = torch.nn.functional.silu(pre) if activation == "silu" else pre
+    out = out.to(x.dtype)
+    if not output_final_state:
+        return out, x.new_empty(0)
+    return out, window[:, :, 1:].to(initial_state.dtype)
+
+
+def forward(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens):
     W = weight.shape[1]
+    if x.shape[2] == 1 and initial_state is not None and cu_seqlens is None and W > 1:
+        return _step(x, weight, bias, activation, initial_state, output_final_state)
+    dtype = compute_dtype(x.dtype)
     layout = _Layout(x, W, cu_seqlens)
     xe = layout.extended(x, initial_state, dtype)
     b = None if bias is None else bias.to(dtype)

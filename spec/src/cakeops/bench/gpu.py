@@ -46,6 +46,7 @@ from cakeops.measure import peak_memory, sync
 from cakeops.ops import SPECS
 
 FULL = {
+    "causal_conv1d": (4, 8192, 4096, 4),  # (N, C, L, W): Qwen3-Next-80B's q, k and v channels
     "rmsnorm_silu_gate": (32768, 4096),
     "causal_dot_product": (8, 16, 4096, 128, 128),
     "gated_delta_rule": (4, 4096, 16, 32, 128),  # (N, L, H, Hv, D): Qwen3-Next-80B's heads
@@ -55,6 +56,7 @@ FULL = {
 # tiny: on a CPU these run in Triton's interpreter and numba's simulator (a Python call per
 # simulated thread), only to check the script itself
 QUICK = {
+    "causal_conv1d": (1, 16, 20, 4),
     "rmsnorm_silu_gate": (8, 64),
     "causal_dot_product": (1, 1, 32, 16, 16),
     "gated_delta_rule": (1, 20, 1, 2, 16),
