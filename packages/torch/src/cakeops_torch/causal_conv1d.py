@@ -96,6 +96,14 @@ class _Layout:
         return _contiguous(ends.permute(1, 0, 2), dtype)
 
 
+def _as_input(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad`` in x's dtype and layout: the view itself where it already is (one row: the
+    row's stride does not matter), else a copy."""
+    if grad.dtype == x.dtype and x.shape[0] == 1 and grad.stride()[1:] == x.stride()[1:]:
+        return grad.as_strided(x.shape, x.stride(), grad.storage_offset())
+    return torch.empty_like(x).copy_(grad)
+
+
 def _contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A contiguous copy of ``t`` in ``dtype`` (a state: never a view of ``xe``)."""
     return t.to(dtype, memory_format=torch.contiguous_format, copy=True)
@@ -139,8 +147,9 @@ def forward(x, weight, bias, activation, initial_state, output_final_state, cu_s
     pre = _pre_activation(xe, weight.to(dtype), b)
     if layout.packed:
         pre = layout.select(pre, layout.positions - (W - 1))
-    out = torch.nn.functional.silu(pre) if activation == "silu" else pre
-    out = out.to(x.dtype)
+    if activation == "silu":
+        torch.nn.functional.silu(pre, inplace=True)
+    out = pre.to(x.dtype)
     if not output_final_state:
         return out, x.new_empty(0)
     state_dtype = x.dtype if initial_state is None else initial_state.dtype
@@ -150,26 +159,33 @@ def forward(x, weight, bias, activation, initial_state, output_final_state, cu_s
 def backward(g_out, g_final, x, weight, bias, activation, initial_state, output_final_state,
              cu_seqlens):  # fmt: skip
     dtype = compute_dtype(x.dtype)
-    N, C, L = x.shape
+    C, L = x.shape[1:]
     W = weight.shape[1]
     layout = _Layout(x, W, cu_seqlens)
     xe = layout.extended(x, initial_state, dtype)
     w = weight.to(dtype)
     b = None if bias is None else bias.to(dtype)
     Lo = layout.P - (W - 1)
-    dpre = g_out.to(dtype)
+    # Every big buffer is made once and worked on in place: a fresh one costs its pages' faults,
+    # about as much as a pass over it.
     if activation == "silu":
-        pre = _pre_activation(xe, w, b)
+        dpre = _pre_activation(xe, w, b)
         if layout.packed:
-            pre = layout.select(pre, layout.positions - (W - 1))
-        s = torch.sigmoid(pre)
-        # silu'(p) = s (1 + p (1 - s))
-        dpre = dpre * s * pre.mul_(1 - s).add_(1)
+            dpre = layout.select(dpre, layout.positions - (W - 1))
+        s = torch.sigmoid(dpre)
+        # silu'(p) = s (1 + p - p s), then times the upstream gradient: all in dpre's buffer
+        dpre.addcmul_(dpre, s, value=-1).add_(1).mul_(s).mul_(g_out)
+    else:
+        dpre = g_out.to(dtype, copy=True)
     if layout.packed:  # the windows behind each sequence's state have no output
         spread = layout.empty(1, C, Lo, dtype, x.device).zero_()
         layout.put(spread, layout.positions - (W - 1), dpre)
         dpre = spread
-    dxe = layout.empty(N, C, layout.P, dtype, x.device)
+    products = s if activation == "silu" and not layout.packed else torch.empty_like(dpre)
+    dweight = torch.stack([torch.mul(dpre, xe[:, :, j : j + Lo], out=products).sum((0, 2))
+                           for j in range(W)], 1)  # fmt: skip
+    dbias = None if bias is None else dpre.sum((0, 2)).to(bias.dtype)
+    dxe = xe  # read for the last time above: its buffer takes the gradient
     torch.mul(dpre, w[:, W - 1, None], out=dxe[:, :, W - 1 :])
     dxe[:, :, : W - 1] = 0
     for j in range(W - 1):
@@ -179,17 +195,14 @@ def backward(g_out, g_final, x, weight, bias, activation, initial_state, output_
             layout.put(dxe, layout.ends, layout.states(g_final), add=True)
         else:
             dxe[:, :, L:] += g_final
-    dweight = torch.stack([(dpre * xe[:, :, j : j + Lo]).sum((0, 2)) for j in range(W)], 1)
-    dbias = None if bias is None else dpre.sum((0, 2)).to(bias.dtype)
-    dx = torch.empty_like(x)
     dinitial = None
     if layout.packed:
-        dx.copy_(layout.select(dxe, layout.positions))
+        dx = torch.empty_like(x).copy_(layout.select(dxe, layout.positions))
         if initial_state is not None:
             starts = layout.select(dxe, layout.starts).reshape(C, layout.S, W - 1)
             dinitial = _contiguous(starts.permute(1, 0, 2), initial_state.dtype)
     else:
-        dx.copy_(dxe[:, :, W - 1 :])
         if initial_state is not None:
             dinitial = _contiguous(dxe[:, :, : W - 1], initial_state.dtype)
+        dx = _as_input(dxe[:, :, W - 1 :], x)
     return dx, dweight.to(weight.dtype), dbias, dinitial
