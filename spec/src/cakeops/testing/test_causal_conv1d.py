@@ -202,6 +202,26 @@ class TestCausalConv1d:
         for name, a, b in zip(names, got, want, strict=True):  # the sums' order may differ
             assert_matches(a, b.double(), name, torch.float32)
 
+    def test_opcheck_and_compile_in_the_models_layout(self, backend, device):
+        """With x a transposed view, the custom op passes opcheck (its fake output laid out
+        like x, as the kernel's) and a compiled call returns the eager results, in x's
+        layout."""
+        given = ("bias", "silu", "initial_state", "final")
+        tensors, fixed, _, _ = make_inputs(given, torch.float32, device, L=12)
+        x = tensors["x"].detach().transpose(1, 2).contiguous().transpose(1, 2)
+        tensors["x"] = x.requires_grad_()
+        from cakeops.ops import SPECS
+
+        values = SPECS[OP].inputs(**tensors, **fixed).values()
+        torch.library.opcheck(torch.ops.cakeops.causal_conv1d.default, tuple(values))
+        torch._dynamo.reset()
+        eager = cakeops.causal_conv1d(**tensors, **fixed)
+        compiled = torch.compile(cakeops.causal_conv1d, fullgraph=True)(**tensors, **fixed)
+        for a, b in zip(eager, compiled, strict=True):
+            assert a.stride() == b.stride()
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert compiled[0].stride() == x.stride()
+
     @pytest.mark.parametrize("packed", [False, True])
     def test_opcheck_and_compile(self, backend, device, packed):
         """The custom op with every option passes torch.library.opcheck (its backward too), and
