@@ -140,6 +140,20 @@ def check_cu_seqlens(op: str, cu: torch.Tensor, N: int, L: int) -> int:
     return cu.numel() - 1
 
 
+def check_states(op: str, a: Any, N: int, L: int, state_shape: tuple[int, ...]) -> None:
+    """Packed sequences' offsets (``a.cu_seqlens``) and the initial state ``a.initial_state``
+    of shape ``(sequences, *state_shape)``, float."""
+    sequences = N if a.cu_seqlens is None else check_cu_seqlens(op, a.cu_seqlens, N, L)
+    s0 = a.initial_state
+    if s0 is None:
+        return
+    check_float_dtype(op, "initial_state", s0)
+    want = (sequences, *state_shape)
+    if tuple(s0.shape) != want:
+        raise ValueError(f"{op}: argument 'initial_state' expected shape {want}, got "
+                         f"{tuple(s0.shape)}")  # fmt: skip
+
+
 def check_log_multipliers(op: str, name: str, t: torch.Tensor) -> None:
     """Logs of multipliers are ``<= 0`` (checked on a CPU tensor only)."""
     if t.device.type != "cpu" or not t.numel():

@@ -85,16 +85,7 @@ def check(a: Inputs) -> Inputs:
     if a.activation not in ACTIVATIONS:
         raise ValueError(f"{OP}: argument 'activation' expected None, 'silu' or 'swish', got "
                          f"{a.activation!r}")  # fmt: skip
-    sequences = N
-    if a.cu_seqlens is not None:
-        sequences = _spec.check_cu_seqlens(OP, a.cu_seqlens, N, L)
-    if a.initial_state is not None:
-        s0 = a.initial_state
-        _spec.check_float_dtype(OP, "initial_state", s0)
-        want = (sequences, C, a.weight.shape[1] - 1)
-        if tuple(s0.shape) != want:
-            raise ValueError(f"{OP}: argument 'initial_state' expected shape {want}, got "
-                             f"{tuple(s0.shape)}")  # fmt: skip
+    _spec.check_states(OP, a, N, L, (C, a.weight.shape[1] - 1))
     if a.activation == "swish":
         return dataclasses.replace(a, activation="silu")
     return a

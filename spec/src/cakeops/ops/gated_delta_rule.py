@@ -102,15 +102,7 @@ def check(a: Inputs) -> Inputs:
     scale = a.scale
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"{OP}: argument 'scale' expected a finite number, got {scale!r}")
-    sequences = N
-    if a.cu_seqlens is not None:
-        sequences = _spec.check_cu_seqlens(OP, a.cu_seqlens, N, L)
-    if a.initial_state is not None:
-        s0 = a.initial_state
-        _spec.check_float_dtype(OP, "initial_state", s0)
-        if tuple(s0.shape) != (sequences, Hv, K, V):
-            raise ValueError(f"{OP}: argument 'initial_state' expected shape "
-                             f"{(sequences, Hv, K, V)}, got {tuple(s0.shape)}")  # fmt: skip
+    _spec.check_states(OP, a, N, L, (Hv, K, V))
     if scale is None:
         return dataclasses.replace(a, scale=K**-0.5 if K else 1.0)
     return a

@@ -37,6 +37,39 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str, dtype=None) 
     assert err <= tol, f"{what}: relative error {err:.3g} exceeds the {dtype} tolerance {tol:g}"
 
 
+def run_with_state(op, reference, tensors, fixed, g_out, g_final, math=False):
+    """``(out, final_state or None, *gradients)`` of ``op(**tensors, **fixed)`` (with ``math``,
+    of ``reference``'s float64 ``(out, final_state)`` on float64 copies) for the upstream
+    gradients ``g_out`` and, when the call asks for the final state, ``g_final``: an op with a
+    state's checks."""
+    wanted = fixed.get("output_final_state", False)
+    if math:
+        leaves = {n: t.detach().double().requires_grad_() for n, t in tensors.items()}
+        out, final = reference(**leaves, **{n: v for n, v in fixed.items()
+                                            if n != "output_final_state"})  # fmt: skip
+    else:
+        leaves = tensors
+        result = op(**leaves, **fixed)
+        out, final = result if wanted else (result, None)
+    loss = (out.double() * g_out.double()).sum()
+    if wanted:
+        loss = loss + (final.double() * g_final.double()).sum()
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    return (out.detach(), final.detach() if wanted else None, *grads)
+
+
+def check_with_state(op, reference, tensors, fixed, g_out, g_final) -> None:
+    """:func:`run_with_state` of the op within the spec's tolerance of its reference: the
+    output and the gradients in their inputs' dtypes, the final state in its own."""
+    got = run_with_state(op, reference, tensors, fixed, g_out, g_final)
+    want = run_with_state(op, reference, tensors, fixed, g_out, g_final, math=True)
+    names = ["out", "final_state", *(f"d{n}" for n in tensors)]
+    dtypes = [g_out.dtype, None, *(t.dtype for t in tensors.values())]
+    for name, a, b, dtype in zip(names, got, want, dtypes, strict=True):
+        if a is not None:
+            assert_matches(a, b, name, dtype or a.dtype)
+
+
 def reference_outputs(
     math: Callable[..., torch.Tensor],
     tensors: Mapping[str, torch.Tensor],

@@ -11,7 +11,13 @@ import torch
 
 import cakeops
 from cakeops.reference import causal_conv1d as ref
-from cakeops.testing import EMULATED, assert_bad_input_raises, assert_matches
+from cakeops.testing import (
+    EMULATED,
+    assert_bad_input_raises,
+    assert_matches,
+    check_with_state,
+    run_with_state,
+)
 
 OP = "causal_conv1d"
 
@@ -61,32 +67,12 @@ def make_inputs(given=(), dtype=torch.float32, device="cpu", N=2, C=5, L=L, W=4,
 
 
 def run(tensors, fixed, g_out, g_final, math=False):
-    """``(out, final_state or None, *gradients)`` of the op (or of the float64 sum)."""
-    if math:
-        leaves = {n: t.detach().double().requires_grad_() for n, t in tensors.items()}
-        kw = {n: v for n, v in fixed.items() if n != "output_final_state"}
-        out, final = ref.conv(**leaves, **kw)
-    else:
-        leaves = tensors
-        result = cakeops.causal_conv1d(**leaves, **fixed)
-        out, final = result if fixed.get("output_final_state") else (result, None)
-    loss = (out.double() * g_out.double()).sum()
-    if fixed.get("output_final_state") and final is not None:
-        loss = loss + (final.double() * g_final.double()).sum()
-    grads = torch.autograd.grad(loss, list(leaves.values()))
-    final = final if fixed.get("output_final_state") else None
-    return (out.detach(), None if final is None else final.detach(), *grads)
+    """``(out, final_state or None, *gradients)`` of the op (or of its float64 reference)."""
+    return run_with_state(cakeops.causal_conv1d, ref.conv, tensors, fixed, g_out, g_final, math)
 
 
 def check_against_reference(tensors, fixed, g_out, g_final):
-    got = run(tensors, fixed, g_out, g_final)
-    want = run(tensors, fixed, g_out, g_final, math=True)
-    names = ["out", "final_state", *(f"d{n}" for n in tensors)]
-    dtypes = [g_out.dtype, None, *(t.dtype for t in tensors.values())]
-    for name, a, b, dtype in zip(names, got, want, dtypes, strict=True):
-        if a is None:
-            continue
-        assert_matches(a, b, name, dtype or a.dtype)
+    check_with_state(cakeops.causal_conv1d, ref.conv, tensors, fixed, g_out, g_final)
 
 
 class TestCausalConv1d:
