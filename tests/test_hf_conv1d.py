@@ -6,20 +6,16 @@ one document into the next; and the adapter agrees with transformers' own fallba
 
 from __future__ import annotations
 
-import copy
 import importlib
-import pkgutil
 
+import hf_kernel_checks as checks
 import pytest
 import torch
-import transformers as tf
 from hf_conv_families import BUILT, FAMILIES, MODULES, NOT_BUILT
+from hf_kernel_checks import TOLERANCE, tokens
 
 import cakeops
 from cakeops.integrations import transformers as integration
-from cakeops.integrations.transformers import apply_cakeops
-
-TOLERANCE = 2 * cakeops.tolerance(torch.float32)
 
 
 def conv_names(cls: type) -> dict[str, str]:
@@ -28,46 +24,14 @@ def conv_names(cls: type) -> dict[str, str]:
 
 
 def pair(family: str):
-    config_class, sizes = FAMILIES[family]
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config_class(**sizes))
-    return model, apply_cakeops(copy.deepcopy(model))
-
-
-def tokens(seed: int = 1, shape=(2, 12)):
-    return torch.randint(3, 60, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def served_modules() -> set[str]:
-    """The transformers model modules with a layer that calls a convolution kernel."""
-    found = set()
-    for info in pkgutil.iter_modules(tf.models.__path__):
-        name = f"transformers.models.{info.name}.modeling_{info.name}"
-        if importlib.util.find_spec(f"transformers.models.{info.name}") is None:
-            continue
-        try:
-            module = importlib.import_module(name)
-        except Exception:  # a model needing an absent extra
-            continue
-        for obj in vars(module).values():
-            if (isinstance(obj, type) and issubclass(obj, torch.nn.Module)
-                    and obj.__module__ == name and conv_names(obj)):  # fmt: skip
-                found.add(info.name)
-    return found
+    return checks.pair(FAMILIES, family)
 
 
 def test_every_family_of_the_installed_transformers_is_listed():
     """Each family calling the convolution kernels is built here or says why not."""
-    assert served_modules() == set(MODULES.values())
+    assert checks.modules_calling(integration.CONVOLUTIONS) == set(MODULES.values())
     for family in MODULES:
         assert family in BUILT or MODULES[family] in NOT_BUILT, family
-
-
-def _loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("family", BUILT)
@@ -76,15 +40,7 @@ def test_the_op_runs_once_per_layer_and_pass(family, monkeypatch):
     in the backward (counted on the torch backend's kernel module)."""
     from cakeops_torch import causal_conv1d as kernels
 
-    calls = {"forward": 0, "backward": 0}
-    for kind in calls:
-        real = getattr(kernels, kind)
-
-        def counted(*args, _real=real, _kind=kind):
-            calls[_kind] += 1
-            return _real(*args)
-
-        monkeypatch.setattr(kernels, kind, counted)
+    calls = checks.count_calls(monkeypatch, kernels)
     _, patched = pair(family)
     layers = sum(1 for m in patched.modules() if conv_names(type(m)))
     with cakeops.use_backend("torch"):
@@ -95,25 +51,10 @@ def test_the_op_runs_once_per_layer_and_pass(family, monkeypatch):
 @pytest.mark.parametrize("family", BUILT)
 def test_loss_and_every_gradient_match_the_model(family):
     """The patched model's loss is within the float32 tolerance of the unpatched model's, and
-    its loss and every gradient within it of the exact values (the patched model in float64:
-    the ops in float64 are their references' to 1e-12; transformers' delta-rule fallback
-    computes in float32 whatever its inputs)."""
+    its loss and every gradient within it of the exact values (the patched model in float64;
+    transformers' delta-rule fallback computes in float32 whatever its inputs)."""
     model, patched = pair(family)
-    ids = tokens()
-    # proof that cakeops runs the convolution: a backend that does not exist is refused
-    with (cakeops.use_backend("nope", op="causal_conv1d"),
-          pytest.raises(cakeops.BackendError)):  # fmt: skip
-        patched(ids)
-    loss, grads = _loss_and_grads(model, ids)
-    loss_c, grads_c = _loss_and_grads(patched, ids)
-    loss_x, grads_x = _loss_and_grads(copy.deepcopy(patched).double(), ids)
-    assert cakeops.relative_error(loss_c, loss) <= TOLERANCE
-    assert cakeops.relative_error(loss_c, loss_x) <= TOLERANCE
-    assert grads.keys() == grads_c.keys() == grads_x.keys()
-    for name, exact in grads_x.items():
-        err = cakeops.relative_error(grads_c[name], exact)
-        assert err <= TOLERANCE, f"{name}: relative error {err:.2e}"
-    assert list(model.state_dict()) == list(patched.state_dict())
+    checks.assert_matches_the_model(model, patched, tokens(), "causal_conv1d")
 
 
 def _conv_states(cache, layers: int) -> list[torch.Tensor]:
@@ -134,16 +75,7 @@ def test_greedy_generation_matches(family):
     cached state) equal the unpatched model's, each step's logits within the tolerance, and
     the caches' convolution states after the last token equal."""
     model, patched = pair(family)
-    ids = tokens(shape=(1, 9))
-    runs = []
-    for m in (model, patched):
-        m.eval()
-        out = m.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                         output_scores=True, return_dict_in_generate=True)  # fmt: skip
-        runs.append(out)
-    assert torch.equal(runs[0].sequences, runs[1].sequences)
-    for a, b in zip(runs[0].scores, runs[1].scores, strict=True):
-        assert cakeops.relative_error(b, a) <= TOLERANCE
+    runs = checks.generate_both(model, patched, tokens(shape=(1, 9)))
     layers = len([m for m in model.modules() if conv_names(type(m))])
     states = [_conv_states(r.past_key_values, 64) for r in runs]
     assert len(states[0]) == len(states[1]) >= min(layers, 1)

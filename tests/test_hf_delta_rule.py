@@ -6,31 +6,20 @@ refuses them; and the op agrees with transformers' own fallbacks."""
 
 from __future__ import annotations
 
-import copy
 import importlib
-import pkgutil
 
+import hf_kernel_checks as checks
 import pytest
 import torch
-import transformers as tf
 from hf_delta_rule_families import BUILT, FAMILIES, MODULES, NOT_BUILT
+from hf_kernel_checks import TOLERANCE, tokens
 
 import cakeops
 from cakeops.integrations import transformers as integration
-from cakeops.integrations.transformers import apply_cakeops
-
-TOLERANCE = 2 * cakeops.tolerance(torch.float32)
 
 
 def pair(family: str):
-    config_class, sizes = FAMILIES[family]
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config_class(**sizes))
-    return model, apply_cakeops(copy.deepcopy(model))
-
-
-def tokens(seed: int = 1, shape=(2, 12)):
-    return torch.randint(3, 64, shape, generator=torch.Generator().manual_seed(seed))
+    return checks.pair(FAMILIES, family)
 
 
 def delta_rule_names(cls: type) -> dict[str, str]:
@@ -38,36 +27,11 @@ def delta_rule_names(cls: type) -> dict[str, str]:
     return integration._served_names(cls, integration.DELTA_RULES)
 
 
-def served_modules() -> set[str]:
-    """The transformers model modules with a layer that calls a delta-rule kernel."""
-    found = set()
-    for info in pkgutil.iter_modules(tf.models.__path__):
-        name = f"transformers.models.{info.name}.modeling_{info.name}"
-        if importlib.util.find_spec(f"transformers.models.{info.name}") is None:
-            continue
-        try:
-            module = importlib.import_module(name)
-        except Exception:  # a model needing an absent extra
-            continue
-        for obj in vars(module).values():
-            if (isinstance(obj, type) and issubclass(obj, torch.nn.Module)
-                    and obj.__module__ == name and delta_rule_names(obj)):  # fmt: skip
-                found.add(info.name)
-    return found
-
-
 def test_every_family_of_the_installed_transformers_is_listed():
     """Each family calling the delta-rule kernels is built here or says why not."""
-    assert served_modules() == set(MODULES.values())
+    assert checks.modules_calling(integration.DELTA_RULES) == set(MODULES.values())
     for family in MODULES:
         assert family in BUILT or MODULES[family] in NOT_BUILT
-
-
-def _loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("family", BUILT)
@@ -76,15 +40,7 @@ def test_the_op_runs_once_per_layer_and_pass(family, monkeypatch):
     in the backward (counted on the torch backend's kernel module)."""
     from cakeops_torch import gated_delta_rule as kernels
 
-    calls = {"forward": 0, "backward": 0}
-    for kind in calls:
-        real = getattr(kernels, kind)
-
-        def counted(*args, _real=real, _kind=kind):
-            calls[_kind] += 1
-            return _real(*args)
-
-        monkeypatch.setattr(kernels, kind, counted)
+    calls = checks.count_calls(monkeypatch, kernels)
     _, patched = pair(family)
     layers = sum(1 for m in patched.modules() if delta_rule_names(type(m)))
     with cakeops.use_backend("torch"):
@@ -101,21 +57,7 @@ def test_loss_and_every_gradient_match_the_model(family):
     5.7e-5 on Qwen3.5), from its ``exp(b_i - b_j)`` of running sums of the gates."""
     model, patched = pair(family)
     assert any(delta_rule_names(type(m)) for m in patched.modules())
-    ids = tokens()
-    # proof that cakeops runs the delta rule: a backend that does not exist is refused
-    with (cakeops.use_backend("nope", op="gated_delta_rule"),
-          pytest.raises(cakeops.BackendError)):  # fmt: skip
-        patched(ids)
-    loss, grads = _loss_and_grads(model, ids)
-    loss_c, grads_c = _loss_and_grads(patched, ids)
-    loss_x, grads_x = _loss_and_grads(copy.deepcopy(patched).double(), ids)
-    assert cakeops.relative_error(loss_c, loss) <= TOLERANCE
-    assert cakeops.relative_error(loss_c, loss_x) <= TOLERANCE
-    assert grads.keys() == grads_c.keys() == grads_x.keys()
-    for name, exact in grads_x.items():
-        err = cakeops.relative_error(grads_c[name], exact)
-        assert err <= TOLERANCE, f"{name}: relative error {err:.2e}"
-    assert list(model.state_dict()) == list(patched.state_dict())
+    checks.assert_matches_the_model(model, patched, tokens(), "gated_delta_rule")
 
 
 @pytest.mark.parametrize("family", BUILT)
@@ -123,16 +65,7 @@ def test_greedy_generation_matches(family):
     """32 greedy tokens (prefill through the chunked op, then one-token steps from the cached
     state) equal the unpatched model's, each step's logits within the tolerance."""
     model, patched = pair(family)
-    ids = tokens(shape=(1, 9))
-    runs = []
-    for m in (model, patched):
-        m.eval()
-        out = m.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                         output_scores=True, return_dict_in_generate=True)  # fmt: skip
-        runs.append(out)
-    assert torch.equal(runs[0].sequences, runs[1].sequences)
-    for a, b in zip(runs[0].scores, runs[1].scores, strict=True):
-        assert cakeops.relative_error(b, a) <= TOLERANCE
+    runs = checks.generate_both(model, patched, tokens(shape=(1, 9)))
     # the caches after the last token: every delta-rule layer's recurrent state
     linear = [i for i, kind in enumerate(model.config.layer_types) if kind == "linear_attention"]
     assert linear

@@ -9,6 +9,7 @@ The helpers here are shared by the suite's test modules.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -68,6 +69,32 @@ def check_with_state(op, reference, tensors, fixed, g_out, g_final) -> None:
     for name, a, b, dtype in zip(names, got, want, dtypes, strict=True):
         if a is not None:
             assert_matches(a, b, name, dtype or a.dtype)
+
+
+def assert_opcheck_and_compile_with_state(op: str, tensors, fixed, g_out, g_final) -> None:
+    """``cakeops::<op>`` and its backward pass ``torch.library.opcheck`` with these arguments
+    (a final state asked for), and ``torch.compile(fullgraph=True)`` of the public function
+    gives exactly the eager output, final state and gradients."""
+    from cakeops.ops import SPECS
+
+    values = SPECS[op].inputs(**tensors, **fixed).values()
+    torch.library.opcheck(getattr(torch.ops.cakeops, op).default, tuple(values))
+    plain = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in values)
+    backward = getattr(torch.ops.cakeops, f"{op}_backward").default
+    torch.library.opcheck(backward, (g_out, g_final.float(), *plain))
+    public = getattr(importlib.import_module(f"cakeops.ops.{op}"), op)
+
+    def call(fn):
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
+        out, state = fn(**leaves, **fixed)
+        loss = (out * g_out).sum() + (state * g_final.float()).sum()
+        return (out, state, *torch.autograd.grad(loss, list(leaves.values())))
+
+    torch._dynamo.reset()
+    eager = call(public)
+    compiled = call(torch.compile(public, fullgraph=True))
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def reference_outputs(

@@ -15,6 +15,7 @@ from cakeops.testing import (
     EMULATED,
     assert_bad_input_raises,
     assert_matches,
+    assert_opcheck_and_compile_with_state,
     check_with_state,
     run_with_state,
 )
@@ -218,25 +219,7 @@ class TestCausalConv1d:
             fixed["cu_seqlens"] = torch.tensor([0, 2, 2, 7, 12], device=device)
             tensors["initial_state"] = tensors["initial_state"].detach()[:4].requires_grad_()
             g_final = g_final[:4]
-        from cakeops.ops import SPECS
-
-        values = SPECS[OP].inputs(**tensors, **fixed).values()
-        torch.library.opcheck(torch.ops.cakeops.causal_conv1d.default, tuple(values))
-        plain = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in values)
-        backward = torch.ops.cakeops.causal_conv1d_backward.default
-        torch.library.opcheck(backward, (g_out, g_final.float(), *plain))
-
-        def call(fn):
-            leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
-            out, state = fn(**leaves, **fixed)
-            loss = (out * g_out).sum() + (state * g_final.float()).sum()
-            return (out, state, *torch.autograd.grad(loss, list(leaves.values())))
-
-        torch._dynamo.reset()
-        eager = call(cakeops.causal_conv1d)
-        compiled = call(torch.compile(cakeops.causal_conv1d, fullgraph=True))
-        for a, b in zip(eager, compiled, strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert_opcheck_and_compile_with_state(OP, tensors, fixed, g_out, g_final)
 
     @pytest.mark.cakeops_dtypes(torch.float64)
     def test_gradcheck(self, backend, dtype, device):
