@@ -187,5 +187,5 @@ def state_without_work(a: Any, final_state: Any) -> torch.Tensor:
     shape and dtype ``final_state(a)`` gives."""
     shape, dtype = final_state(a)
     if a.initial_state is None:
-        return torch.zeros(shape, dtype=dtype, device=a.q.device)
+        return torch.zeros(shape, dtype=dtype, device=a.selecting.device)
     return a.initial_state.to(dtype).clone()

@@ -498,7 +498,7 @@ class OpSpec:
         returned another)."""
         if not self.output_layout_of:
             return out.contiguous()
-        return _like(out, values[self.names.index(self.output_layout_of)])
+        return _like(out, values[self._layout_index])
 
     # -- the public call ------------------------------------------------------------------
 
@@ -649,6 +649,8 @@ class OpSpec:
             ("_function", self._autograd_function(full)),
             ("_plans", {}),
             ("_defaults", tuple((name, default) for name, _, default, _ in self.arguments)),
+            # the position of output_layout_of among the arguments (unread when it is "")
+            ("_layout_index", self.names.index(self.output_layout_of or self.names[0])),
         ):
             object.__setattr__(self, name, value)
 

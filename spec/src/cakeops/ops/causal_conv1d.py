@@ -19,6 +19,7 @@ Saved-tensor contract: exactly the tensor inputs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -125,13 +126,6 @@ def _no_work(a: Inputs) -> bool:
     return not (a.output_final_state and s0 is not None and s0.numel() and a.x.shape[2] == 0)
 
 
-def _final_without_work(a: Inputs) -> torch.Tensor:
-    shape, dtype = _final_state(a)
-    if a.initial_state is None:
-        return torch.zeros(shape, dtype=dtype, device=a.x.device)
-    return a.initial_state.clone()
-
-
 SPEC = OpSpec(
     inputs=Inputs,
     check=check,
@@ -140,7 +134,7 @@ SPEC = OpSpec(
     example=example,
     second=_final_state,
     second_flag="output_final_state",
-    second_no_work=_final_without_work,
+    second_no_work=functools.partial(_spec.state_without_work, final_state=_final_state),
     contiguous_grads=False,  # the models' output is a transposed view: so is its gradient
     output_layout_of="x",  # and the output, laid out like x, is one when x is
 )
