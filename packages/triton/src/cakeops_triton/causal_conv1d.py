@@ -214,8 +214,8 @@ def backward(g_out, g_final, x, weight, bias, activation, initial_state, output_
     programs = N * grid[0]
     f32 = {"dtype": torch.float32, "device": x.device}
     dpre = torch.empty((N, C, L), **f32)
-    dw = torch.zeros((programs, C, _taps(W)), **f32)
-    db = torch.zeros((programs, C), **f32)
+    dw = torch.empty((programs, C, _taps(W)), **f32)  # every program writes its partial sums
+    db = torch.empty((programs, C), **f32)
     dx = torch.empty_like(x)
     has_dfinal = output_final_state and g_final.numel() > 0
     dfinal = g_final.float().contiguous() if has_dfinal else dummy
