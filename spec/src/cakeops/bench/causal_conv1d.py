@@ -10,7 +10,7 @@ import torch
 
 import cakeops
 from cakeops.bench.tables import format_table
-from cakeops.bench.timing import cakeops_rows, measure, result_row
+from cakeops.bench.timing import cakeops_rows, fwd_bwd, measure, result_row
 
 #: name -> (N, C, L, W)
 CASES = {
@@ -54,16 +54,7 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
         if fallback is not None:
             contenders_.append(("transformers fallback",
                                 lambda *a: fallback(*a, activation="silu")))  # fmt: skip
-        contenders = {}
-        for label, fn in contenders_:
-
-            def fwd(fn=fn, leaves=leaves):
-                return fn(*leaves)
-
-            def step(fwd=fwd, leaves=leaves, upstream=upstream):
-                return torch.autograd.grad(fwd(), leaves, upstream)
-
-            contenders[label] = (fwd, step)
+        contenders = {label: fwd_bwd(fn, leaves, upstream) for label, fn in contenders_}
         results = measure(contenders, device, repeats=2 if quick else 5)
         baseline = "transformers fallback" if fallback is not None else next(iter(results))
         print(format_table(f"\ncausal_conv1d fwd+bwd, {name}, float32", results, baseline,

@@ -11,7 +11,7 @@ import torch
 import cakeops
 from cakeops.bench.limits import Work
 from cakeops.bench.tables import format_table
-from cakeops.bench.timing import cakeops_rows, measure, result_row
+from cakeops.bench.timing import cakeops_rows, fwd_bwd, measure, result_row
 
 # name -> (N, H, L, E, M)
 CASES = {
@@ -127,14 +127,8 @@ def run_options(device: torch.device, quick: bool) -> list[dict[str, Any]]:
                                   log_decay=-torch.ones(H, device=device)).backend  # fmt: skip
         ours, peers = {}, {}
         for label, fn in option_contenders(q, k, v, option, backend).items():
-
-            def fwd(fn=fn, q=q, k=k, v=v):
-                return fn(q, k, v)
-
-            def step(fwd=fwd, q=q, k=k, v=v, g=g):
-                return torch.autograd.grad(fwd(), (q, k, v), g)
-
-            (ours if label.startswith(f"cakeops [{backend}]") else peers)[label] = (fwd, step)
+            mine = label.startswith(f"cakeops [{backend}]")
+            (ours if mine else peers)[label] = fwd_bwd(fn, (q, k, v), g)
         baseline = ("loop over documents (cakeops)" if option == "cu_seqlens"
                     else "masked decay composite")  # fmt: skip
         # the chosen backend with and without the option alternate between themselves, the
@@ -159,21 +153,15 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
             v = torch.randn(N, H, L, M, device=device, dtype=dtype, requires_grad=True)
             g = torch.randn(N, H, L, M, device=device, dtype=dtype)
             backend = cakeops.explain(cakeops.causal_dot_product, q, k, v).backend
-            contenders = {}
-            for label, fn in (
-                *cakeops_rows(cakeops.causal_dot_product, backend),
-                ("masked composite", masked),
-                ("cumsum composite", cumsum),
-                ("torch.compile(masked)", compiled),
-            ):
-
-                def fwd(fn=fn, q=q, k=k, v=v):
-                    return fn(q, k, v)
-
-                def step(fwd=fwd, q=q, k=k, v=v, g=g):
-                    return torch.autograd.grad(fwd(), (q, k, v), g)
-
-                contenders[label] = (fwd, step)
+            contenders = {
+                label: fwd_bwd(fn, (q, k, v), g)
+                for label, fn in (
+                    *cakeops_rows(cakeops.causal_dot_product, backend),
+                    ("masked composite", masked),
+                    ("cumsum composite", cumsum),
+                    ("torch.compile(masked)", compiled),
+                )
+            }
             results = measure(contenders, device, repeats=2 if quick else 3)
             dt = str(dtype).removeprefix("torch.")
             work = recurrent_work(N, H, L, E, M)

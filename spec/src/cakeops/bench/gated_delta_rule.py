@@ -10,7 +10,7 @@ import torch
 
 import cakeops
 from cakeops.bench.tables import format_table
-from cakeops.bench.timing import cakeops_rows, measure, result_row
+from cakeops.bench.timing import cakeops_rows, fwd_bwd, measure, result_row
 
 #: name -> (N, L, H key heads, Hv value heads, K = V)
 CASES = {
@@ -52,16 +52,7 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
         if fallback is not None:
             rows_.append(("transformers fallback",
                           lambda *a: fallback(*a, use_qk_l2norm_in_kernel=True)[0]))  # fmt: skip
-        contenders = {}
-        for label, fn in rows_:
-
-            def fwd(fn=fn, leaves=leaves):
-                return fn(*leaves)
-
-            def step(fwd=fwd, leaves=leaves, upstream=upstream):
-                return torch.autograd.grad(fwd(), leaves, upstream)
-
-            contenders[label] = (fwd, step)
+        contenders = {label: fwd_bwd(fn, leaves, upstream) for label, fn in rows_}
         results = measure(contenders, device, repeats=2 if quick else 3)
         baseline = "transformers fallback" if fallback is not None else next(iter(results))
         print(format_table(f"\ngated_delta_rule fwd+bwd, {name}, float32", results, baseline,

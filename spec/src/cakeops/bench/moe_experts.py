@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import cakeops
 from cakeops.bench.limits import Work
 from cakeops.bench.tables import format_table
-from cakeops.bench.timing import cakeops_rows, measure, result_row
+from cakeops.bench.timing import cakeops_rows, fwd_bwd, measure, result_row
 
 # name -> (T, D, F, E, top_k)
 CASES = {
@@ -66,20 +66,14 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
             g = torch.randn(T, D, device=device, dtype=dtype)
             inputs = (x, logits, wg, wu, wd)
             backend = cakeops.explain(cakeops.moe_experts, *inputs, top_k=k).backend
-            contenders = {}
-            for label, fn in (
-                *cakeops_rows(lambda *t, k=k: cakeops.moe_experts(*t, top_k=k), backend),
-                ("eager loop (index_add_)", lambda *t, k=k: eager_loop(*t, k)),
-                ("torch.compile(eager loop)", lambda *t, k=k: compiled(*t, k)),
-            ):
-
-                def fwd(fn=fn, inputs=inputs):
-                    return fn(*inputs)
-
-                def step(fwd=fwd, inputs=inputs, g=g):
-                    return torch.autograd.grad(fwd(), inputs, g)
-
-                contenders[label] = (fwd, step)
+            contenders = {
+                label: fwd_bwd(fn, inputs, g)
+                for label, fn in (
+                    *cakeops_rows(lambda *t, k=k: cakeops.moe_experts(*t, top_k=k), backend),
+                    ("eager loop (index_add_)", lambda *t, k=k: eager_loop(*t, k)),
+                    ("torch.compile(eager loop)", lambda *t, k=k: compiled(*t, k)),
+                )
+            }
             # Steps of a few seconds still get timed in alternation; only the 16-bit eager
             # baselines (minutes per step on a CPU) are timed once.
             results = measure(contenders, device, repeats=2 if quick else 3, slow_s=30.0)

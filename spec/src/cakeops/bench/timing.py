@@ -33,6 +33,19 @@ def cakeops_rows(fn: Callable[..., Any], backend: str) -> list[tuple[str, Callab
     return rows
 
 
+def fwd_bwd(fn: Callable[..., Any], leaves, upstream) -> tuple[Callable[[], Any], ...]:
+    """``(forward, forward+backward)`` of ``fn(*leaves)``, what :func:`measure` times: the
+    backward for ``upstream`` into every leaf."""
+
+    def forward():
+        return fn(*leaves)
+
+    def step():
+        return torch.autograd.grad(forward(), leaves, upstream)
+
+    return forward, step
+
+
 def result_row(
     case: str, dtype: torch.dtype | str, backend: str, baseline: str, results,
     work: Work | None = None, **extra,
