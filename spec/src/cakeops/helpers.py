@@ -9,7 +9,8 @@ written once here (the conformance guide names this module).
   (:func:`kept_rows`);
 - ``causal_dot_product``: the backward as three causal scans (:func:`backward_by_scans`), the
   per-position log multipliers (:func:`log_multipliers`) and their gradients
-  (:func:`position_log_grads`, :func:`log_multiplier_grads`), one decode step
+  (:func:`log_multiplier_grads`, or :func:`split_log_grads` for a kernel that sums them
+  itself), one decode step
   (:func:`causal_step`, :func:`causal_step_backward`);
 - ``causal_conv1d``: each sequence's place (:func:`conv_sequences`), the final state gathered
   from the inputs (:func:`conv_final_state`) and the initial state's gradient
@@ -47,13 +48,13 @@ __all__ = [
     "kept_rows",
     "log_multiplier_grads",
     "log_multipliers",
-    "position_log_grads",
     "route",
     "routing_backward",
     "row_experts",
     "row_tiles",
     "row_weights",
     "slot_sum",
+    "split_log_grads",
     "swiglu_backward",
     "swiglu_rows",
     "weighted_slot_sum",
@@ -214,49 +215,153 @@ def causal_step_backward(g, g_final, q, k, v, scale, log_decay, log_gates, initi
     return dq, dk, dv, d_decay, d_gates, d_init
 
 
-def position_log_grads(q, k, dq, dk) -> torch.Tensor:
-    """``q_t . dq_t - k_t . dk_t`` per position ``(N, H, L)`` (float32, float64 for float64):
-    the gradient of ``b_t``, the log multipliers summed from a sequence's start (``dq``,
-    ``dk`` the inputs' gradients, scale included; equally ``g_t . out_t - v_t . dv_t``)."""
-    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (q.to(ct) * dq.to(ct)).sum(-1) - (k.to(ct) * dk.to(ct)).sum(-1)
+#: positions per chunk of :func:`log_multiplier_grads`
+LOG_GRAD_CHUNK = 64
 
 
-def log_multiplier_grads(db, cu_seqlens, at_end, log_decay, log_gates):
-    """``(dlog_decay, dlog_gates)`` (None for one not given) from ``db``, the gradient of each
-    ``b_t`` (:func:`position_log_grads`), plus ``<g_final, S_T>`` at each sequence's last
-    position (``at_end``, ``(sequences, H)``, None without a final state's gradient). A log
-    multiplier at ``t`` reaches every ``b_i``, ``i >= t``, of its sequence: its gradient is the
-    reverse sum over them. No host synchronisation."""
-    ct = db.dtype
-    N, H, L = db.shape
-    device = db.device
-    if at_end is not None and L:
-        starts = None if cu_seqlens is None else cu_seqlens[:-1]
-        ends = (torch.full((N,), L, device=device) if cu_seqlens is None
-                else cu_seqlens[1:]) - 1  # fmt: skip
-        rows = torch.arange(N, device=device) if cu_seqlens is None else torch.zeros_like(ends)
-        # an empty sequence has no position: its term goes nowhere
-        valid = ends >= 0 if starts is None else ends >= starts
-        heads = torch.arange(H, device=device)[None, :]
-        last = ends.clamp(min=0)[:, None].long().expand(-1, H)
-        db.index_put_((rows[:, None].long(), heads, last), at_end.to(ct) * valid[:, None],
-                      accumulate=True)  # fmt: skip
-    total = db.flip(-1).cumsum(-1).flip(-1)
-    if cu_seqlens is not None:  # minus what lies past each position's sequence end
-        padded = torch.cat([total, total.new_zeros(N, H, 1)], -1)
-        pos = torch.arange(L, device=device)
-        cu = cu_seqlens.contiguous()
-        seq_end = cu[torch.searchsorted(cu, pos, right=True)]
-        total = total - padded[..., seq_end]
-    # A multiplier that is exactly 0 (a log multiplier of -inf, or one whose exp underflows) has
-    # a gradient of exactly 0: exp(lm_t) <R_t, S_{t-1}>. The sum above gives it only up to the
-    # rounding of the terms it cancels.
-    lm = log_multipliers(db[..., None], log_decay, log_gates, ct)  # db's (N, H, L), device
-    total = total.masked_fill(torch.exp(lm) == 0, 0.0)
-    d_decay = None if log_decay is None else total.sum((0, 2)).to(log_decay.dtype)
-    d_gates = None if log_gates is None else total.to(log_gates.dtype)
+class _Chunks(NamedTuple):
+    """Positions laid out as chunks of ``LOG_GRAD_CHUNK`` that never straddle two sequences:
+    ``dest`` each position's place in the padded ``(chunks * C)`` layout (None: every row is one
+    sequence, the layout is the positions padded at the end); per chunk, ``first`` / ``last``
+    whether it starts / ends its sequence and ``seq`` that sequence (``S`` for a chunk past the
+    last one: zero initial state and final gradient). None flags: only the first / last chunk."""
+
+    count: int
+    dest: torch.Tensor | None
+    first: torch.Tensor | None
+    last: torch.Tensor | None
+    seq: torch.Tensor | None
+
+
+def _log_grad_chunks(L: int, cu_seqlens: torch.Tensor | None, device) -> _Chunks:
+    C = LOG_GRAD_CHUNK
+    if cu_seqlens is None:
+        return _Chunks(-(-L // C), None, None, None, None)
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    S = cu.numel() - 1
+    count = -(-L // C) + S  # sum of ceil(len_s / C) never exceeds it: no host synchronisation
+    per_seq = (cu[1:] - cu[:-1] + C - 1) // C
+    ends = per_seq.cumsum(0)
+    starts = ends - per_seq
+    pos = torch.arange(L, device=device)
+    seq_of_pos = torch.searchsorted(cu[1:], pos, right=True)
+    local = pos - cu[seq_of_pos]
+    dest = (starts[seq_of_pos] + local // C) * C + local % C
+    chunk = torch.arange(count, device=device)
+    seq = torch.searchsorted(ends, chunk, right=True)  # S past the last chunk
+    valid = seq < S
+    at = seq.clamp(max=max(S - 1, 0))
+    first = ~valid | (chunk == starts[at])
+    last = ~valid | (chunk == ends[at] - 1)
+    return _Chunks(count, dest, first, last, seq)
+
+
+def _in_chunks(x: torch.Tensor, chunks: _Chunks, ct) -> torch.Tensor:
+    """``x`` ``(N, H, L, ...)`` in ``ct`` as ``(N, H, chunks, C, ...)``, zeros in the padding."""
+    C = LOG_GRAD_CHUNK
+    N, H, L = x.shape[:3]
+    out = x.new_zeros((N, H, chunks.count * C, *x.shape[3:]), dtype=ct)
+    if chunks.dest is None:
+        out[:, :, :L] = x
+    else:
+        out.index_copy_(2, chunks.dest, x.to(ct))
+    return out.view(N, H, chunks.count, C, *x.shape[3:])
+
+
+def _per_chunk(states: torch.Tensor | None, chunks: _Chunks, c: int, like: torch.Tensor):
+    """The initial state (or the final state's gradient) of chunk ``c``'s sequence."""
+    if states is None:
+        return torch.zeros_like(like)
+    if chunks.seq is None:
+        return states.to(like.dtype)
+    extended = torch.cat([states.to(like.dtype), states.new_zeros((1, *states.shape[1:]),
+                                                                   dtype=like.dtype)])  # fmt: skip
+    return extended.index_select(0, chunks.seq[c : c + 1])
+
+
+def log_multiplier_grads(g, g_final, q, k, v, lm, initial_state, cu_seqlens, log_decay,
+                         log_gates):  # fmt: skip
+    """``(dlog_decay, dlog_gates)`` (None for one not given) of ``S_t = exp(lm_t) S_{t-1} +
+    k_t v_t^T``, ``out_t = q_t^T S_t`` for the output's gradient ``g`` (the scale in it) and
+    the final states' ``g_final`` (None: zero); ``lm`` :func:`log_multipliers`.
+
+    The gradient of ``lm_t`` is ``exp(lm_t) <R_t, S_{t-1}>``: the sum of the terms
+    ``exp(lm_{j+1} + ... + lm_i) (q_i . k_j) (g_i . v_j)`` of the pairs ``j < t <= i`` that
+    cross ``t`` (the initial state counting as a pair before the sequence, the final state's
+    gradient as one after it). Summed as exactly those terms, chunk by chunk: the pairs inside
+    a chunk, the chunk's positions against the states entering and leaving it, and the pairs
+    that span it. Never as ``q_t . dq_t - k_t . dk_t`` summed backwards, which cancels each
+    position's own term and every later one, and loses the gradient of a strongly decaying
+    gate (Mamba2's) to rounding. No host synchronisation."""
+    ct = compute_dtype(q.dtype)
+    lm = lm.to(ct)
+    if q.shape[2] == 0:
+        dlm = lm
+    else:
+        dlm = _crossing_sums(g, g_final, q, k, v, lm, initial_state, cu_seqlens, ct)
+    return split_log_grads(dlm, lm, log_decay, log_gates)
+
+
+def split_log_grads(dlm, lm, log_decay, log_gates):
+    """``(dlog_decay, dlog_gates)`` (None for one not given) from ``dlm`` ``(N, H, L)``, the
+    gradient of each position's log multiplier ``lm``: exactly 0 where the multiplier is
+    (a log multiplier of -inf, or one whose exp underflows)."""
+    dlm = dlm.masked_fill(torch.exp(lm.to(dlm.dtype)) == 0, 0.0)
+    d_decay = None if log_decay is None else dlm.sum((0, 2)).to(log_decay.dtype)
+    d_gates = None if log_gates is None else dlm.to(log_gates.dtype)
     return d_decay, d_gates
+
+
+def _crossing_sums(g, g_final, q, k, v, lm, initial_state, cu_seqlens, ct):
+    C = LOG_GRAD_CHUNK
+    N, H, L, E = q.shape
+    M = v.shape[-1]
+    chunks = _log_grad_chunks(L, cu_seqlens, q.device)
+    Q, K, V, G = (_in_chunks(x, chunks, ct) for x in (q, k, v, g))
+    x = _in_chunks(lm[..., None], chunks, ct)[..., 0]  # (N, H, n, C), 0 in the padding
+    # sums of exactly the steps each factor spans (see the torch backend's _chunk_logs)
+    later = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)  # [i, j]: i > j
+    pairs = torch.where(later, x[..., :, None], 0.0).cumsum(-2)  # lm_{j+1} + ... + lm_i
+    tail = torch.exp(pairs[..., -1, :])  # from after j to the chunk's end
+    decays = torch.exp(pairs.masked_fill_(~later.logical_or(torch.eye(C, dtype=torch.bool,
+                                          device=q.device)), -torch.inf))  # fmt: skip
+    into = torch.exp(torch.cumsum(x, -1))  # from the chunk's start to i
+    across = torch.exp(x.sum(-1))  # the whole chunk, (N, H, n)
+    # chunk by chunk: the state entering each chunk against its positions (forward), the
+    # gradient leaving it against its positions and the state that entered it (backward)
+    entering = torch.empty_like(x)
+    leaving = torch.empty_like(x)
+    spanning = torch.empty_like(across)
+    states = []
+    state = _per_chunk(initial_state, chunks, 0, Q.new_zeros((N, H, E, M)))
+    for c in range(chunks.count):
+        if chunks.first is not None and c:
+            state = torch.where(chunks.first[c], _per_chunk(initial_state, chunks, c, state),
+                                state)  # fmt: skip
+        states.append(state)
+        entering[:, :, c] = into[:, :, c] * ((Q[:, :, c] @ state) * G[:, :, c]).sum(-1)
+        kw = K[:, :, c] * tail[:, :, c, :, None]
+        state = across[:, :, c, None, None] * state + kw.transpose(-1, -2) @ V[:, :, c]
+    grad = _per_chunk(g_final, chunks, chunks.count - 1, states[0])
+    for c in reversed(range(chunks.count)):
+        if chunks.last is not None and c < chunks.count - 1:
+            grad = torch.where(chunks.last[c], _per_chunk(g_final, chunks, c, grad), grad)
+        state = states.pop()
+        leaving[:, :, c] = tail[:, :, c] * ((K[:, :, c] @ grad) * V[:, :, c]).sum(-1)
+        spanning[:, :, c] = across[:, :, c] * (state * grad).sum((-1, -2))
+        qw = Q[:, :, c] * into[:, :, c, :, None]
+        grad = across[:, :, c, None, None] * grad + qw.transpose(-1, -2) @ G[:, :, c]
+    # pairs inside the chunk crossing t: i >= t > j
+    pair = (Q @ K.transpose(-1, -2)) * (G @ V.transpose(-1, -2))
+    pair = (pair * decays).masked_fill_(decays == 0, 0.0)
+    # sum_{i >= t} sum_{j < t} pair[i, j] as (pair @ [j < t])[i, t] summed over i >= t
+    before_t = later.transpose(0, 1).to(ct)  # [j, t]: j < t
+    inside = ((pair @ before_t) * (~before_t.bool()).to(ct)).sum(-2)  # [i, t]: i >= t
+    # the positions i >= t against the state entering; j < t against the gradient leaving
+    before = torch.nn.functional.pad(leaving.cumsum(-1)[..., :-1], (1, 0))
+    total = inside + entering.flip(-1).cumsum(-1).flip(-1) + before + spanning[..., None]
+    total = total.reshape(N, H, chunks.count * C)
+    return total[:, :, :L] if chunks.dest is None else total[:, :, chunks.dest]
 
 
 def backward_by_scans(scan, g, q, k, v):

@@ -17,9 +17,8 @@ from cakeops import compute_dtype
 from cakeops.helpers import (
     causal_step,
     causal_step_backward,
-    log_multiplier_grads,
     log_multipliers,
-    position_log_grads,
+    split_log_grads,
 )
 
 from ._causal import causal_mm as _causal_mm
@@ -79,12 +78,8 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
     dq, dk, dv = (torch.cat(t, dim=2) for t in list(zip(*parts, strict=True))[:3])
     d_decay = d_gates = d_init = None
     if lm is not None:
-        at_end = None
-        if g_final is not None:
-            at_end = torch.cat([(g_final[i].to(p[4].dtype) * p[4]).sum((-1, -2))
-                                for p, (_, i) in zip(parts, sequences, strict=True)])  # fmt: skip
-        db = position_log_grads(q, k, dq, dk)
-        d_decay, d_gates = log_multiplier_grads(db, cu_seqlens, at_end, log_decay, log_gates)
+        dlm = torch.cat([p[5] for p in parts], dim=2)
+        d_decay, d_gates = split_log_grads(dlm, lm, log_decay, log_gates)
     if initial_state is not None:
         d_init = torch.cat([p[3] for p in parts]).to(initial_state.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_decay, d_gates, d_init
@@ -153,19 +148,26 @@ def _masked(scores, decays):
 
 
 def _backward_options(g, q, k, v, lm, init, g_final):
-    """``(dq, dk, dv, gradient reaching S_0, final state S_T)`` of :func:`_forward_options`
-    for the output's gradient ``g`` and the final state's ``g_final`` (None: zero).
+    """``(dq, dk, dv, gradient reaching S_0, final state S_T, dlm)`` of :func:`_forward_options`
+    for the output's gradient ``g`` and the final state's ``g_final`` (None: zero); ``dlm``
+    ``(N, H, L)`` the log multipliers' gradient (None without them).
 
     ``dq_i = S_i g_i`` runs forward in time (from ``init``); the gradient reaching each state,
     ``R_j = exp(lm_{j+1}) R_{j+1} + q_j g_j^T`` from ``R_T = g_final``, runs backward with
-    ``dk_j = R_j v_j`` and ``dv_j = R_j^T k_j``."""
+    ``dk_j = R_j v_j`` and ``dv_j = R_j^T k_j``. ``dlm_t = exp(lm_t) <R_t, S_{t-1}>`` is summed
+    as the pairs crossing ``t`` (see :func:`cakeops.helpers.log_multiplier_grads`), from what
+    the scans form anyway: the chunk's pairs (their scores times their values' products), its
+    positions against the state entering (``q . dq`` of the state's part of ``dq``) and the
+    gradient leaving (``k . dk`` of the carried part of ``dk``), and the pairs spanning it."""
     ct = compute_dtype(q.dtype)
     N, H, L, E = q.shape
     M = v.shape[-1]
     dq = torch.empty((N, H, L, E), dtype=ct, device=q.device)
     dk, dv = torch.empty_like(dq), torch.empty((N, H, L, M), dtype=ct, device=q.device)
+    dlm = None if lm is None else torch.empty((N, H, L), dtype=ct, device=q.device)
     state = (torch.zeros((N, H, E, M), dtype=ct, device=q.device) if init is None
              else init.to(ct, copy=True))  # fmt: skip
+    entering = []  # per chunk: the state entering it
     for c in _chunks(L):
         gc, kc, vc = g[:, :, c].to(ct), k[:, :, c].to(ct), v[:, :, c].to(ct)
         if lm is None:
@@ -173,8 +175,10 @@ def _backward_options(g, q, k, v, lm, init, g_final):
             state = state + _t(kc) @ vc
         else:
             pairs, b, last, tail = _chunk_logs(lm, c)
-            dqc = _causal_mm(_masked(gc @ _t(vc), torch.exp(pairs)), kc)
-            dqc.add_(torch.exp(b)[..., None] * (gc @ _t(state)))
+            from_state = torch.exp(b)[..., None] * (gc @ _t(state))
+            dlm[:, :, c] = (q[:, :, c].to(ct) * from_state).sum(-1)
+            entering.append(state)
+            dqc = _causal_mm(_masked(gc @ _t(vc), torch.exp(pairs)), kc).add_(from_state)
             state = _carry(state, last, kc * torch.exp(tail)[..., None], vc)
         dq[:, :, c] = dqc
     final = state
@@ -192,13 +196,29 @@ def _backward_options(g, q, k, v, lm, init, g_final):
             pairs, b, last, tail = _chunk_logs(lm, c)
             decays_t = _t(torch.exp(pairs))  # [j, i]: the factors from j to i >= j
             tail = torch.exp(tail)[..., None]  # from j to the chunk's end
-            dkc = _causal_mm(_masked(vc @ _t(gc), decays_t), qc, reverse=True)
-            dkc.add_(tail * (vc @ _t(carry)))
-            dvc = _causal_mm(_masked(kc @ _t(qc), decays_t), gc, reverse=True)
+            kq, vg = kc @ _t(qc), _masked(vc @ _t(gc), decays_t)
+            from_carry = tail * (vc @ _t(carry))
+            dkc = _causal_mm(vg, qc, reverse=True).add_(from_carry)
+            dvc = _causal_mm(_masked(kq, decays_t), gc, reverse=True)
             dvc.add_(tail * (kc @ carry))
+            spanning = torch.exp(last[..., 0]) * (carry * entering.pop()).sum((-1, -2))
+            pairs_t = (vg * kq).masked_fill_(decays_t == 0, 0.0)
+            dlm[:, :, c] = _crossing(dlm[:, :, c], (kc * from_carry).sum(-1), pairs_t, spanning)
             carry = _carry(carry, last, qc * torch.exp(b)[..., None], gc)
         dk[:, :, c], dv[:, :, c] = dkc, dvc
-    return dq, dk, dv, carry, final
+    return dq, dk, dv, carry, final, dlm
+
+
+def _crossing(from_state, to_carry, pairs_t, spanning):
+    """A chunk's log multipliers' gradients: at ``t``, the positions ``i >= t`` against the
+    state entering (``from_state_i``), ``j < t`` against the gradient leaving (``to_carry_j``),
+    the chunk's pairs ``j < t <= i`` (``pairs_t[j, i]``) and those spanning it (``spanning``,
+    ``(N, H)``)."""
+    C = pairs_t.shape[-1]
+    later = torch.ones(C, C, dtype=torch.bool, device=pairs_t.device).triu(1)  # [j, t]: t > j
+    inside = pairs_t.flip(-1).cumsum(-1).flip(-1).masked_fill_(~later, 0.0).sum(-2)
+    before = torch.nn.functional.pad(to_carry.cumsum(-1)[..., :-1], (1, 0))
+    return from_state.flip(-1).cumsum(-1).flip(-1) + before + inside + spanning[..., None]
 
 
 def _forward(q, k, v, scale=None):

@@ -20,7 +20,6 @@ from cakeops.helpers import (
     backward_by_scans,
     log_multiplier_grads,
     log_multipliers,
-    position_log_grads,
 )
 from cakeops_triton._common import (
     INTERPRET,
@@ -408,16 +407,8 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
         dv = _run(k, q, gs, True, lm, g_final, d_init, cu_seqlens)
         d_init = None if d_init is None else d_init.to(initial_state.dtype)
         return dq, dk, dv, None, None, d_init
-    # The log multipliers' gradient: d/db_t = q_t.dq_t - k_t.dk_t = g_t.out_t - v_t.dv_t, plus
-    # <g_final, S_T> at each end. Those differences cancel over a sequence, so out (recomputed,
-    # with the final states) and dv come from float32 runs: 16-bit products would drown them.
-    sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-    final = torch.empty((sequences, q.shape[1], q.shape[3], v.shape[3]), dtype=torch.float32,
-                        device=q.device)  # fmt: skip
-    out = _run_sliced(q, k, v, False, lm, initial_state, final, cu_seqlens)
-    dv = _run_sliced(k, q, gs, True, lm, g_final, d_init, cu_seqlens)
-    at_end = None if g_final is None else (g_final.float() * final).sum((-1, -2))
-    db = position_log_grads(gs, v, out, dv)  # g.out - v.dv = q.dq - k.dk
-    d_decay, d_gates = log_multiplier_grads(db, cu_seqlens, at_end, log_decay, log_gates)
+    dv = run(k, q, gs, True, lm, g_final, d_init, cu_seqlens)
+    d_decay, d_gates = log_multiplier_grads(gs, g_final, q, k, v, lm, initial_state,
+                                            cu_seqlens, log_decay, log_gates)  # fmt: skip
     d_init = None if d_init is None else d_init.to(initial_state.dtype)
     return dq, dk, dv.to(v.dtype), d_decay, d_gates, d_init
