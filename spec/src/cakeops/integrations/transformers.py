@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from cakeops._spec import compute_dtype
 from cakeops.ops.causal_conv1d import ACTIVATIONS as CONV_ACTIVATIONS
 from cakeops.ops.causal_conv1d import causal_conv1d
 from cakeops.ops.causal_dot_product import causal_dot_product
@@ -419,8 +420,101 @@ def _hf_causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activ
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# Mamba2's scan (SSD) on causal_dot_product
+
+
+def _heads(t: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """Mamba2's B or C ``(N, L, G, S)`` as ``(N, heads, L, S)`` in ``dtype``, head ``h`` reading
+    group ``h // (heads / G)``: one group is a stride-0 view (no copy)."""
+    t = t.to(dtype).transpose(1, 2)
+    groups = t.shape[1]
+    if groups == 1:
+        return t.expand(-1, heads, -1, -1)
+    return t.repeat_interleave(heads // groups, dim=1)
+
+
+def _time_steps(dt, dt_bias, dt_softplus, dtype, dt_limit=None):
+    """Mamba2's discretisation steps: ``dt + dt_bias``, softplus, clamped to ``dt_limit``, in
+    ``dtype`` (its fallback's order)."""
+    dt = dt.to(dtype)
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dtype)
+    if dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    if dt_limit is not None and tuple(dt_limit) != (0.0, float("inf")):
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    return dt
+
+
+def _hf_mamba_chunk_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, z=None,
+                         dt_bias=None, initial_states=None, seq_idx=None, dt_softplus=False,
+                         dt_limit=(0.0, float("inf")), return_final_states=False,
+                         **kwargs):  # fmt: skip
+    """mamba_ssm's (and transformers' fallback's) ``mamba_chunk_scan_combined`` on
+    :func:`cakeops.causal_dot_product`: ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``,
+    ``y_t = C_t^T h_t + D x_t`` (times ``silu(z)``), i.e. q = C, k = B (groups as stride-0
+    views), v = dt x, ``log_gates = dt A``; the state ``(N, H, P, S)`` as the models keep it
+    (the op's is its transpose), float32; packed sequences from ``seq_idx`` or
+    ``cu_seq_lens_q``. ``chunk_size`` is the op's business."""
+    heads, f = hidden_states.shape[2], compute_dtype(hidden_states.dtype)
+    dt = _time_steps(dt, dt_bias, dt_softplus, f, dt_limit)  # (N, L, H)
+    x = hidden_states.to(f)
+    v = (x * dt[..., None]).transpose(1, 2)
+    log_gates = (dt * A.to(f)).transpose(1, 2)
+    initial = None if initial_states is None else initial_states.to(f).transpose(-1, -2)
+    packing = {**kwargs, "seq_idx": seq_idx}
+    out, final = causal_dot_product(_heads(C, heads, f), _heads(B, heads, f), v,
+                                    log_gates=log_gates,
+                                    initial_state=initial, output_final_state=True,
+                                    cu_seqlens=_packed_offsets(hidden_states, packing))  # fmt: skip
+    y = out.transpose(1, 2)
+    if D is not None:
+        y = y + (D.to(f)[:, None] if D.dim() == 1 else D.to(f)) * x
+    if z is not None:
+        y = y * torch.nn.functional.silu(z.to(f))
+    y = y.contiguous()
+    return (y, final.transpose(-1, -2)) if return_final_states else y
+
+
+def _per_head(t: torch.Tensor | None, dims: int) -> bool:
+    """Whether ``t`` is one value per head expanded over its last ``dims`` dimensions (how
+    the models pass dt, dt_bias and A to ``selective_state_update``)."""
+    return t is None or all(t.stride(-1 - i) == 0 or t.shape[-1 - i] == 1 for i in range(dims))
+
+
+def _hf_selective_state_update(original, state, hidden_states, dt, A, B, C, D=None, z=None,
+                               dt_bias=None, dt_softplus=False, **kwargs):  # fmt: skip
+    """mamba_ssm's ``selective_state_update`` for Mamba2 (a state ``(N, H, P, S)``, dt and A
+    one value per head): one position of :func:`cakeops.causal_dot_product` from the state,
+    written back in place. Anything else (Mamba1's per-channel A) runs ``original``."""
+    mamba2 = state.dim() == 4 and hidden_states.dim() == 3 and B.dim() == 3
+    if not (mamba2 and _per_head(dt, 1) and _per_head(dt_bias, 1) and _per_head(A, 2)):
+        return original(state, hidden_states, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
+                        dt_softplus=dt_softplus, **kwargs)  # fmt: skip
+    heads, f = hidden_states.shape[1], compute_dtype(hidden_states.dtype)
+    bias = None if dt_bias is None else dt_bias[..., 0]
+    dt = _time_steps(dt[..., 0], bias, dt_softplus, f)[..., None]  # (N, H, 1)
+    x = hidden_states.to(f)
+    v = (x * dt)[:, :, None]
+    log_gates = dt * A[:, 0, 0].to(f)[:, None]
+    q, k = (_heads(t[:, None], heads, f) for t in (C, B))
+    out, final = causal_dot_product(q, k, v, log_gates=log_gates,
+                                    initial_state=state.to(f).transpose(-1, -2),
+                                    output_final_state=True)  # fmt: skip
+    state.copy_(final.transpose(-1, -2))
+    y = out[:, :, 0]
+    if D is not None:
+        y = y + D.to(f) * x if D.dim() > 1 else y + D.to(f)[:, None] * x
+    if z is not None:
+        y = y * torch.nn.functional.silu(z.to(f))
+    return y.to(hidden_states.dtype)
+
+
+_hf_selective_state_update.wants_original = True
+
 #: the kernel names transformers' ``use_kernel_func_from_hub_with_fallback`` wraps that
-#: cakeops serves: the delta rules, the convolutions, and what serves each
+#: cakeops serves: the delta rules, the convolutions, Mamba2's scans, and what serves each
 DELTA_RULES = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda",
                "fused_recurrent_kda")  # fmt: skip
 CONVOLUTIONS = ("causal_conv1d_fn", "causal_conv1d_update")
@@ -428,7 +522,10 @@ SERVED_KERNELS = {
     **dict.fromkeys(DELTA_RULES, _hf_delta_rule),
     "causal_conv1d_fn": _hf_causal_conv1d_fn,
     "causal_conv1d_update": _hf_causal_conv1d_update,
+    "mamba_chunk_scan_combined": _hf_mamba_chunk_scan,
+    "selective_state_update": _hf_selective_state_update,
 }
+MAMBA2_SCANS = ("mamba_chunk_scan_combined", "selective_state_update")
 
 
 def _hub_name(fn: Any) -> str | None:
@@ -463,7 +560,18 @@ def _served_names(cls: type, kernels=tuple(SERVED_KERNELS)) -> dict[str, str]:
             kernel = _hub_name(scope.get(n))
             if kernel in kernels:
                 names[n] = kernel
+    if "mamba_chunk_scan_combined" not in names.values():  # Mamba1's state update: not served
+        names = {n: k for n, k in names.items() if k != "selective_state_update"}
     return names
+
+
+def _originals(cls: type) -> dict[str, Any]:
+    """The functions the names of :func:`_served_names` are bound to in ``cls.forward``'s
+    module (what an adapter falls back to)."""
+    found = {}
+    for fn in _layers(cls.__dict__.get("forward")):
+        found.update({n: fn.__globals__[n] for n in fn.__code__.co_names if n in fn.__globals__})
+    return found
 
 
 def _served_module(scope: dict[str, Any], served: dict[str, Any]) -> types.ModuleType:
@@ -508,7 +616,13 @@ def _kernels_class(cls: type) -> type:
     """``cls`` with its forward reading the hub kernels cakeops serves (the delta rules, the
     convolutions) from cakeops (other models of the family keep transformers' functions)."""
     if cls not in _patched:
-        served = {name: SERVED_KERNELS[kernel] for name, kernel in _served_names(cls).items()}
+        originals = _originals(cls)
+        served = {}
+        for name, kernel in _served_names(cls).items():
+            adapter = SERVED_KERNELS[kernel]
+            if getattr(adapter, "wants_original", False):
+                adapter = functools.partial(adapter, originals[name])
+            served[name] = adapter
         forward = _rebound(cls.__dict__["forward"], served)
         body = {"forward": forward, "__reduce_ex__": _reduce_ex, "__cakeops_original__": cls}
         _patched[cls] = type(f"Cakeops{cls.__name__}", (cls,), body)

@@ -1,0 +1,213 @@
+"""Mamba2's scan inside Hugging Face transformers: every family whose mixers call
+``mamba_chunk_scan_combined`` / ``selective_state_update`` runs them on
+:func:`cakeops.causal_dot_product` after ``apply_cakeops`` (q = C, k = B, v = dt x,
+``log_gates = dt A``); loss, every gradient and greedy generation (its recurrent states too)
+match the unpatched model; the adapters agree with transformers' fallbacks in every input's
+gradient; packed sequences stay apart where the fallback runs them together."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import pkgutil
+
+import pytest
+import torch
+import transformers as tf
+from hf_conv_families import FAMILIES
+from test_hf_conv1d import pair, tokens
+
+import cakeops
+from cakeops.integrations import transformers as integration
+
+TOLERANCE = 2 * cakeops.tolerance(torch.float32)
+#: family -> its transformers module: every family whose mixer calls Mamba2's scans
+MODULES = {"Mamba2": "mamba2", "Bamba": "bamba", "Granite-4.0-hybrid": "granitemoehybrid",
+           "Nemotron-H": "nemotron_h", "Zamba2": "zamba2", "Falcon-H1": "falcon_h1"}  # fmt: skip
+BUILT = [f for f in MODULES if FAMILIES.get(f) is not None]
+
+
+def scan_names(cls: type) -> dict[str, str]:
+    return integration._served_names(cls, integration.MAMBA2_SCANS)
+
+
+def test_every_family_of_the_installed_transformers_is_listed():
+    found = set()
+    for info in pkgutil.iter_modules(tf.models.__path__):
+        name = f"transformers.models.{info.name}.modeling_{info.name}"
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # a model needing an absent extra
+            continue
+        if any(isinstance(o, type) and issubclass(o, torch.nn.Module) and o.__module__ == name
+               and scan_names(o) for o in vars(module).values()):  # fmt: skip
+            found.add(info.name)
+    assert found == set(MODULES.values())
+    assert list(MODULES) == BUILT
+
+
+def _mixers(model) -> int:
+    return sum(1 for m in model.modules() if scan_names(type(m)))
+
+
+@pytest.mark.parametrize("family", BUILT)
+def test_the_op_runs_once_per_mixer_and_pass(family, monkeypatch):
+    """The patched model calls causal_dot_product's kernels once per Mamba2 mixer in a forward
+    and once in the backward (counted on the torch backend's kernel module)."""
+    from cakeops_torch import causal_dot_product as kernels
+
+    calls = {"forward": 0, "backward": 0}
+    for kind in calls:
+        real = getattr(kernels, kind)
+
+        def counted(*args, _real=real, _kind=kind):
+            calls[_kind] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(kernels, kind, counted)
+    _, patched = pair(family)
+    with cakeops.use_backend("torch"):
+        patched(tokens(), labels=tokens()).loss.backward()
+    assert _mixers(patched) and calls == {"forward": _mixers(patched),
+                                          "backward": _mixers(patched)}  # fmt: skip
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", BUILT)
+def test_loss_and_every_gradient_match_the_model(family):
+    """The loss and every gradient (A_log, dt_bias, D and the projections among them) within
+    the float32 tolerance of the unpatched model's and of the exact values (the patched model
+    in float64). A_log's gradient is a sum that cancels to a small fraction of its terms: the
+    op's log gates' gradient summed as crossing terms keeps it (1e-6 of itself; a backward sum
+    of q.dq - k.dk lost it, 4e-5 in Bamba)."""
+    model, patched = pair(family)
+    ids = tokens()
+    with (cakeops.use_backend("nope", op="causal_dot_product"),
+          pytest.raises(cakeops.BackendError)):  # fmt: skip
+        patched(ids)
+    loss, grads = _loss_and_grads(model, ids)
+    loss_c, grads_c = _loss_and_grads(patched, ids)
+    loss_x, grads_x = _loss_and_grads(copy.deepcopy(patched).double(), ids)
+    assert cakeops.relative_error(loss_c, loss) <= TOLERANCE
+    assert cakeops.relative_error(loss_c, loss_x) <= TOLERANCE
+    assert grads.keys() == grads_c.keys() == grads_x.keys()
+    assert any("A_log" in n for n in grads) and any("dt_bias" in n for n in grads)
+    for name, exact in grads_x.items():
+        err = cakeops.relative_error(grads_c[name], exact)
+        assert err <= TOLERANCE, f"{name}: {err:.2e} from exact"
+        err = cakeops.relative_error(grads_c[name], grads[name])
+        assert err <= TOLERANCE, f"{name}: {err:.2e} from the unpatched model's"
+
+
+@pytest.mark.parametrize("family", BUILT)
+def test_greedy_generation_matches(family):
+    """32 greedy tokens (the prompt through the chunked scan, then one-token state updates)
+    equal the unpatched model's, each step's logits within the tolerance, and the caches'
+    recurrent states after the last token equal."""
+    model, patched = pair(family)
+    ids = tokens(shape=(1, 9))
+    runs = []
+    for m in (model, patched):
+        m.eval()
+        runs.append(m.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                               output_scores=True, return_dict_in_generate=True))  # fmt: skip
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    for a, b in zip(runs[0].scores, runs[1].scores, strict=True):
+        assert cakeops.relative_error(b, a) <= TOLERANCE
+    compared = 0
+    for i in range(8):
+        try:
+            a, b = (r.past_key_values.get_recurrent_state(i) for r in runs)
+        except (AttributeError, IndexError, KeyError, ValueError, TypeError):
+            continue
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and cakeops.relative_error(b, a) <= TOLERANCE
+            compared += 1
+    assert compared >= 1
+
+
+@pytest.mark.parametrize("mode", ["compile", "checkpointing"])
+def test_training_steps(mode):
+    """Three SGD steps of Granite 4.0's hybrid (Mamba2 mixers, attention, MoE experts) on
+    cakeops match the unpatched model's, compiled or with activation checkpointing."""
+    from test_transformers import assert_training_matches
+
+    assert_training_matches(*pair("Granite-4.0-hybrid"), mode, tokens())
+
+
+def _fallbacks():
+    m = importlib.import_module("transformers.models.mamba2.modeling_mamba2")
+    return m.mamba2_chunk_scan.__wrapped__, m.mamba2_selective_state_update.__wrapped__
+
+
+def _scan_inputs(L=20, H=4, P=3, G=2, S=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    return {"hidden_states": r(1, L, H, P), "dt": r(1, L, H), "A": -torch.rand(H, generator=gen),
+            "B": r(1, L, G, S), "C": r(1, L, G, S), "D": r(H), "dt_bias": r(H) * 0.1,
+            "initial_states": r(1, H, P, S)}  # fmt: skip
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_the_adapters_agree_with_transformers_fallbacks(groups):
+    """The chunk scan from an initial state, with D, dt_bias, softplus and a dt limit, against
+    transformers' fallback: the output, the final state and every input's gradient; the state
+    update against its fallback (the output and the state written in place)."""
+    chunk_scan, state_update = _fallbacks()
+    results = []
+    for fn in (chunk_scan, integration._hf_mamba_chunk_scan):
+        leaves = {n: t.requires_grad_() for n, t in _scan_inputs(G=groups).items()}
+        out, final = fn(**leaves, chunk_size=8, dt_softplus=True, dt_limit=(0.0, 3.0),
+                        return_final_states=True)  # fmt: skip
+        g = torch.linspace(-1, 1, out.numel()).view_as(out)
+        grads = torch.autograd.grad((out * g).sum() + final.sum(), list(leaves.values()))
+        results.append((out, final, *grads))
+    for a, b in zip(*results, strict=True):
+        assert cakeops.relative_error(b, a) <= TOLERANCE
+    x = _scan_inputs(G=groups)
+    H, P, S = 4, 3, 5
+    step = {"hidden_states": x["hidden_states"][:, 0],
+            "dt": x["dt"][:, 0, :, None].expand(-1, -1, P),
+            "A": x["A"][:, None, None].expand(-1, P, S), "B": x["B"][:, 0], "C": x["C"][:, 0],
+            "D": x["D"][:, None].expand(-1, P), "dt_bias": x["dt_bias"][:, None].expand(-1, P),
+            "z": torch.randn(1, H, P)}  # fmt: skip
+    done = []
+    for fn in (state_update, lambda *a, **k: integration._hf_selective_state_update(
+            state_update, *a, **k)):  # fmt: skip
+        state = x["initial_states"].clone()
+        done.append((fn(state, **step, dt_softplus=True), state))
+    for a, b in zip(*done, strict=True):
+        assert cakeops.relative_error(b, a) <= TOLERANCE
+
+
+def test_packed_sequences_stay_apart_where_the_fallback_mixes_them():
+    """Documents packed in one row with Mamba's ``seq_idx``: each document's output and final
+    state equal that document scanned alone from zeros; transformers' fallback ignores
+    ``seq_idx`` and carries each document's state into the next."""
+    chunk_scan, _ = _fallbacks()
+    x = _scan_inputs(L=30)
+    del x["initial_states"]
+    cu = torch.tensor([0, 9, 9, 16, 30])
+    seq_idx = torch.repeat_interleave(torch.arange(4), cu[1:] - cu[:-1])[None].int()
+    out = integration._hf_mamba_chunk_scan(**x, chunk_size=8, dt_softplus=True, seq_idx=seq_idx)
+    mixed = chunk_scan(**x, chunk_size=8, dt_softplus=True, seq_idx=seq_idx)
+    assert cakeops.relative_error(mixed[:, 9:], out[:, 9:]) > 0.01
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        if e == s:
+            continue
+        part = {n: t[:, s:e] if t.dim() > 1 else t for n, t in x.items()}
+        alone = chunk_scan(**part, chunk_size=8, dt_softplus=True)
+        assert cakeops.relative_error(out[:, s:e], alone) <= TOLERANCE
+
+
+def test_mamba1_state_update_is_left_to_transformers():
+    """Mamba1's mixers also call ``selective_state_update`` (a per-channel A, not a scan
+    cakeops serves): their class is patched for the convolution only."""
+    m = importlib.import_module("transformers.models.mamba.modeling_mamba")
+    assert "selective_state_update" not in integration._served_names(m.MambaMixer).values()
