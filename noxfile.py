@@ -95,6 +95,11 @@ def bench(session: nox.Session) -> None:
     qn = ["--quick"] if "--quick" in session.posargs else [
         "--markdown", "docs/bench/cpu/qwen3_next.md"]  # fmt: skip
     session.run("python", "-m", "cakeops.bench.qwen3_next", *qn)
+    # Mamba2: the SSD scan, the mixer's training step and a decode, Hugging Face's against
+    # cakeops.
+    m2 = ["--quick"] if "--quick" in session.posargs else [
+        "--markdown", "docs/bench/cpu/mamba2.md"]  # fmt: skip
+    session.run("python", "-m", "cakeops.bench.mamba2", *m2)
     # Expert parallelism: 2 processes x 1 thread against 1 process x 2 threads.
     ep = ["--quick"] if "--quick" in session.posargs else [
         "--markdown", "docs/bench/cpu/expert_parallel.md"]  # fmt: skip

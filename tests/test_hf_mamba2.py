@@ -211,3 +211,18 @@ def test_mamba1_state_update_is_left_to_transformers():
     cakeops serves): their class is patched for the convolution only."""
     m = importlib.import_module("transformers.models.mamba.modeling_mamba")
     assert "selective_state_update" not in integration._served_names(m.MambaMixer).values()
+
+
+def test_mamba2_benchmark_runs_and_writes_its_table(tmp_path, monkeypatch):
+    """``python -m cakeops.bench.mamba2 --quick``: the scan's rows, the mixer's and the
+    decode's."""
+    from cakeops.bench import mamba2
+
+    monkeypatch.setattr(mamba2, "QUICK_SHAPE", (70, 32, 2, 16, 8, 1))
+    monkeypatch.setattr(mamba2, "DECODE_TOKENS", 3)
+    out = tmp_path / "mamba2.md"
+    assert mamba2.main(["--quick", "--markdown", str(out)]) == 0
+    table = out.read_text()
+    assert "`python -m cakeops.bench.mamba2`" in table
+    assert "| SSD scan: cakeops |" in table and "| Mamba2Mixer: cakeops mixer |" in table
+    assert "The two models generated the same tokens." in table
