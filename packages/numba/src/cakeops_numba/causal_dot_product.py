@@ -27,6 +27,7 @@ from cakeops.helpers import (
     causal_step_backward,
     log_multiplier_grads,
     log_multipliers,
+    split_log_grads,
 )
 from cakeops_numba import SIMULATOR
 from cakeops_numba._elements import store, widen
@@ -227,15 +228,17 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
             return (*cpu.backward(g, q, k, v), None, None, None)
         return (*backward_by_scans(_run, g, q, k, v), None, None, None)
     gs = g if scale is None else g.float() * scale  # the output's gradient carries the scale
-    if _on_cpu_kernels(q):
-        dq, dk, dv, d_init, _, _ = cpu.backward_options(gs, g_final, q, k, v, lm,
-                                                        initial_state, cu_seqlens)  # fmt: skip
+    d_decay = d_gates = None
+    if _on_cpu_kernels(q):  # the CPU kernels also sum the log multipliers' gradient
+        dq, dk, dv, d_init, _, dlm = cpu.backward_options(gs, g_final, q, k, v, lm,
+                                                          initial_state, cu_seqlens)  # fmt: skip
+        if lm is not None:
+            d_decay, d_gates = split_log_grads(dlm, lm, log_decay, log_gates)
     else:
         dq, dk, dv, d_init, _ = _backward_options(gs, g_final, q, k, v, lm, initial_state,
                                                   cu_seqlens)  # fmt: skip
-    d_decay = d_gates = None
-    if lm is not None:
-        d_decay, d_gates = log_multiplier_grads(gs, g_final, q, k, v, lm, initial_state,
-                                                cu_seqlens, log_decay, log_gates)  # fmt: skip
+        if lm is not None:
+            d_decay, d_gates = log_multiplier_grads(gs, g_final, q, k, v, lm, initial_state,
+                                                    cu_seqlens, log_decay, log_gates)  # fmt: skip
     d_init = None if initial_state is None else d_init.to(initial_state.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_decay, d_gates, d_init

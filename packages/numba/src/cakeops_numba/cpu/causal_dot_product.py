@@ -343,14 +343,19 @@ def _carried(lf):  # pragma: no cover - compiled
     return np.float32(np.expm1(np.float64(lf[1] + lf[2] + lf[3] + lf[4])))
 
 
+#: positions between the dq scan's kept states (a multiple of the passes' 4): the reverse scan
+#: recomputes the states before its passes a segment at a time from them
+SEGMENT = 64
+
+
 @_compiled(parallel=False)
-def _scan_with_logs(c, a, b, lm, h, start, end, state, y, scale, dots, db):  # pragma: no cover
+def _scan_with_logs(c, a, b, lm, h, start, end, state, y, scale, marks):  # pragma: no cover
     """``X_t = exp(lm_t) X_{t-1} + a_t b_t^T`` and ``y_t = scale X_t^T c_t`` over positions
     ``start..end-1`` of head ``h`` (``c``, ``a``: ``(heads, L, P)``; ``b``, ``y``:
     ``(heads, L, Q)``), from the state ``X``, kept transposed in ``state`` ``(Q, P)`` as in
     :func:`_forward_head` and left at ``X_end``: the forward with ``(q, k, v)`` (``S^T``),
-    ``dq`` with ``(g, v, k)`` (``S``). With ``db`` not empty, ``db[h, t] += dots_t . y_t`` (the
-    log multipliers' gradient per position, ``q_t . dq_t``, with ``dots = q``)."""
+    ``dq`` with ``(g, v, k)`` (``S``). With ``marks`` not empty, ``marks[s]`` is left holding
+    the state before position ``start + s * SEGMENT`` (for :func:`_reverse_with_logs`)."""
     Q, P = state.shape
     XT = state.copy()  # a local array: the compiler knows nothing else writes it
     cb = np.zeros((4, P), np.float32)
@@ -362,6 +367,11 @@ def _scan_with_logs(c, a, b, lm, h, start, end, state, y, scale, dots, db):  # p
     W = np.zeros((4, 4), np.float32)
     for s0 in range(start, end, 4):
         n = min(4, end - s0)
+        if marks.shape[0] and (s0 - start) % SEGMENT == 0:
+            mark = marks[(s0 - start) // SEGMENT]
+            for j in range(Q):
+                for p in range(P):
+                    mark[j, p] = XT[j, p]
         # element loops: numba's slice assignments cost more than the pass's arithmetic here
         for t in range(4):
             live = t < n
@@ -413,20 +423,44 @@ def _scan_with_logs(c, a, b, lm, h, start, end, state, y, scale, dots, db):  # p
         for t in range(n):
             for j in range(Q):
                 y[h, s0 + t, j] = scale * acc[t, j]
-            if db.shape[1]:
-                dot = np.float32(0.0)
-                for j in range(Q):
-                    dot += dots[h, s0 + t, j] * y[h, s0 + t, j]
-                db[h, s0 + t] += dot
     state[:, :] = XT
 
 
 @_compiled(parallel=False)
-def _reverse_with_logs(q, g, k, v, lm, h, start, end, grad, dk, dv, db):  # pragma: no cover
+def _pass_states(k, v, lm, h, s0, end, S, out):  # pragma: no cover - compiled
+    """``out[p]`` = the state before position ``s0 + 4p`` (``S_{s0 + 4p - 1}``), for the passes
+    of the segment from ``s0`` (``S``: the state before ``s0``, ``(E, M)``) up to ``end``."""
+    E, M = S.shape
+    X = S.copy()
+    for p in range(out.shape[0]):
+        p0 = s0 + 4 * p
+        if p0 >= end:
+            break
+        for e in range(E):
+            for m in range(M):
+                out[p, e, m] = X[e, m]
+        for t in range(p0, min(p0 + 4, end)):
+            f = np.exp(lm[h, t])
+            for e in range(E):
+                ke = k[h, t, e]
+                for m in range(M):
+                    X[e, m] = f * X[e, m] + ke * v[h, t, m]
+
+
+@_compiled(parallel=False)
+def _reverse_with_logs(q, g, k, v, lm, h, start, end, grad, dk, dv, dlm, marks):  # pragma: no cover
     """The reverse-time scan with log multipliers over positions ``start..end-1`` of head ``h``:
     ``R_t = exp(lm_{t+1}) R_{t+1} + q_t g_t^T`` from ``grad`` (the final state's gradient,
     with the scale in ``g``), ``dk_t = R_t v_t``, ``dv_t = R_t^T k_t``; leaves ``R_start`` in
-    ``grad``, and ``db[h, t] -= k_t . dk_t``."""
+    ``grad``. The passes take the four positions ``p0..p0+3`` the forward's passes take
+    (aligned to ``start``, the short one last in time).
+
+    ``dlm[h, t] = exp(lm_t) <R_t, S_{t-1}>``, the log multiplier's gradient, as the sum of the
+    pair terms that cross ``t``: with ``S`` the state before the pass (recomputed a segment of
+    ``SEGMENT`` positions at a time from ``marks``, the dq scan's states) and ``R`` the gradient
+    after it, ``<R_t, S_{t-1}>`` is ``<R, S>``, ``k_j . (R v_j)`` of the pass's positions
+    before ``t``, ``q_i . (S g_i)`` of those from ``t`` on, and the pass's own pairs across
+    ``t``, each with the factors between (never a difference that cancels)."""
     E, M = grad.shape
     R = grad.copy()  # a local array: the compiler knows nothing else writes it
     qb = np.zeros((4, E), np.float32)
@@ -439,8 +473,20 @@ def _reverse_with_logs(q, g, k, v, lm, h, start, end, grad, dk, dv, db):  # prag
     D = np.zeros((5, 5), np.float32)
     GV = np.zeros((4, 4), np.float32)
     QK = np.zeros((4, 4), np.float32)
-    for s1 in range(end, start, -4):  # the pass takes positions s1 - 1, s1 - 2, ... (step i)
-        n = min(4, s1 - start)
+    PAIR = np.zeros((4, 4), np.float32)  # [i, j]: (q_j . k_i)(g_j . v_i), no factor
+    alpha = np.zeros(4, np.float32)
+    beta = np.zeros(4, np.float32)
+    states = np.empty((SEGMENT // 4, E, M), np.float32)
+    loaded = -1
+    s1 = end
+    while s1 > start:  # the pass takes positions s1 - 1, s1 - 2, ... (step i)
+        n = (s1 - start - 1) % 4 + 1
+        p0 = s1 - n
+        segment = (p0 - start) // SEGMENT
+        if segment != loaded:
+            _pass_states(k, v, lm, h, start + segment * SEGMENT, end, marks[segment], states)
+            loaded = segment
+        S = states[((p0 - start) % SEGMENT) // 4]
         for i in range(4):  # element loops, as in _scan_with_logs
             t = s1 - 1 - i
             live = i < n
@@ -473,14 +519,26 @@ def _reverse_with_logs(q, g, k, v, lm, h, start, end, grad, dk, dv, db):  # prag
                 decay = D[1 + i, 1 + j]
                 GV[i, j] = decay * gv
                 QK[i, j] = decay * qk
+                PAIR[i, j] = qk * gv
         c3 = _carried(lf)
         w0, w1, w2 = D[4, 1], D[4, 2], D[4, 3]
+        across = np.float32(0.0)
+        for i in range(4):
+            alpha[i] = 0.0
+            beta[i] = 0.0
         for e in range(E):
             k0, k1, k2, k3 = kb[0, e], kb[1, e], kb[2, e], kb[3, e]
             a0, a1, a2, a3 = w0 * qb[0, e], w1 * qb[1, e], w2 * qb[2, e], qb[3, e]
             y0 = y1 = y2 = y3 = np.float32(0.0)
+            u0 = u1 = u2 = u3 = np.float32(0.0)
             for m in range(M):
                 r = R[e, m]
+                x = S[e, m]
+                across += r * x
+                u0 += x * gb[0, m]
+                u1 += x * gb[1, m]
+                u2 += x * gb[2, m]
+                u3 += x * gb[3, m]
                 y0 += r * vb[0, m]
                 y1 += r * vb[1, m]
                 y2 += r * vb[2, m]
@@ -491,9 +549,29 @@ def _reverse_with_logs(q, g, k, v, lm, h, start, end, grad, dk, dv, db):  # prag
                 zv[3, m] += k3 * r
                 R[e, m] = r + c3 * r + a0 * gb[0, m] + a1 * gb[1, m] + a2 * gb[2, m] + a3 * gb[3, m]
             yk[0, e], yk[1, e], yk[2, e], yk[3, e] = y0, y1, y2, y3
+            alpha[0] += qb[0, e] * u0
+            alpha[1] += qb[1, e] * u1
+            alpha[2] += qb[2, e] * u2
+            alpha[3] += qb[3, e] * u3
+            beta[0] += k0 * y0
+            beta[1] += k1 * y1
+            beta[2] += k2 * y2
+            beta[3] += k3 * y3
+        first = np.exp(lm[h, p0])  # the factor into the pass's first position
         for i in range(n):
             t = s1 - 1 - i
+            # R_t = fi R + sum_{j <= i} D[1+i, 1+j] q_j g_j^T; S_{t-1} = ei S + sum_{j > i}
+            # D[j+1, i+2] k_j v_j^T (positions j before t in time)
             fi = D[1 + i, 0]
+            ei = np.float32(1.0) if i == n - 1 else first * D[n, i + 2]
+            total = fi * ei * across
+            for j in range(i + 1, n):
+                total += fi * D[j + 1, i + 2] * beta[j]
+            for j in range(i + 1):
+                total += ei * D[1 + i, 1 + j] * alpha[j]
+                for jj in range(i + 1, n):
+                    total += D[1 + i, 1 + j] * D[jj + 1, i + 2] * PAIR[jj, j]
+            dlm[h, t] = np.exp(lm[h, t]) * total
             for e in range(E):
                 yk[i, e] *= fi
             for m in range(M):
@@ -504,13 +582,11 @@ def _reverse_with_logs(q, g, k, v, lm, h, start, end, grad, dk, dv, db):  # prag
                     yk[i, e] += wk * qb[j, e]
                 for m in range(M):
                     zv[i, m] += wv * gb[j, m]
-            dot = np.float32(0.0)
             for e in range(E):
                 dk[h, t, e] = yk[i, e]
-                dot += kb[i, e] * yk[i, e]
-            db[h, t] -= dot
             for m in range(M):
                 dv[h, t, m] = zv[i, m]
+        s1 = p0
     grad[:, :] = R
 
 
@@ -523,21 +599,26 @@ def _forward_options(q, k, v, lm, cu, H, states, out, scale):  # pragma: no cove
     for task in prange(heads * S):
         nh, s = task // S, task % S
         X = states[((nh // H) * S + s) * H + nh % H]
-        _scan_with_logs(q, k, v, lm, nh, cu[s], cu[s + 1], X, out, scale, q, lm[:, :0])
+        none = np.empty((0, 1, 1), np.float32)  # no states kept
+        _scan_with_logs(q, k, v, lm, nh, cu[s], cu[s + 1], X, out, scale, none)
 
 
 @_compiled(parallel=True)
-def _backward_options(g, q, k, v, lm, cu, H, states, grads, dq, dk, dv, db):  # pragma: no cover
-    """``dq`` forward in time (``states``: the transposed initial states in, the transposed
-    final ones out), then ``dk``, ``dv`` in reverse (``grads``: the final states' gradients in,
-    those reaching each sequence's start out, before its first multiplier)."""
+def _backward_options(g, q, k, v, lm, cu, H, states, grads, dq, dk, dv, dlm):  # pragma: no cover
+    """``dq`` forward in time (``states``: the initial states in, the final ones out; every
+    ``SEGMENT``-th state kept), then ``dk``, ``dv`` and the log multipliers' gradient ``dlm``
+    in reverse (``grads``: the final states' gradients in, those reaching each sequence's
+    start out, before its first multiplier)."""
     S = cu.shape[0] - 1
     heads = q.shape[0]
+    E, M = states.shape[1], states.shape[2]
     for task in prange(heads * S):
         nh, s = task // S, task % S
         i = ((nh // H) * S + s) * H + nh % H
-        _scan_with_logs(g, v, k, lm, nh, cu[s], cu[s + 1], states[i], dq, np.float32(1.0), q, db)
-        _reverse_with_logs(q, g, k, v, lm, nh, cu[s], cu[s + 1], grads[i], dk, dv, db)
+        start, end = cu[s], cu[s + 1]
+        marks = np.empty(((end - start + SEGMENT - 1) // SEGMENT, E, M), np.float32)
+        _scan_with_logs(g, v, k, lm, nh, start, end, states[i], dq, np.float32(1.0), marks)
+        _reverse_with_logs(q, g, k, v, lm, nh, start, end, grads[i], dk, dv, dlm, marks)
 
 
 #: Problems smaller than this (positions x E x M: a decoding step) run on one thread: waking
@@ -596,8 +677,9 @@ def forward_options(q, k, v, lm, initial_state, cu_seqlens, scale):
 
 
 def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
-    """``(dq, dk, dv float32, gradient reaching each initial state, final states, q.dq - k.dk
-    per position)`` with the options; ``g`` carries the scale, ``g_final`` None for none."""
+    """``(dq, dk, dv float32, gradient reaching each initial state, final states, the log
+    multipliers' gradient per position)`` with the options; ``g`` carries the scale,
+    ``g_final`` None for none."""
     N, H, L, E = q.shape
     M = v.shape[-1]
     lm, cu = _layout(q, lm, cu_seqlens)
@@ -605,12 +687,12 @@ def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
     states = _scratch(initial_state, N * S * H, (E, M))  # the dq run's XT = S
     grads = _scratch(g_final, N * S * H, (E, M))  # R_T
     dq, dk, dv = torch.empty((N, H, L, E)), torch.empty((N, H, L, E)), torch.empty((N, H, L, M))
-    db = torch.zeros((N, H, L))
+    dlm = torch.zeros((N, H, L))
     if N * H * L:
         outs = (t.view(N * H, L, -1).numpy() for t in (dq, dk, dv))
         _launch(_backward_options, N * H * L * E * M, *(_heads(t) for t in (g, q, k, v)),
                 lm.numpy(), cu.numpy(), H, states.numpy(), grads.numpy(), *outs,
-                db.view(N * H, L).numpy())  # fmt: skip
+                dlm.view(N * H, L).numpy())  # fmt: skip
     # the gradient reaching S_0 is exp(lm_first) R_first (R_first itself for an empty sequence)
     first = torch.zeros((N, S, H))
     if L:
@@ -619,4 +701,4 @@ def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
         first = torch.where((cu[1:] > cu[:-1])[None, :, None], lead, 0.0)
     d_init = grads.view(N * S, H, E, M) * torch.exp(first).view(N * S, H, 1, 1)
     final = states.view(N * S, H, E, M)
-    return dq, dk, dv, d_init, final, db
+    return dq, dk, dv, d_init, final, dlm
