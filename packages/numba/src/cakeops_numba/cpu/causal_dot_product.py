@@ -432,6 +432,7 @@ def _pass_states(k, v, lm, h, s0, end, S, out):  # pragma: no cover - compiled
     of the segment from ``s0`` (``S``: the state before ``s0``, ``(E, M)``) up to ``end``."""
     E, M = S.shape
     X = S.copy()
+    row = np.empty(M, np.float32)
     for p in range(out.shape[0]):
         p0 = s0 + 4 * p
         if p0 >= end:
@@ -441,10 +442,12 @@ def _pass_states(k, v, lm, h, s0, end, S, out):  # pragma: no cover - compiled
                 out[p, e, m] = X[e, m]
         for t in range(p0, min(p0 + 4, end)):
             f = np.exp(lm[h, t])
+            for m in range(M):
+                row[m] = v[h, t, m]
             for e in range(E):
                 ke = k[h, t, e]
                 for m in range(M):
-                    X[e, m] = f * X[e, m] + ke * v[h, t, m]
+                    X[e, m] = f * X[e, m] + ke * row[m]
 
 
 @_compiled(parallel=False)
@@ -627,8 +630,17 @@ SERIAL_BELOW = 1 << 16
 
 
 def _heads(t: torch.Tensor) -> np.ndarray:
-    """A float32 C-contiguous ``(heads, L, d)`` numpy view (a copy only when needed)."""
-    return t.float().contiguous().view(-1, *t.shape[-2:]).numpy()
+    """A float32 ``(heads, L, d)`` numpy view of ``(n, h, L, d)`` with unit stride along ``d``:
+    the tensor itself where its strides allow (a transposed view, or heads sharing one tensor
+    through a stride of 0 as Mamba2's B and C do: no copy per head), else a contiguous copy. The
+    kernels read each position's row into a local buffer before their loops."""
+    t = t.float()
+    if t.stride(-1) == 1:
+        try:
+            return t.view(-1, *t.shape[-2:]).numpy()
+        except RuntimeError:  # rows and heads not one stride apart
+            pass
+    return t.contiguous().view(-1, *t.shape[-2:]).numpy()
 
 
 def _launch(kernel, work: int, *args) -> None:
