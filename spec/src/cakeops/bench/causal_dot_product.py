@@ -185,8 +185,13 @@ def gpu_cases(device: torch.device, shape: tuple[int, ...]) -> list:
     k = (torch.randn(N, H, L, E, device=device) * E**-0.5).bfloat16()
     v = torch.randn(N, H, L, M, device=device, dtype=torch.bfloat16)
     log_gates = -torch.rand(N, H, L, device=device) * 0.1
+    # Mamba2's SSD scan as the transformers adapter runs it: q = C and k = B, one group shared
+    # by every head (a stride-0 view), log_gates = dt A
+    c, b = ((torch.randn(N, 1, L, E, device=device) * E**-0.5).bfloat16().expand(N, H, L, E)
+            for _ in "cb")  # fmt: skip
     return [GpuCase("bfloat16", Inputs(q, k, v)),
-            GpuCase("bfloat16, log_gates", Inputs(q, k, v, log_gates=log_gates))]  # fmt: skip
+            GpuCase("bfloat16, log_gates", Inputs(q, k, v, log_gates=log_gates)),
+            GpuCase("bfloat16, Mamba2 SSD scan", Inputs(c, b, v, log_gates=log_gates))]  # fmt: skip
 
 
 def gpu_peers(inputs) -> dict[str, Any]:
@@ -202,6 +207,9 @@ def gpu_peers(inputs) -> dict[str, Any]:
         f"{name} composite": lambda: composite(q, k, v),
         f"torch.compile({name})": lambda: compiled(q, k, v),
     }
+    if k.stride(1) == 0:  # Mamba2's SSD scan: mamba-ssm's kernel when it imports
+        peers["mamba-ssm"] = _mamba_peer(q, k, v, gates)
+        return peers
     try:
         if gates is None:
             from fla.ops.linear_attn import chunk_linear_attn as kernel
@@ -219,3 +227,17 @@ def gpu_peers(inputs) -> dict[str, Any]:
 
     peers["flash-linear-attention"] = fla
     return peers
+
+
+def _mamba_peer(q, k, v, gates):
+    """mamba-ssm's ``mamba_chunk_scan_combined`` on the same problem (x = v, dt = -log_gates,
+    A = -1, B = k and C = q as one group), or why not."""
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as kernel
+    except Exception as exc:  # not installed, or a different API
+        return f"does not import ({type(exc).__name__}: {exc})"[:200]
+    x = v.transpose(1, 2)
+    dt = (-gates).transpose(1, 2).to(v.dtype)
+    A = -torch.ones(q.shape[1], device=q.device)
+    B, C = (t[:, :1].transpose(1, 2) for t in (k, q))  # (N, L, 1, S)
+    return lambda: kernel(x, dt, A, B, C, chunk_size=256)

@@ -58,7 +58,7 @@ FULL = {
 QUICK = {
     "causal_conv1d": (1, 16, 20, 4),
     "rmsnorm_silu_gate": (8, 64),
-    "causal_dot_product": (1, 1, 32, 16, 16),
+    "causal_dot_product": (1, 2, 32, 16, 16),
     "gated_delta_rule": (1, 20, 1, 2, 16),
     "moe_experts": (8, 16, 16, 4, 2),
     "routed_experts": (8, 16, 16, 4, 2),
