@@ -187,23 +187,47 @@ def test_the_adapters_agree_with_transformers_fallbacks(groups):
 
 
 def test_packed_sequences_stay_apart_where_the_fallback_mixes_them():
-    """Documents packed in one row with Mamba's ``seq_idx``: each document's output and final
-    state equal that document scanned alone from zeros; transformers' fallback ignores
-    ``seq_idx`` and carries each document's state into the next."""
+    """Documents packed in one row with Mamba's ``seq_idx``: each document's output and every
+    input's gradient equal that document scanned alone (the first from the row's initial
+    state, the others from zeros; the per-head and shared parameters' gradients summed over
+    the documents), the row's final state the last document's (mamba_ssm's rule);
+    transformers' fallback ignores ``seq_idx`` and carries each document's state into the
+    next."""
     chunk_scan, _ = _fallbacks()
     x = _scan_inputs(L=30)
-    del x["initial_states"]
-    cu = torch.tensor([0, 9, 9, 16, 30])
-    seq_idx = torch.repeat_interleave(torch.arange(4), cu[1:] - cu[:-1])[None].int()
-    out = integration._hf_mamba_chunk_scan(**x, chunk_size=8, dt_softplus=True, seq_idx=seq_idx)
+    cu = torch.tensor([0, 9, 16, 30])
+    seq_idx = torch.repeat_interleave(torch.arange(3), cu[1:] - cu[:-1])[None].int()
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    out, final = integration._hf_mamba_chunk_scan(
+        **leaves, chunk_size=8, dt_softplus=True, seq_idx=seq_idx, return_final_states=True
+    )
     mixed = chunk_scan(**x, chunk_size=8, dt_softplus=True, seq_idx=seq_idx)
     assert cakeops.relative_error(mixed[:, 9:], out[:, 9:]) > 0.01
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    grads = dict(zip(leaves, torch.autograd.grad((out * g).sum(), list(leaves.values())),
+                     strict=True))  # fmt: skip
+    shared = {n: torch.zeros_like(t) for n, t in x.items() if t.dim() == 1}
+    shared["initial_states"] = torch.zeros_like(x["initial_states"])
     for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
-        if e == s:
-            continue
-        part = {n: t[:, s:e] if t.dim() > 1 else t for n, t in x.items()}
-        alone = chunk_scan(**part, chunk_size=8, dt_softplus=True)
+        part = {n: (t[:, s:e] if t.dim() > 1 else t).clone().requires_grad_()
+                for n, t in x.items() if n != "initial_states"}  # fmt: skip
+        if s == 0:
+            part["initial_states"] = x["initial_states"].clone().requires_grad_()
+        alone, last = integration._hf_mamba_chunk_scan(**part, chunk_size=8, dt_softplus=True,
+                                                       return_final_states=True)  # fmt: skip
         assert cakeops.relative_error(out[:, s:e], alone) <= TOLERANCE
+        want = chunk_scan(**{n: t.detach() for n, t in part.items()}, chunk_size=8,
+                          dt_softplus=True)  # fmt: skip
+        assert cakeops.relative_error(out[:, s:e], want) <= TOLERANCE
+        got = torch.autograd.grad((alone * g[:, s:e]).sum(), list(part.values()))
+        for name, d in zip(part, got, strict=True):
+            if name in shared:
+                shared[name] += d
+            else:
+                assert cakeops.relative_error(grads[name][:, s:e], d) <= TOLERANCE, name
+    assert final.shape == last.shape and cakeops.relative_error(final, last) <= TOLERANCE
+    for name, total in shared.items():
+        assert cakeops.relative_error(grads[name], total) <= TOLERANCE, name
 
 
 def test_mamba1_state_update_is_left_to_transformers():

@@ -456,18 +456,23 @@ def _hf_mamba_chunk_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, z=
     ``y_t = C_t^T h_t + D x_t`` (times ``silu(z)``), i.e. q = C, k = B (groups as stride-0
     views), v = dt x, ``log_gates = dt A``; the state ``(N, H, P, S)`` as the models keep it
     (the op's is its transpose), float32; packed sequences from ``seq_idx`` or
-    ``cu_seq_lens_q``. ``chunk_size`` is the op's business."""
+    ``cu_seq_lens_q``, each document from zeros but the first (from the row's initial state),
+    the row's final state its last document's (mamba_ssm's rule). ``chunk_size`` is the op's
+    business."""
     heads, f = hidden_states.shape[2], compute_dtype(hidden_states.dtype)
     dt = _time_steps(dt, dt_bias, dt_softplus, f, dt_limit)  # (N, L, H)
     x = hidden_states.to(f)
     v = (x * dt[..., None]).transpose(1, 2)
     log_gates = (dt * A.to(f)).transpose(1, 2)
     initial = None if initial_states is None else initial_states.to(f).transpose(-1, -2)
-    packing = {**kwargs, "seq_idx": seq_idx}
+    cu = _packed_offsets(hidden_states, {**kwargs, "seq_idx": seq_idx})
+    if cu is not None and initial is not None:  # the row's initial state is its first document's
+        initial = torch.cat([initial, initial.new_zeros((cu.numel() - 2, *initial.shape[1:]))])
     out, final = causal_dot_product(_heads(C, heads, f), _heads(B, heads, f), v,
-                                    log_gates=log_gates,
-                                    initial_state=initial, output_final_state=True,
-                                    cu_seqlens=_packed_offsets(hidden_states, packing))  # fmt: skip
+                                    log_gates=log_gates, initial_state=initial,
+                                    output_final_state=True, cu_seqlens=cu)  # fmt: skip
+    if cu is not None:  # the row's final state: its last document's
+        final = final[-1:]
     y = out.transpose(1, 2)
     if D is not None:
         y = y + (D.to(f)[:, None] if D.dim() == 1 else D.to(f)) * x
