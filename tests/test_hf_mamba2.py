@@ -132,13 +132,14 @@ def test_greedy_generation_matches(family):
     assert compared >= 1
 
 
+@pytest.mark.parametrize("family", BUILT)
 @pytest.mark.parametrize("mode", ["compile", "checkpointing"])
-def test_training_steps(mode):
-    """Three SGD steps of Granite 4.0's hybrid (Mamba2 mixers, attention, MoE experts) on
-    cakeops match the unpatched model's, compiled or with activation checkpointing."""
+def test_training_steps(mode, family):
+    """Three SGD steps on cakeops (Granite 4.0's hybrid: Mamba2 mixers, attention and MoE
+    experts) match the unpatched model's, compiled or with activation checkpointing."""
     from test_transformers import assert_training_matches
 
-    assert_training_matches(*pair("Granite-4.0-hybrid"), mode, tokens())
+    assert_training_matches(*pair(family), mode, tokens())
 
 
 def _fallbacks():
