@@ -223,10 +223,12 @@ class _Chunks(NamedTuple):
     """Positions laid out as chunks of ``LOG_GRAD_CHUNK`` that never straddle two sequences:
     ``dest`` each position's place in the padded ``(chunks * C)`` layout (None: every row is one
     sequence, the layout is the positions padded at the end); per chunk, ``first`` / ``last``
-    whether it starts / ends its sequence and ``seq`` that sequence (``S`` for a chunk past the
-    last one: zero initial state and final gradient). None flags: only the first / last chunk."""
+    whether it starts / ends its sequence and ``seq`` that sequence (``sequences`` for a chunk
+    past the last one: zero initial state and final gradient). None flags: only the first /
+    last chunk."""
 
     count: int
+    sequences: int
     dest: torch.Tensor | None
     first: torch.Tensor | None
     last: torch.Tensor | None
@@ -236,7 +238,7 @@ class _Chunks(NamedTuple):
 def _log_grad_chunks(L: int, cu_seqlens: torch.Tensor | None, device) -> _Chunks:
     C = LOG_GRAD_CHUNK
     if cu_seqlens is None:
-        return _Chunks(-(-L // C), None, None, None, None)
+        return _Chunks(-(-L // C), 0, None, None, None, None)
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     S = cu.numel() - 1
     count = -(-L // C) + S  # sum of ceil(len_s / C) never exceeds it: no host synchronisation
@@ -253,7 +255,7 @@ def _log_grad_chunks(L: int, cu_seqlens: torch.Tensor | None, device) -> _Chunks
     at = seq.clamp(max=max(S - 1, 0))
     first = ~valid | (chunk == starts[at])
     last = ~valid | (chunk == ends[at] - 1)
-    return _Chunks(count, dest, first, last, seq)
+    return _Chunks(count, S, dest, first, last, seq)
 
 
 def _in_chunks(x: torch.Tensor, chunks: _Chunks, ct) -> torch.Tensor:
@@ -268,15 +270,37 @@ def _in_chunks(x: torch.Tensor, chunks: _Chunks, ct) -> torch.Tensor:
     return out.view(N, H, chunks.count, C, *x.shape[3:])
 
 
-def _per_chunk(states: torch.Tensor | None, chunks: _Chunks, c: int, like: torch.Tensor):
-    """The initial state (or the final state's gradient) of chunk ``c``'s sequence."""
-    if states is None:
-        return torch.zeros_like(like)
-    if chunks.seq is None:
-        return states.to(like.dtype)
-    extended = torch.cat([states.to(like.dtype), states.new_zeros((1, *states.shape[1:]),
-                                                                   dtype=like.dtype)])  # fmt: skip
-    return extended.index_select(0, chunks.seq[c : c + 1])
+def _chunk_scan(adds, across, given, chunks: _Chunks, reverse: bool) -> torch.Tensor:
+    """``out[c]``, the state entering chunk ``c`` (``reverse``: the gradient leaving it) of
+    ``X_c = across_c X_{c-1} + adds_c`` from ``given`` (the initial states, or the final
+    states' gradients; zeros when None), restarted at each sequence's first (last) chunk."""
+    n = adds.shape[2]
+    out = torch.empty_like(adds)
+    starts = None
+    if chunks.seq is not None:  # per chunk, its sequence's given state (zeros past the last)
+        table = adds.new_zeros((chunks.sequences + 1, *adds.shape[1:2], *adds.shape[3:]))
+        if given is not None:
+            table[:-1] = given
+        starts = table.index_select(0, chunks.seq)  # (n, H, E, M)
+    order = range(n - 1, -1, -1) if reverse else range(n)
+    flags = chunks.last if reverse else chunks.first
+    for step, c in enumerate(order):
+        here = out[:, :, c]
+        if step == 0:
+            if starts is not None:
+                here.copy_(starts[c])
+            elif given is None:
+                here.zero_()
+            else:
+                here.copy_(given)
+            continue
+        p = c + 1 if reverse else c - 1  # the chunk before, in the scan's order
+        if starts is None:
+            torch.addcmul(adds[:, :, p], across[:, :, p, None, None], out[:, :, p], out=here)
+        else:
+            carried = torch.addcmul(adds[:, :, p], across[:, :, p, None, None], out[:, :, p])
+            torch.where(flags[c], starts[c], carried, out=here)
+    return out
 
 
 def log_multiplier_grads(g, g_final, q, k, v, lm, initial_state, cu_seqlens, log_decay,
@@ -314,8 +338,7 @@ def split_log_grads(dlm, lm, log_decay, log_gates):
 
 def _crossing_sums(g, g_final, q, k, v, lm, initial_state, cu_seqlens, ct):
     C = LOG_GRAD_CHUNK
-    N, H, L, E = q.shape
-    M = v.shape[-1]
+    N, H, L, _ = q.shape
     chunks = _log_grad_chunks(L, cu_seqlens, q.device)
     Q, K, V, G = (_in_chunks(x, chunks, ct) for x in (q, k, v, g))
     x = _in_chunks(lm[..., None], chunks, ct)[..., 0]  # (N, H, n, C), 0 in the padding
@@ -327,30 +350,18 @@ def _crossing_sums(g, g_final, q, k, v, lm, initial_state, cu_seqlens, ct):
                                           device=q.device)), -torch.inf))  # fmt: skip
     into = torch.exp(torch.cumsum(x, -1))  # from the chunk's start to i
     across = torch.exp(x.sum(-1))  # the whole chunk, (N, H, n)
-    # chunk by chunk: the state entering each chunk against its positions (forward), the
-    # gradient leaving it against its positions and the state that entered it (backward)
-    entering = torch.empty_like(x)
-    leaving = torch.empty_like(x)
-    spanning = torch.empty_like(across)
-    states = []
-    state = _per_chunk(initial_state, chunks, 0, Q.new_zeros((N, H, E, M)))
-    for c in range(chunks.count):
-        if chunks.first is not None and c:
-            state = torch.where(chunks.first[c], _per_chunk(initial_state, chunks, c, state),
-                                state)  # fmt: skip
-        states.append(state)
-        entering[:, :, c] = into[:, :, c] * ((Q[:, :, c] @ state) * G[:, :, c]).sum(-1)
-        kw = K[:, :, c] * tail[:, :, c, :, None]
-        state = across[:, :, c, None, None] * state + kw.transpose(-1, -2) @ V[:, :, c]
-    grad = _per_chunk(g_final, chunks, chunks.count - 1, states[0])
-    for c in reversed(range(chunks.count)):
-        if chunks.last is not None and c < chunks.count - 1:
-            grad = torch.where(chunks.last[c], _per_chunk(g_final, chunks, c, grad), grad)
-        state = states.pop()
-        leaving[:, :, c] = tail[:, :, c] * ((K[:, :, c] @ grad) * V[:, :, c]).sum(-1)
-        spanning[:, :, c] = across[:, :, c] * (state * grad).sum((-1, -2))
-        qw = Q[:, :, c] * into[:, :, c, :, None]
-        grad = across[:, :, c, None, None] * grad + qw.transpose(-1, -2) @ G[:, :, c]
+    # the states entering each chunk and the gradients leaving it: one product per chunk in
+    # a loop (a kernel launch or two a chunk on a GPU), the rest batched over the chunks
+    adds = (K * tail[..., None]).transpose(-1, -2) @ V  # (N, H, n, E, M)
+    states = _chunk_scan(adds, across, initial_state, chunks, reverse=False)
+    del adds
+    reaches = (Q * into[..., None]).transpose(-1, -2) @ G
+    grads = _chunk_scan(reaches, across, g_final, chunks, reverse=True)
+    del reaches
+    entering = into * ((Q @ states) * G).sum(-1)
+    leaving = tail * ((K @ grads) * V).sum(-1)
+    spanning = across * (states * grads).sum((-1, -2))
+    del states, grads
     # pairs inside the chunk crossing t: i >= t > j
     pair = (Q @ K.transpose(-1, -2)) * (G @ V.transpose(-1, -2))
     pair = (pair * decays).masked_fill_(decays == 0, 0.0)
