@@ -283,23 +283,26 @@ def _chunk_scan(adds, across, given, chunks: _Chunks, reverse: bool) -> torch.Te
             table[:-1] = given
         starts = table.index_select(0, chunks.seq)  # (n, H, E, M)
     order = range(n - 1, -1, -1) if reverse else range(n)
-    flags = chunks.last if reverse else chunks.first
+    # each chunk's views made once (a view is a host op too)
+    outs, added, factors = out.unbind(2), adds.unbind(2), across[..., None, None].unbind(2)
+    if starts is not None:
+        flags = (chunks.last if reverse else chunks.first).unbind(0)
+        starts = starts.unbind(0)
     for step, c in enumerate(order):
-        here = out[:, :, c]
         if step == 0:
             if starts is not None:
-                here.copy_(starts[c])
+                outs[c].copy_(starts[c])
             elif given is None:
-                here.zero_()
+                outs[c].zero_()
             else:
-                here.copy_(given)
+                outs[c].copy_(given)
             continue
         p = c + 1 if reverse else c - 1  # the chunk before, in the scan's order
         if starts is None:
-            torch.addcmul(adds[:, :, p], across[:, :, p, None, None], out[:, :, p], out=here)
+            torch.addcmul(added[p], factors[p], outs[p], out=outs[c])
         else:
-            carried = torch.addcmul(adds[:, :, p], across[:, :, p, None, None], out[:, :, p])
-            torch.where(flags[c], starts[c], carried, out=here)
+            carried = torch.addcmul(added[p], factors[p], outs[p])
+            torch.where(flags[c], starts[c], carried, out=outs[c])
     return out
 
 
