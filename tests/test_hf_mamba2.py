@@ -7,20 +7,18 @@ gradient; packed sequences stay apart where the fallback runs them together."""
 
 from __future__ import annotations
 
-import copy
 import importlib
-import pkgutil
 
+import hf_kernel_checks as checks
 import pytest
 import torch
-import transformers as tf
 from hf_conv_families import FAMILIES
-from test_hf_conv1d import pair, tokens
+from hf_kernel_checks import TOLERANCE, tokens
+from test_hf_conv1d import pair
 
 import cakeops
 from cakeops.integrations import transformers as integration
 
-TOLERANCE = 2 * cakeops.tolerance(torch.float32)
 #: family -> its transformers module: every family whose mixer calls Mamba2's scans
 MODULES = {"Mamba2": "mamba2", "Bamba": "bamba", "Granite-4.0-hybrid": "granitemoehybrid",
            "Nemotron-H": "nemotron_h", "Zamba2": "zamba2", "Falcon-H1": "falcon_h1"}  # fmt: skip
@@ -32,17 +30,7 @@ def scan_names(cls: type) -> dict[str, str]:
 
 
 def test_every_family_of_the_installed_transformers_is_listed():
-    found = set()
-    for info in pkgutil.iter_modules(tf.models.__path__):
-        name = f"transformers.models.{info.name}.modeling_{info.name}"
-        try:
-            module = importlib.import_module(name)
-        except Exception:  # a model needing an absent extra
-            continue
-        if any(isinstance(o, type) and issubclass(o, torch.nn.Module) and o.__module__ == name
-               and scan_names(o) for o in vars(module).values()):  # fmt: skip
-            found.add(info.name)
-    assert found == set(MODULES.values())
+    assert checks.modules_calling(integration.MAMBA2_SCANS) == set(MODULES.values())
     assert list(MODULES) == BUILT
 
 
@@ -56,15 +44,7 @@ def test_the_op_runs_once_per_mixer_and_pass(family, monkeypatch):
     and once in the backward (counted on the torch backend's kernel module)."""
     from cakeops_torch import causal_dot_product as kernels
 
-    calls = {"forward": 0, "backward": 0}
-    for kind in calls:
-        real = getattr(kernels, kind)
-
-        def counted(*args, _real=real, _kind=kind):
-            calls[_kind] += 1
-            return _real(*args)
-
-        monkeypatch.setattr(kernels, kind, counted)
+    calls = checks.count_calls(monkeypatch, kernels)
     _, patched = pair(family)
     with cakeops.use_backend("torch"):
         patched(tokens(), labels=tokens()).loss.backward()
@@ -72,36 +52,21 @@ def test_the_op_runs_once_per_mixer_and_pass(family, monkeypatch):
                                           "backward": _mixers(patched)}  # fmt: skip
 
 
-def _loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("family", BUILT)
 def test_loss_and_every_gradient_match_the_model(family):
     """The loss and every gradient (A_log, dt_bias, D and the projections among them) within
-    the float32 tolerance of the unpatched model's and of the exact values (the patched model
-    in float64). A_log's gradient is a sum that cancels to a small fraction of its terms: the
-    op's log gates' gradient summed as crossing terms keeps it (1e-6 of itself; a backward sum
-    of q.dq - k.dk lost it, 4e-5 in Bamba)."""
+    the float32 tolerance of the exact values (the patched model in float64) and of the
+    unpatched model's. A_log's gradient is a sum that cancels to a small fraction of its
+    terms: the op's log gates' gradient summed as crossing terms keeps it (1e-6 of itself; a
+    backward sum of q.dq - k.dk lost it, 4e-5 in Bamba)."""
     model, patched = pair(family)
     ids = tokens()
-    with (cakeops.use_backend("nope", op="causal_dot_product"),
-          pytest.raises(cakeops.BackendError)):  # fmt: skip
-        patched(ids)
-    loss, grads = _loss_and_grads(model, ids)
-    loss_c, grads_c = _loss_and_grads(patched, ids)
-    loss_x, grads_x = _loss_and_grads(copy.deepcopy(patched).double(), ids)
-    assert cakeops.relative_error(loss_c, loss) <= TOLERANCE
-    assert cakeops.relative_error(loss_c, loss_x) <= TOLERANCE
-    assert grads.keys() == grads_c.keys() == grads_x.keys()
+    checks.assert_matches_the_model(model, patched, ids, "causal_dot_product")
+    _, grads = checks.loss_and_grads(model, ids)
+    _, grads_c = checks.loss_and_grads(patched, ids)
     assert any("A_log" in n for n in grads) and any("dt_bias" in n for n in grads)
-    for name, exact in grads_x.items():
-        err = cakeops.relative_error(grads_c[name], exact)
-        assert err <= TOLERANCE, f"{name}: {err:.2e} from exact"
-        err = cakeops.relative_error(grads_c[name], grads[name])
+    for name, want in grads.items():
+        err = cakeops.relative_error(grads_c[name], want)
         assert err <= TOLERANCE, f"{name}: {err:.2e} from the unpatched model's"
 
 
@@ -110,16 +75,7 @@ def test_greedy_generation_matches(family):
     """32 greedy tokens (the prompt through the chunked scan, then one-token state updates)
     equal the unpatched model's, each step's logits within the tolerance, and the caches'
     recurrent states after the last token equal."""
-    model, patched = pair(family)
-    ids = tokens(shape=(1, 9))
-    runs = []
-    for m in (model, patched):
-        m.eval()
-        runs.append(m.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                               output_scores=True, return_dict_in_generate=True))  # fmt: skip
-    assert torch.equal(runs[0].sequences, runs[1].sequences)
-    for a, b in zip(runs[0].scores, runs[1].scores, strict=True):
-        assert cakeops.relative_error(b, a) <= TOLERANCE
+    runs = checks.generate_both(*pair(family), tokens(shape=(1, 9)))
     compared = 0
     for i in range(8):
         try:

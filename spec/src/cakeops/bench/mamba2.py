@@ -13,26 +13,22 @@ Needs ``cakeops[transformers]`` (exits with status 2 without it).
 
 from __future__ import annotations
 
-import argparse
-import copy
 import importlib
-import statistics
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from cakeops.bench import hf_layers
+from cakeops.bench.hf_layers import on_cakeops
 from cakeops.bench.tables import format_table
-from cakeops.bench.timing import measure
-from cakeops.measure import alternating_times
+from cakeops.bench.timing import fwd_bwd, measure
 
 #: (L, hidden, heads, head size, state size, groups): Mamba2-shaped (the issue's)
 SHAPE = (4096, 1024, 32, 64, 128, 1)
 QUICK_SHAPE = (256, 64, 4, 16, 16, 1)
 DECODE_TOKENS = 32
 PREFILL = 64
-NO_TRANSFORMERS = 2
 
 
 def config(hidden: int, heads: int, head_dim: int, state: int, groups: int, layers: int = 1):
@@ -43,15 +39,6 @@ def config(hidden: int, heads: int, head_dim: int, state: int, groups: int, laye
         head_dim=head_dim, expand=heads * head_dim // hidden, state_size=state,
         n_groups=groups, chunk_size=256,
     )  # fmt: skip
-
-
-def on_cakeops(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``module`` as ``apply_cakeops`` leaves it."""
-    from cakeops.integrations.transformers import apply_cakeops
-
-    holder = torch.nn.ModuleList([copy.deepcopy(module)])
-    apply_cakeops(holder)
-    return holder[0]
 
 
 def scan_case(L: int, hidden: int, heads: int, head_dim: int, state: int, groups: int,
@@ -73,16 +60,15 @@ def scan_case(L: int, hidden: int, heads: int, head_dim: int, state: int, groups
     }
     leaves = {n: t.requires_grad_() for n, t in leaves.items()}
     g = torch.randn(1, L, heads, head_dim, generator=gen)
-    contenders = {}
-    for label, fn in (("transformers' fallback", fallback), ("cakeops", _hf_mamba_chunk_scan)):
+    names = list(leaves)
 
-        def forward(fn=fn):
-            return fn(**leaves, chunk_size=256, dt_softplus=True)
+    def call(fn):
+        return lambda *values: fn(**dict(zip(names, values, strict=True)), chunk_size=256,
+                                  dt_softplus=True)  # fmt: skip
 
-        def step(forward=forward):
-            return torch.autograd.grad(forward(), list(leaves.values()), g)
-
-        contenders[label] = (forward, step)
+    contenders = {label: fwd_bwd(call(fn), list(leaves.values()), g)
+                  for label, fn in (("transformers' fallback", fallback),
+                                    ("cakeops", _hf_mamba_chunk_scan))}  # fmt: skip
     results = measure(contenders, torch.device("cpu"), repeats=2 if quick else 5)
     title = (f"\nMamba2's SSD scan, fwd+bwd, L {L}, {heads} heads of {head_dim}, state {state}, "
              f"{groups} group(s)")  # fmt: skip
@@ -100,16 +86,7 @@ def mixer_case(L: int, hidden: int, heads: int, head_dim: int, state: int, group
     ours = on_cakeops(hf)
     x = torch.randn(1, L, hidden, requires_grad=True)
     g = torch.randn(1, L, hidden)
-    contenders = {}
-    for label, layer in (("Hugging Face mixer", hf), ("cakeops mixer", ours)):
-
-        def forward(layer=layer):
-            return layer(x)
-
-        def step(forward=forward, layer=layer):
-            return torch.autograd.grad(forward(), (x, *layer.parameters()), g)
-
-        contenders[label] = (forward, step)
+    contenders = hf_layers.layer_steps({"Hugging Face mixer": hf, "cakeops mixer": ours}, x, g)
     results = measure(contenders, torch.device("cpu"), repeats=2 if quick else 5)
     title = (f"\nMamba2Mixer, fwd+bwd, L {L}, hidden {hidden}, {heads} heads of {head_dim}, "
              f"state {state}")  # fmt: skip
@@ -128,24 +105,7 @@ def decode_case(L: int, hidden: int, heads: int, head_dim: int, state: int, grou
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
     patched = on_cakeops(model)
     prompt = torch.randint(0, 256, (1, PREFILL), generator=torch.Generator().manual_seed(1))
-
-    def decode(m):
-        def run_():
-            with torch.no_grad():
-                return m.generate(prompt, max_new_tokens=DECODE_TOKENS,
-                                  min_new_tokens=DECODE_TOKENS, do_sample=False)  # fmt: skip
-
-        return run_
-
-    same = torch.equal(decode(model)(), decode(patched)())
-    times = alternating_times({"Hugging Face model": decode(model),
-                               "cakeops model": decode(patched)}, torch.device("cpu"),
-                              repeats=3 if quick else 15, warmup=1 if quick else 2)  # fmt: skip
-    seconds = {label: statistics.median(t) for label, t in times.items()}
-    print(f"  greedy decode of {DECODE_TOKENS} tokens after a {PREFILL}-token prompt (same "
-          f"tokens: {same}): " + ", ".join(f"{k} {v * 1e3:.1f} ms"
-                                           for k, v in seconds.items()))  # fmt: skip
-    return seconds, same
+    return hf_layers.time_decode(model, patched, prompt, DECODE_TOKENS, quick)
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -202,22 +162,7 @@ def markdown(record: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cakeops.bench.mamba2", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="a short sequence, small heads")
-    parser.add_argument("--markdown", metavar="PATH", help="write the tables there")
-    args = parser.parse_args(argv)
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        print("cakeops.bench.mamba2: transformers is not installed (pip install "
-              "cakeops[transformers]); nothing measured")  # fmt: skip
-        return NO_TRANSFORMERS
-    record = run(args.quick)
-    if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(markdown(record))
-        print(f"wrote {args.markdown}")
-    return 0
+    return hf_layers.main("cakeops.bench.mamba2", __doc__, run, markdown, argv)
 
 
 if __name__ == "__main__":

@@ -13,18 +13,15 @@ Needs ``cakeops[transformers]`` (exits with status 2 without it).
 
 from __future__ import annotations
 
-import argparse
-import copy
-import statistics
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from cakeops.bench import hf_layers
+from cakeops.bench.hf_layers import on_cakeops
 from cakeops.bench.tables import format_table
 from cakeops.bench.timing import measure
-from cakeops.measure import alternating_times
 
 #: name -> (L, hidden, key heads, value heads, head size) of the training step's layer
 SHAPES = {
@@ -34,7 +31,6 @@ SHAPES = {
 QUICK_SHAPES = {"hidden 64, 2 key and 4 value heads of 16": (256, 64, 2, 4, 16)}
 DECODE_TOKENS = 32
 PREFILL = 64
-NO_TRANSFORMERS = 2
 
 
 def config(hidden: int, heads: int, value_heads: int, head_dim: int):
@@ -49,16 +45,6 @@ def config(hidden: int, heads: int, value_heads: int, head_dim: int):
     )  # fmt: skip
 
 
-def on_cakeops(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``module`` as ``apply_cakeops`` leaves it: the Gated DeltaNet layers' delta
-    rule and the gated norms on cakeops, the rest the model's own."""
-    from cakeops.integrations.transformers import apply_cakeops
-
-    holder = torch.nn.ModuleList([copy.deepcopy(module)])
-    apply_cakeops(holder)
-    return holder[0]
-
-
 def train_case(L: int, hidden: int, heads: int, value_heads: int, head_dim: int, quick: bool):
     """A training step of one Gated DeltaNet layer, Hugging Face's and on cakeops."""
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
@@ -69,16 +55,7 @@ def train_case(L: int, hidden: int, heads: int, value_heads: int, head_dim: int,
     ours = on_cakeops(hf)
     x = torch.randn(1, L, hidden, requires_grad=True)
     g = torch.randn(1, L, hidden)
-    contenders = {}
-    for label, layer in (("Hugging Face layer", hf), ("cakeops layer", ours)):
-
-        def forward(layer=layer):
-            return layer(x)
-
-        def step(forward=forward, layer=layer):
-            return torch.autograd.grad(forward(), (x, *layer.parameters()), g)
-
-        contenders[label] = (forward, step)
+    contenders = hf_layers.layer_steps({"Hugging Face layer": hf, "cakeops layer": ours}, x, g)
     results = measure(contenders, torch.device("cpu"), repeats=2 if quick else 5)
     title = (f"\nQwen3-Next Gated DeltaNet layer, fwd+bwd, L {L}, hidden {hidden}, {heads} key "
              f"and {value_heads} value heads of {head_dim}")  # fmt: skip
@@ -89,7 +66,6 @@ def train_case(L: int, hidden: int, heads: int, value_heads: int, head_dim: int,
 def run(quick: bool = False) -> dict[str, Any]:
     import transformers as tf
 
-    device = torch.device("cpu")
     shapes = QUICK_SHAPES if quick else SHAPES
     layers = {name: {"shape": shape, "results": train_case(*shape, quick)}
               for name, shape in shapes.items()}  # fmt: skip
@@ -99,23 +75,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
     patched = on_cakeops(model)
     prompt = torch.randint(0, 256, (1, PREFILL), generator=torch.Generator().manual_seed(1))
-
-    def decode(m):
-        def run_():
-            with torch.no_grad():
-                return m.generate(prompt, max_new_tokens=DECODE_TOKENS,
-                                  min_new_tokens=DECODE_TOKENS, do_sample=False)  # fmt: skip
-
-        return run_
-
-    same = torch.equal(decode(model)(), decode(patched)())
-    times = alternating_times({"Hugging Face model": decode(model),
-                               "cakeops model": decode(patched)}, device,
-                              repeats=3 if quick else 15, warmup=1 if quick else 2)  # fmt: skip
-    decode_s = {label: statistics.median(t) for label, t in times.items()}
-    print(f"  greedy decode of {DECODE_TOKENS} tokens after a {PREFILL}-token prompt (same "
-          f"tokens: {same}): " + ", ".join(f"{k} {v * 1e3:.1f} ms"
-                                           for k, v in decode_s.items()))  # fmt: skip
+    decode_s, same = hf_layers.time_decode(model, patched, prompt, DECODE_TOKENS, quick)
     return {"layers": layers, "decode_shape": next(iter(shapes)), "decode_s": decode_s,
             "same_tokens": same}  # fmt: skip
 
@@ -160,23 +120,7 @@ def markdown(record: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cakeops.bench.qwen3_next",
-                                     description=__doc__)  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="a short sequence, small heads")
-    parser.add_argument("--markdown", metavar="PATH", help="write the tables there")
-    args = parser.parse_args(argv)
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        print("cakeops.bench.qwen3_next: transformers is not installed (pip install "
-              "cakeops[transformers]); nothing measured")  # fmt: skip
-        return NO_TRANSFORMERS
-    record = run(args.quick)
-    if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(markdown(record))
-        print(f"wrote {args.markdown}")
-    return 0
+    return hf_layers.main("cakeops.bench.qwen3_next", __doc__, run, markdown, argv)
 
 
 if __name__ == "__main__":

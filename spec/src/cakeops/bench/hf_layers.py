@@ -1,0 +1,78 @@
+"""What the benchmarks of a Hugging Face layer against its cakeops-patched copy share
+(``cakeops.bench.qwen3_next``, ``cakeops.bench.mamba2``): the patched copy, a layer's
+training step, a greedy decode timed in alternation, and the command line."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cakeops.bench.timing import fwd_bwd
+from cakeops.measure import alternating_times
+
+NO_TRANSFORMERS = 2
+
+
+def on_cakeops(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` as ``apply_cakeops`` leaves it (the rest the model's own)."""
+    from cakeops.integrations.transformers import apply_cakeops
+
+    holder = torch.nn.ModuleList([copy.deepcopy(module)])
+    apply_cakeops(holder)
+    return holder[0]
+
+
+def layer_steps(layers: dict[str, torch.nn.Module], x: torch.Tensor, g: torch.Tensor):
+    """label -> (forward, forward+backward into x and every parameter) of each layer on x."""
+    return {label: fwd_bwd(lambda x_, *_, layer=layer: layer(x_), (x, *layer.parameters()), g)
+            for label, layer in layers.items()}  # fmt: skip
+
+
+def time_decode(model, patched, prompt: torch.Tensor, tokens: int, quick: bool):
+    """``(median seconds per model, same tokens)`` of a greedy decode of ``tokens`` tokens
+    after ``prompt``, the two models in alternation."""
+
+    def decode(m):
+        def run_():
+            with torch.no_grad():
+                return m.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens,
+                                  do_sample=False)  # fmt: skip
+
+        return run_
+
+    same = torch.equal(decode(model)(), decode(patched)())
+    times = alternating_times({"Hugging Face model": decode(model),
+                               "cakeops model": decode(patched)}, torch.device("cpu"),
+                              repeats=3 if quick else 15, warmup=1 if quick else 2)  # fmt: skip
+    seconds = {label: statistics.median(t) for label, t in times.items()}
+    print(f"  greedy decode of {tokens} tokens after a {prompt.shape[1]}-token prompt (same "
+          f"tokens: {same}): " + ", ".join(f"{k} {v * 1e3:.1f} ms"
+                                           for k, v in seconds.items()))  # fmt: skip
+    return seconds, same
+
+
+def main(prog: str, doc: str, run: Callable[[bool], dict[str, Any]],
+         markdown: Callable[[dict[str, Any]], str], argv: list[str] | None) -> int:  # fmt: skip
+    """``python -m <prog> [--quick] [--markdown PATH]``: exits 2 without transformers."""
+    parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc)
+    parser.add_argument("--quick", action="store_true", help="a short sequence, small heads")
+    parser.add_argument("--markdown", metavar="PATH", help="write the tables there")
+    args = parser.parse_args(argv)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print(f"{prog}: transformers is not installed (pip install cakeops[transformers]); "
+              "nothing measured")  # fmt: skip
+        return NO_TRANSFORMERS
+    record = run(args.quick)
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(markdown(record))
+        print(f"wrote {args.markdown}")
+    return 0
