@@ -57,6 +57,16 @@ def time_decode(model, patched, prompt: torch.Tensor, tokens: int, quick: bool):
     return seconds, same
 
 
+def decode_table(what: str, decode: dict[str, float], same: bool) -> list[str]:
+    """The markdown lines of :func:`time_decode`'s result: ``what`` heads the table."""
+    lines = ["", f"| {what} | time (ms) | vs Hugging Face |", "| --- | ---: | ---: |"]
+    for label, seconds in decode.items():
+        lines.append(f"| {label} | {seconds * 1e3:.1f} | "
+                     f"{decode['Hugging Face model'] / seconds:.2f}x |")  # fmt: skip
+    return [*lines, "", f"The two models generated {'the same' if same else 'NOT the same'} "
+            "tokens."]  # fmt: skip
+
+
 def main(prog: str, doc: str, run: Callable[[bool], dict[str, Any]],
          markdown: Callable[[dict[str, Any]], str], argv: list[str] | None) -> int:  # fmt: skip
     """``python -m <prog> [--quick] [--markdown PATH]``: exits 2 without transformers."""

@@ -104,18 +104,9 @@ def markdown(record: dict[str, Any]) -> str:
             mib = f"{x['peak_bytes'] / 2**20:.1f} | {x['saved_bytes'] / 2**20:.1f}"
             lines.append(f"| {label}, {name} | {case['shape'][0]} | {x['time_s'] * 1e3:.1f} | "
                          f"{base / x['time_s']:.2f}x | {mib} |")  # fmt: skip
-    decode = record["decode_s"]
-    lines += [
-        "",
-        f"| greedy decode, {DECODE_TOKENS} tokens after a {PREFILL}-token prompt, two layers "
-        f"({record['decode_shape']}) | time (ms) | vs Hugging Face |",
-        "| --- | ---: | ---: |",
-    ]
-    for label, seconds in decode.items():
-        lines.append(f"| {label} | {seconds * 1e3:.1f} | "
-                     f"{decode['Hugging Face model'] / seconds:.2f}x |")  # fmt: skip
-    same = "the same" if record["same_tokens"] else "NOT the same"
-    lines += ["", f"The two models generated {same} tokens."]
+    what = (f"greedy decode, {DECODE_TOKENS} tokens after a {PREFILL}-token prompt, two layers "
+            f"({record['decode_shape']})")  # fmt: skip
+    lines += hf_layers.decode_table(what, record["decode_s"], record["same_tokens"])
     return "\n".join(lines) + "\n"
 
 
