@@ -273,3 +273,37 @@ def test_gated_delta_rule_compiled_step(monkeypatch, compiled_path, given):
     )
     gdr.check_against_reference(*gdr.make_inputs(given, torch.float32, "cpu", L=3))
     assert "_recurrent" in ran
+
+
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_experts_of_a_few_rows_run_slot_by_slot(monkeypatch, T, dtype):
+    """A decode-sized call (at most ``FEW_ROWS`` (token, slot) rows) runs each slot's expert
+    directly: no routing sort and no runs of grouped matmuls, whose fixed cost is most of such
+    a call; a dropped slot (id >= E) adds nothing; the result is the sorted path's within the
+    tolerance."""
+    sorted_calls = []
+    original = moe_kernels.given_routing
+
+    def spy(*args):
+        sorted_calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(moe_kernels, "given_routing", spy)
+    gen = torch.Generator().manual_seed(0)
+    E, D, F = 6, 16, 24
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    w_gate, w_up = (torch.randn(E, F, D, generator=gen).to(dtype) * 0.2 for _ in "gu")
+    w_down = torch.randn(E, D, F, generator=gen).to(dtype) * 0.2
+    idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)])
+    idx[0, 1] = E  # dropped
+    weights = torch.rand(T, 2, generator=gen).to(dtype)
+    assert idx.numel() <= moe_kernels.FEW_ROWS
+    outs = []
+    for few in (moe_kernels.FEW_ROWS, 0):
+        monkeypatch.setattr(moe_kernels, "FEW_ROWS", few)
+        with cakeops.use_backend("torch"):
+            outs.append(cakeops.routed_experts(x, idx, weights, w_gate, w_up, w_down))
+        assert len(sorted_calls) == (0 if few else 1)
+    assert outs[0].dtype == dtype
+    assert cakeops.relative_error(outs[0], outs[1]) <= cakeops.tolerance(dtype)
