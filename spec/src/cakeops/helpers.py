@@ -365,17 +365,22 @@ def _crossing_sums(g, g_final, q, k, v, lm, initial_state, cu_seqlens, ct):
     leaving = tail * ((K @ grads) * V).sum(-1)
     spanning = across * (states * grads).sum((-1, -2))
     del states, grads
-    # pairs inside the chunk crossing t: i >= t > j
     pair = (Q @ K.transpose(-1, -2)) * (G @ V.transpose(-1, -2))
     pair = (pair * decays).masked_fill_(decays == 0, 0.0)
-    # sum_{i >= t} sum_{j < t} pair[i, j] as (pair @ [j < t])[i, t] summed over i >= t
-    before_t = later.transpose(0, 1).to(ct)  # [j, t]: j < t
-    inside = ((pair @ before_t) * (~before_t.bool()).to(ct)).sum(-2)  # [i, t]: i >= t
-    # the positions i >= t against the state entering; j < t against the gradient leaving
-    before = torch.nn.functional.pad(leaving.cumsum(-1)[..., :-1], (1, 0))
-    total = inside + entering.flip(-1).cumsum(-1).flip(-1) + before + spanning[..., None]
-    total = total.reshape(N, H, chunks.count * C)
+    total = crossing_in_chunk(pair, entering, leaving, spanning).reshape(N, H, chunks.count * C)
     return total[:, :, :L] if chunks.dest is None else total[:, :, chunks.dest]
+
+
+def crossing_in_chunk(pair, entering, leaving, spanning):
+    """A chunk's log multipliers' gradients from the terms crossing each position ``t``: the
+    chunk's pairs ``i >= t > j`` (``pair[..., i, j]``, zero unless ``i > j``), its positions
+    ``i >= t`` against the state entering (``entering[..., i]``), ``j < t`` against the gradient
+    leaving (``leaving[..., j]``), and the pairs spanning the whole chunk (``spanning``)."""
+    C = pair.shape[-1]
+    crossing = torch.ones(C, C, dtype=torch.bool, device=pair.device).tril(-1)  # [t, j]: j < t
+    inside = pair.flip(-2).cumsum(-2).flip(-2).masked_fill_(~crossing, 0.0).sum(-1)
+    before = torch.nn.functional.pad(leaving.cumsum(-1)[..., :-1], (1, 0))
+    return entering.flip(-1).cumsum(-1).flip(-1) + before + inside + spanning[..., None]
 
 
 def backward_by_scans(scan, g, q, k, v):

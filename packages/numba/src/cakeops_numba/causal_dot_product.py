@@ -168,24 +168,21 @@ def _run_options(q, k, v, lm, initial_state, cu_seqlens, scale):
 
 
 def _backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
-    """``(dq, dk, dv, gradient reaching each initial state, final states)`` as four runs of the
-    kernel (``g`` carries the scale): ``dq = (g, v, k)`` from ``S_0^T``, ``dk = (v, g, q)``
-    from ``g_final^T`` and ``dv = (k, q, g)`` from ``g_final`` in reverse, the last leaving
-    the gradient that reaches ``S_0``. With log multipliers, ``dq`` and ``dk`` stay in float32
-    (their multipliers' gradient is a difference of their products with q and k)."""
+    """``(dq, dk, dv, gradient reaching each initial state)`` as three runs of the kernel (``g``
+    carries the scale): ``dq = (g, v, k)`` from ``S_0^T``, ``dk = (v, g, q)`` from
+    ``g_final^T`` and ``dv = (k, q, g)`` from ``g_final`` in reverse, the last leaving the
+    gradient that reaches ``S_0``."""
     N, H, _, E = q.shape
     M = v.shape[-1]
     S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
     tasks = N * S * H
-    wide = torch.float32 if lm is not None else None
     st = _states(initial_state, tasks, M, E, transpose=True).to(q.device)
-    dq = _run(g, v, k, False, lm, st, cu_seqlens, wide)
-    final = st.transpose(-1, -2).reshape(N * S, H, E, M)
+    dq = _run(g, v, k, False, lm, st, cu_seqlens)
     gt = _states(g_final, tasks, M, E, transpose=True).to(q.device)
-    dk = _run(v, g, q, True, lm, gt, cu_seqlens, wide)
+    dk = _run(v, g, q, True, lm, gt, cu_seqlens)
     gs = _states(g_final, tasks, E, M).to(q.device)
     dv = _run(k, q, g, True, lm, gs, cu_seqlens)
-    return dq, dk, dv, gs.view(N * S, H, E, M), final
+    return dq, dk, dv, gs.view(N * S, H, E, M)
 
 
 def _on_cpu_kernels(t: torch.Tensor) -> bool:
@@ -230,13 +227,13 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
     gs = g if scale is None else g.float() * scale  # the output's gradient carries the scale
     d_decay = d_gates = None
     if _on_cpu_kernels(q):  # the CPU kernels also sum the log multipliers' gradient
-        dq, dk, dv, d_init, _, dlm = cpu.backward_options(gs, g_final, q, k, v, lm,
-                                                          initial_state, cu_seqlens)  # fmt: skip
+        dq, dk, dv, d_init, dlm = cpu.backward_options(gs, g_final, q, k, v, lm,
+                                                       initial_state, cu_seqlens)  # fmt: skip
         if lm is not None:
             d_decay, d_gates = split_log_grads(dlm, lm, log_decay, log_gates)
     else:
-        dq, dk, dv, d_init, _ = _backward_options(gs, g_final, q, k, v, lm, initial_state,
-                                                  cu_seqlens)  # fmt: skip
+        dq, dk, dv, d_init = _backward_options(gs, g_final, q, k, v, lm, initial_state,
+                                               cu_seqlens)  # fmt: skip
         if lm is not None:
             d_decay, d_gates = log_multiplier_grads(gs, g_final, q, k, v, lm, initial_state,
                                                     cu_seqlens, log_decay, log_gates)  # fmt: skip

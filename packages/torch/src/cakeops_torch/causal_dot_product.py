@@ -17,6 +17,7 @@ from cakeops import compute_dtype
 from cakeops.helpers import (
     causal_step,
     causal_step_backward,
+    crossing_in_chunk,
     log_multipliers,
     split_log_grads,
 )
@@ -202,23 +203,12 @@ def _backward_options(g, q, k, v, lm, init, g_final):
             dvc = _causal_mm(_masked(kq, decays_t), gc, reverse=True)
             dvc.add_(tail * (kc @ carry))
             spanning = torch.exp(last[..., 0]) * (carry * entering.pop()).sum((-1, -2))
-            pairs_t = (vg * kq).masked_fill_(decays_t == 0, 0.0)
-            dlm[:, :, c] = _crossing(dlm[:, :, c], (kc * from_carry).sum(-1), pairs_t, spanning)
+            pair = _t((vg * kq).masked_fill_(decays_t == 0, 0.0))  # [i, j]
+            leaving = (kc * from_carry).sum(-1)
+            dlm[:, :, c] = crossing_in_chunk(pair, dlm[:, :, c], leaving, spanning)
             carry = _carry(carry, last, qc * torch.exp(b)[..., None], gc)
         dk[:, :, c], dv[:, :, c] = dkc, dvc
     return dq, dk, dv, carry, final, dlm
-
-
-def _crossing(from_state, to_carry, pairs_t, spanning):
-    """A chunk's log multipliers' gradients: at ``t``, the positions ``i >= t`` against the
-    state entering (``from_state_i``), ``j < t`` against the gradient leaving (``to_carry_j``),
-    the chunk's pairs ``j < t <= i`` (``pairs_t[j, i]``) and those spanning it (``spanning``,
-    ``(N, H)``)."""
-    C = pairs_t.shape[-1]
-    later = torch.ones(C, C, dtype=torch.bool, device=pairs_t.device).triu(1)  # [j, t]: t > j
-    inside = pairs_t.flip(-1).cumsum(-1).flip(-1).masked_fill_(~later, 0.0).sum(-2)
-    before = torch.nn.functional.pad(to_carry.cumsum(-1)[..., :-1], (1, 0))
-    return from_state.flip(-1).cumsum(-1).flip(-1) + before + inside + spanning[..., None]
 
 
 def _forward(q, k, v, scale=None):

@@ -403,12 +403,10 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
     d_init = None
     if initial_state is not None:  # the gradient that reaches S_0: the dv run's last state
         d_init = torch.empty(initial_state.shape, dtype=torch.float32, device=q.device)
-    if lm is None:
-        dv = _run(k, q, gs, True, lm, g_final, d_init, cu_seqlens)
-        d_init = None if d_init is None else d_init.to(initial_state.dtype)
-        return dq, dk, dv, None, None, d_init
     dv = run(k, q, gs, True, lm, g_final, d_init, cu_seqlens)
-    d_decay, d_gates = log_multiplier_grads(gs, g_final, q, k, v, lm, initial_state,
-                                            cu_seqlens, log_decay, log_gates)  # fmt: skip
+    d_decay = d_gates = None
+    if lm is not None:
+        d_decay, d_gates = log_multiplier_grads(gs, g_final, q, k, v, lm, initial_state,
+                                                cu_seqlens, log_decay, log_gates)  # fmt: skip
     d_init = None if d_init is None else d_init.to(initial_state.dtype)
     return dq, dk, dv.to(v.dtype), d_decay, d_gates, d_init

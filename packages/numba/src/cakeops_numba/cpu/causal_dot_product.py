@@ -689,8 +689,8 @@ def forward_options(q, k, v, lm, initial_state, cu_seqlens, scale):
 
 
 def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
-    """``(dq, dk, dv float32, gradient reaching each initial state, final states, the log
-    multipliers' gradient per position)`` with the options; ``g`` carries the scale,
+    """``(dq, dk, dv float32, gradient reaching each initial state, the log multipliers'
+    gradient per position)`` with the options; ``g`` carries the scale,
     ``g_final`` None for none."""
     N, H, L, E = q.shape
     M = v.shape[-1]
@@ -712,5 +712,4 @@ def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
         lead = lm.view(N, H, L)[:, :, starts].transpose(1, 2)  # (N, S, H)
         first = torch.where((cu[1:] > cu[:-1])[None, :, None], lead, 0.0)
     d_init = grads.view(N * S, H, E, M) * torch.exp(first).view(N * S, H, 1, 1)
-    final = states.view(N * S, H, E, M)
-    return dq, dk, dv, d_init, final, dlm
+    return dq, dk, dv, d_init, dlm
