@@ -18,6 +18,7 @@ from cakeops.helpers import (
     causal_step,
     causal_step_backward,
     crossing_in_chunk,
+    gate_factors,
     log_multipliers,
     split_log_grads,
 )
@@ -131,16 +132,16 @@ def _forward_options(q, k, v, lm, init, scale):
             state = state + _t(kc) @ vc
         else:
             pairs, b, last, tail = _chunk_logs(lm, c)
-            oc = _causal_mm(_masked(qc @ _t(kc), torch.exp(pairs)), vc)
-            oc.add_(torch.exp(b)[..., None] * (qc @ state))
-            state = _carry(state, last, kc * torch.exp(tail)[..., None], vc)
+            oc = _causal_mm(_masked(qc @ _t(kc), gate_factors(pairs)), vc)
+            oc.add_(gate_factors(b)[..., None] * (qc @ state))
+            state = _carry(state, last, kc * gate_factors(tail)[..., None], vc)
         out[:, :, c] = oc if scale is None else oc.mul_(scale)
     return out, state
 
 
 def _carry(state, last, a, c):
     """The state carried past a chunk: ``exp(b_C) S + a^T c`` (``a`` weighted already)."""
-    return torch.exp(last)[..., None] * state + _t(a) @ c
+    return gate_factors(last)[..., None] * state + _t(a) @ c
 
 
 def _masked(scores, decays):
@@ -176,11 +177,11 @@ def _backward_options(g, q, k, v, lm, init, g_final):
             state = state + _t(kc) @ vc
         else:
             pairs, b, last, tail = _chunk_logs(lm, c)
-            from_state = torch.exp(b)[..., None] * (gc @ _t(state))
+            from_state = gate_factors(b)[..., None] * (gc @ _t(state))
             dlm[:, :, c] = (q[:, :, c].to(ct) * from_state).sum(-1)
             entering.append(state)
-            dqc = _causal_mm(_masked(gc @ _t(vc), torch.exp(pairs)), kc).add_(from_state)
-            state = _carry(state, last, kc * torch.exp(tail)[..., None], vc)
+            dqc = _causal_mm(_masked(gc @ _t(vc), gate_factors(pairs)), kc).add_(from_state)
+            state = _carry(state, last, kc * gate_factors(tail)[..., None], vc)
         dq[:, :, c] = dqc
     final = state
     carry = (torch.zeros((N, H, E, M), dtype=ct, device=q.device) if g_final is None
@@ -195,18 +196,18 @@ def _backward_options(g, q, k, v, lm, init, g_final):
             carry = carry + _t(qc) @ gc
         else:
             pairs, b, last, tail = _chunk_logs(lm, c)
-            decays_t = _t(torch.exp(pairs))  # [j, i]: the factors from j to i >= j
-            tail = torch.exp(tail)[..., None]  # from j to the chunk's end
+            decays_t = _t(gate_factors(pairs))  # [j, i]: the factors from j to i >= j
+            tail = gate_factors(tail)[..., None]  # from j to the chunk's end
             kq, vg = kc @ _t(qc), _masked(vc @ _t(gc), decays_t)
             from_carry = tail * (vc @ _t(carry))
             dkc = _causal_mm(vg, qc, reverse=True).add_(from_carry)
             dvc = _causal_mm(_masked(kq, decays_t), gc, reverse=True)
             dvc.add_(tail * (kc @ carry))
-            spanning = torch.exp(last[..., 0]) * (carry * entering.pop()).sum((-1, -2))
+            spanning = gate_factors(last[..., 0]) * (carry * entering.pop()).sum((-1, -2))
             pair = _t((vg * kq).masked_fill_(decays_t == 0, 0.0))  # [i, j]
             leaving = (kc * from_carry).sum(-1)
             dlm[:, :, c] = crossing_in_chunk(pair, dlm[:, :, c], leaving, spanning)
-            carry = _carry(carry, last, qc * torch.exp(b)[..., None], gc)
+            carry = _carry(carry, last, qc * gate_factors(b)[..., None], gc)
         dk[:, :, c], dv[:, :, c] = dkc, dvc
     return dq, dk, dv, carry, final, dlm
 

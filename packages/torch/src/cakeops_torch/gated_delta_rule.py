@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from cakeops import compute_dtype
-from cakeops.helpers import cast_grads
+from cakeops.helpers import cast_grads, drop_tiny_, gate_factors
 from cakeops.ops.gated_delta_rule import L2NORM_EPS
 
 from ._causal import causal_mm as _causal_mm
@@ -123,8 +123,8 @@ class _Intra:
         # steps (exact pair sums, no difference of running sums)
         steps = gk.unsqueeze(-2).expand(*gk.shape[:-2], C, C, gk.shape[-1])
         pair = steps.masked_fill(~self.strict[..., None], 0).cumsum(-3)
-        self.E = torch.exp(pair).masked_fill(~lower[..., None], 0)  # (..., C, C, Kg)
-        self.gamma = torch.exp(gk.cumsum(-2))  # over [1, t]
+        self.E = gate_factors(pair).masked_fill_(~lower[..., None], 0)  # (..., C, C, Kg)
+        self.gamma = gate_factors(gk.cumsum(-2))  # over [1, t]
         self.gamma_c = self.E[..., -1, :, :]  # over (t, C]
         self.kda = g.dim() == q.dim()
         self.Mkk = self._pairs(k, k)
@@ -141,8 +141,9 @@ class _Intra:
             if T is None:
                 eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(self.A.shape)
                 T = torch.linalg.solve_triangular(self.A, eye, upper=False, unitriangular=True)
+                drop_tiny_(T)
             self.T = T
-            self.Uv, self.Wk = T @ bv, T @ bk
+            self.Uv, self.Wk = T @ bv, drop_tiny_(T @ bk)
 
     def solve_transposed(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """``(I + A_i)^{-T} x`` for chunk ``i`` of the group."""
