@@ -84,6 +84,7 @@ def calls(dtypes=DTYPES) -> Iterator[Call]:
     bench = {
         "rmsnorm_silu_gate": [(tuple(full["rmsnorm_silu_gate"]), None, True)],
         "causal_dot_product": [tuple(full["causal_dot_product"])],
+        "causal_conv1d": [tuple(full["causal_conv1d"])],
         "moe_experts": [tuple(full["moe_experts"])],
         "routed_experts": [tuple(full["routed_experts"])],
     }
@@ -96,8 +97,10 @@ def calls(dtypes=DTYPES) -> Iterator[Call]:
     for dtype in dtypes:
         for op, shapes in bench.items():
             source = "gpu-bench" if dtype in ran.get(op, (torch.bfloat16,)) else "other"
-            variant = "packed" if op == "routed_experts" else ""
-            out += [Call(op, dtype, shape, variant, source) for shape in shapes]
+            # the variants of bench/<op>.py's gpu_cases
+            variants = {"routed_experts": ("packed",), "causal_conv1d": ("bench",),
+                        "causal_dot_product": ("", "gates", "mamba2")}.get(op, ("",))  # fmt: skip
+            out += [Call(op, dtype, shape, v, source) for shape in shapes for v in variants]
     for dtype in dtypes:  # the CPU benchmarks' shapes, and the largest head size
         out += [Call("rmsnorm_silu_gate", dtype, (shape, gs, True), source="other")
                 for shape, gs in bench_rmsnorm.CASES.values()]  # fmt: skip
@@ -168,9 +171,12 @@ def inputs(call: Call) -> tuple[tuple, tuple]:
         if call.variant == "transposed":
             q, k = (empty(N, L, H, E).transpose(1, 2) for _ in range(2))
             v = empty(N, L, H, M).transpose(1, 2)
+        elif call.variant == "mamba2":  # q = C and k = B shared by every head: stride 0
+            q, k = (empty(N, 1, L, E).expand(N, H, L, E) for _ in range(2))
+            v = empty(N, H, L, M)
         else:
             q, k, v = empty(N, H, L, E), empty(N, H, L, E), empty(N, H, L, M)
-        if call.variant == "gates":  # the GPU bench's gated case: log_gates alone
+        if call.variant in ("gates", "mamba2"):  # the GPU bench's gated cases: log_gates alone
             opts = (None, None, -torch.rand(N, H, L) * 0.1, None, False, None)
             return (q, k, v, *opts), (empty(N, H, L, M), empty(0), q, k, v, *opts)
         if call.variant in ("options", "packed"):
@@ -237,6 +243,10 @@ def _conv_inputs(call: Call, empty) -> tuple[tuple, tuple]:
     ``packed`` packed sequences too, ``models`` Hugging Face's ``(N, L, C)`` layout passed as a
     transposed view, with every option."""
     N, C, L, W = call.shape
+    if call.variant == "bench":  # the GPU bench's: the models' layout, a bias and SiLU
+        x, g_out = empty(N, L, C).transpose(1, 2), empty(N, L, C).transpose(1, 2)
+        opts = (torch.randn(C), "silu", None, False, None)
+        return (x, torch.randn(C, W), *opts), (g_out, empty(0), x, torch.randn(C, W), *opts)
     models = call.variant == "models"
     x = empty(N, L, C).transpose(1, 2) if models else empty(N, C, L)
     options = call.variant in ("options", "packed", "models")

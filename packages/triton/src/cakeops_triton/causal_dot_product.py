@@ -62,6 +62,9 @@ TUNE_FROM_POSITIONS = 16384
 #: budget spills at some head size (nox -s gpu_compile sweeps them).
 F32_REGISTERS = 64
 OPERAND_REGISTERS = 18
+#: Elements of one tensor-core MMA tile (m16n8): a 16-bit config gives each warp at least one
+#: of the chunk's ``BLOCK_L x BLOCK_M`` products (a 16-position chunk of 32 columns, 4 warps).
+MMA_TILE = 16 * 8
 #: Widest head block whose every chunk fits: at BLOCK_E 256 only 16-position chunks on 8 warps
 #: compile without spilling on sm_90 and sm_80 (the sweep shows 8-560 bytes for every other).
 WIDE_BLOCK_E = 256
@@ -99,7 +102,7 @@ def _prune(configs, args, **kwargs):
     """The configs that fit by the resource rules, whatever the head sizes. float32: the
     unpipelined 8-warp configs, 16-position chunks from E = 128; with log multipliers (E at
     most ``WIDE_F32_E``), 16 positions on 4 warps. 16-bit: :func:`fits`, the operands counted
-    in registers before sm_90 (no wgmma)."""
+    in registers before sm_90 (no wgmma), and no more warps than ``MMA_TILE`` tiles."""
     block_e = kwargs["BLOCK_E"]
     if args["A"].element_size() == 4:
         if kwargs.get("HAS_LM", False):
@@ -121,6 +124,9 @@ def _prune(configs, args, **kwargs):
             kwargs.get("HAS_LM", False),
         )
     ]
+    # every warp holds at least one m16n8 tensor-core tile of the chunk's BLOCK_L x BLOCK_M
+    # products (more warps would repeat each other's work on them)
+    kept = [c for c in kept if c.num_warps * MMA_TILE <= c.kwargs["BLOCK_L"] * block_m] or kept
     return kept or [c for c in configs if c.kwargs["BLOCK_L"] == 16 and c.num_warps == 8][:1]
 
 

@@ -93,6 +93,10 @@ else:
     ]  # fmt: skip
 #: Problems of fewer rows (tokens x top_k) than this run one fixed config, untuned.
 TUNE_FROM_ROWS = 4096
+#: Outputs whose size bucket holds at least this many 128 x 128 tiles (per row block, or per
+#: expert for the weights' gradients) are not tuned over narrower tiles: the wide ones leave
+#: enough programs to fill the GPU and move less data per product.
+WIDE_ENOUGH_TILES = 16
 #: Registers a thread may give to the float32 accumulators (wgmma's on sm_90 are cheaper to hold
 #: than mma.sync's, whose operands share the registers) and to operand tiles held in registers
 #: (mma.sync on sm_80, and FMA products): over either budget a config spills at some shape.
@@ -146,11 +150,13 @@ def fits_mm(
 
 def _prune(configs, args, **kwargs):
     """Configs that fit by :func:`fits_mm` for every shape: wide tiles only where the layout
-    is aligned (``LAYOUT``, :func:`_aligned`) and the kernel specialised to see it, the BLOCK_K
-    16 tiles for float32 products (FMA)."""
+    is aligned (``LAYOUT``, :func:`_aligned`) and the kernel specialised to see it (from
+    ``WIDE_ENOUGH_TILES`` column tiles, 128 wide or more), the BLOCK_K 16 tiles for float32
+    products (FMA)."""
     fma = kwargs["DTYPE"] == tl.float32
     narrow = fma or args.get("UNTUNED", False) or not args["LAYOUT"]
     wgmma = not mma_operands_in_registers()
+    wide_enough = args["N_BUCKET"] >= WIDE_ENOUGH_TILES * 128
     kept = [
         c
         for c in configs
@@ -167,20 +173,31 @@ def _prune(configs, args, **kwargs):
             kwargs.get("U_GIVEN", False),
         )
     ]
+    if wide_enough and not narrow:  # of those that fit, the wide tiles only
+        kept = [c for c in kept if c.kwargs["BLOCK_N"] >= 128] or kept
     return kept or configs[-1:]
 
 
 def _prune_grad(configs, args, **kwargs):
     """float32 (FMA: operands in registers) takes the small tile, 16-bit the others, their
-    accumulator within the register budget (wgmma's on sm_90, mma.sync's before)."""
+    accumulator within the register budget (wgmma's on sm_90, mma.sync's before), from
+    ``WIDE_ENOUGH_TILES`` tiles 128 rows of P or more; a layout not aligned to 16 elements
+    (``LAYOUT`` 0: masked loads one element at a time) the smallest 16-bit tile (a 128 x 64
+    one spilled 36 bytes on sm_90 at D 1000)."""
     small = kwargs["DTYPE"] == tl.float32
     budget = ACC_REGISTERS["registers" if mma_operands_in_registers() else "wgmma"]
+    wide_enough = args["P_BUCKET"] * args["Q_BUCKET"] >= WIDE_ENOUGH_TILES * 128 * 128
+    smallest = min((c.kwargs["BLOCK_P"] for c in configs if c.kwargs["BLOCK_P"] > 32), default=32)
+    if not args["LAYOUT"]:  # rows loaded element by element: the smallest tile fits
+        wide_enough, configs = False, [c for c in configs if c.kwargs["BLOCK_P"] <= smallest]
     kept = [
         c
         for c in configs
         if (c.kwargs["BLOCK_P"] == 32) == small
         and c.kwargs["BLOCK_P"] * c.kwargs["BLOCK_Q"] / (32 * c.num_warps) <= budget
     ]
+    if wide_enough and not small:  # of those that fit, the wide tiles only
+        kept = [c for c in kept if c.kwargs["BLOCK_P"] >= 128] or kept
     return kept or configs[-1:]
 
 
@@ -351,7 +368,7 @@ def _source_rows(IDX, rows, ok, GATHER: tl.constexpr):
 
 def _grouped_weight_grad(
     A, IDX_A, SCALE_A, B, IDX_B, DW, STARTS, ENDS,
-    stride_a, stride_b, P, Q, P_BUCKET, Q_BUCKET,
+    stride_a, stride_b, P, Q, P_BUCKET, Q_BUCKET, LAYOUT,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, SCALED_A: tl.constexpr,
     DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -447,9 +464,18 @@ _grouped_mm_tuned = triton.autotune(
 _grouped_mm_untuned = untuned(_grouped_mm)
 _grouped_weight_grad_tuned = triton.autotune(
     configs=_GRAD_CONFIGS,
-    key=["P_BUCKET", "Q_BUCKET", "GATHER_A", "GATHER_B", "SCALED_A", "DTYPE", "PRECISION"],
+    key=[
+        "P_BUCKET",
+        "Q_BUCKET",
+        "LAYOUT",
+        "GATHER_A",
+        "GATHER_B",
+        "SCALED_A",
+        "DTYPE",
+        "PRECISION",
+    ],
     prune_configs_by={"early_config_prune": _prune_grad},
-)(triton.jit(do_not_specialize=["P_BUCKET", "Q_BUCKET"])(_grouped_weight_grad))
+)(triton.jit(do_not_specialize=["P_BUCKET", "Q_BUCKET", "LAYOUT"])(_grouped_weight_grad))
 _grouped_weight_grad_untuned = untuned(_grouped_weight_grad)
 # no configs to tune: "tuned" is specialised (but not on top-k)
 _slot_sum_tuned = triton.jit(do_not_specialize=["TOP_K"])(_slot_sum_kernel)
@@ -564,7 +590,7 @@ def _weight_grad(
     args = (
         a, a if idx_a is None else idx_a, a if scale_a is None else scale_a,
         b, b if idx_b is None else idx_b, dw, starts, ends, a.stride(0), b.stride(0), P, Q,
-        _bucket(P), _bucket(Q),
+        _bucket(P), _bucket(Q), int(_aligned((a, b), (P, Q))),
     )  # fmt: skip
     meta = {"GATHER_A": idx_a is not None, "GATHER_B": idx_b is not None,
             "SCALED_A": scale_a is not None, "DTYPE": _TL_DTYPES[compute],
