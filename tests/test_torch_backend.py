@@ -369,3 +369,47 @@ def test_gate_factors_drop_only_what_is_under_the_floor():
     y = torch.tensor([1.0, -2 * floor, 0.5 * floor, -0.5 * floor, torch.nan])
     assert torch.equal(drop_tiny_(y.clone())[:4], torch.tensor([1.0, -2 * floor, 0.0, 0.0]))
     assert torch.isnan(drop_tiny_(y)[4])
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+@pytest.mark.parametrize("T", [2, 24], ids=["few-rows", "grouped"])
+def test_routed_experts_packed_gate_up_in_one_product(monkeypatch, T):
+    """Gate and up projections that are the halves of one packed tensor (Hugging Face's
+    ``gate_up_proj``) take one product for both (a small call's cost is its products' count):
+    the result is the separate tensors' within the tolerance; views that are not adjacent halves
+    (an interleaved packing) take two."""
+    from cakeops.helpers import packed_gate_up
+
+    products = []
+
+    def counted(original):
+        def product(*args, **kwargs):
+            products.append(1)
+            return original(*args, **kwargs)
+
+        return product
+
+    gen = torch.Generator().manual_seed(0)
+    E, D, F = 4, 16, 32
+    gate_up = torch.randn(E, 2 * F, D, generator=gen) * 0.2
+    w_down = torch.randn(E, D, F, generator=gen) * 0.2
+    x = torch.randn(T, D, generator=gen)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)])
+    weights = torch.rand(T, 2, generator=gen)
+    halves = gate_up[:, :F], gate_up[:, F:]
+    interleaved = gate_up[:, 0::2], gate_up[:, 1::2]
+    assert packed_gate_up(*halves) is not None and packed_gate_up(*interleaved) is None
+    assert packed_gate_up(*(t.contiguous() for t in halves)) is None
+    monkeypatch.setattr(moe_kernels.F, "linear", counted(moe_kernels.F.linear))
+    monkeypatch.setattr(torch, "_grouped_mm", counted(torch._grouped_mm))
+    counts, outs = [], []
+    with cakeops.use_backend("torch"):
+        for w_gate, w_up in (halves, tuple(t.contiguous() for t in halves), interleaved):
+            products.clear()
+            outs.append(cakeops.routed_experts(x, idx, weights, w_gate, w_up, w_down))
+            counts.append(len(products))
+    assert counts[0] == 2 * counts[1] // 3 and counts[1] == counts[2] > 0, counts
+    want = cakeops.routed_experts(x.double(), idx, weights.double(), *(t.double() for t in halves),
+                                  w_down.double())  # fmt: skip
+    for out in outs[:2]:
+        assert cakeops.relative_error(out, want) <= cakeops.tolerance(torch.float32)

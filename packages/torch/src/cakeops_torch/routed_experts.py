@@ -41,6 +41,7 @@ from cakeops.helpers import (
     Routing,
     cast_grads,
     given_routing,
+    packed_gate_up,
     row_weights,
     slot_sum,
     swiglu_rows,
@@ -178,12 +179,17 @@ def experts_forward(x, routing: Routing, ew: ExpertWeights):
     acc = compute_dtype(x.dtype)
     # Each block's outputs go straight to their (token, slot) places.
     slots = torch.empty((T * top_k, D), dtype=acc, device=x.device)
+    gate_up = packed_gate_up(w_gate, w_up) if ew.is_swiglu else None
     if ew.is_swiglu and _grouped(x, w_gate, w_up, w_down):
         F_ = w_gate.shape[1]
         for e0, e1, s, t, offs in _runs(routing, bounds, max(F_, D)):
             xe = _rows(x, routing, s, t)
-            hg = torch._grouped_mm(xe, w_gate[e0:e1].transpose(1, 2), offs=offs).to(acc)
-            hu = torch._grouped_mm(xe, w_up[e0:e1].transpose(1, 2), offs=offs).to(acc)
+            if gate_up is not None:  # one product for both halves
+                hgu = torch._grouped_mm(xe, gate_up[e0:e1].transpose(1, 2), offs=offs).to(acc)
+                hg, hu = hgu[:, :F_], hgu[:, F_:]
+            else:
+                hg = torch._grouped_mm(xe, w_gate[e0:e1].transpose(1, 2), offs=offs).to(acc)
+                hu = torch._grouped_mm(xe, w_up[e0:e1].transpose(1, 2), offs=offs).to(acc)
             h = F.silu(hg).mul_(hu).to(x.dtype)
             out = torch._grouped_mm(h, w_down[e0:e1].transpose(1, 2), offs=offs)
             slots[routing.order[s:t]] = out.to(acc)
@@ -321,14 +327,19 @@ def _few_rows_forward(x, top_k_index, top_k_weights, ew: ExpertWeights):
     acc, mm = compute_dtype(x.dtype), _mm_dtype(x, ew.w_up)
     ids = top_k_index.tolist()
     weights = top_k_weights.to(acc)
+    gate_up, F_ = packed_gate_up(ew.w_gate, ew.w_up), ew.w_up.shape[1]
     out = torch.zeros((T, x.shape[1]), dtype=acc, device=x.device)
     for t in range(T):
         row = x[t : t + 1].to(mm)
         for j, e in enumerate(ids[t]):
             if e >= E:
                 continue
-            hg = F.linear(row, ew.w_gate[e].to(mm)).to(acc)
-            h = F.silu(hg).mul_(F.linear(row, ew.w_up[e].to(mm)).to(acc))
+            if gate_up is not None:  # one product for both halves
+                hgu = F.linear(row, gate_up[e].to(mm)).to(acc)
+                h = F.silu(hgu[:, :F_]).mul_(hgu[:, F_:])
+            else:
+                hg = F.linear(row, ew.w_gate[e].to(mm)).to(acc)
+                h = F.silu(hg).mul_(F.linear(row, ew.w_up[e].to(mm)).to(acc))
             y = F.linear(h.to(mm), ew.w_down[e].to(mm)).to(acc)
             out[t : t + 1].addcmul_(y, weights[t, j])
     return out.to(x.dtype)
