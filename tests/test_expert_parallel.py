@@ -30,6 +30,7 @@ def problem(world: int, biases: bool):
     x = torch.randn(world * T, D, generator=g)
     index = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(world * T)])
     index[::5, 1] = E + 3  # dropped slots (ids >= E)
+    index[2::5, 0] = -1  # dropped (DeepEP's "not on this rank")
     weights = torch.softmax(torch.randn(world * T, K, generator=g), -1)
     shapes = [(E, FF, D), (E, FF, D), (E, D, FF)] + ([(E, FF), (E, FF), (E, D)] if biases else [])
     experts = [torch.randn(s, generator=g) * 0.3 for s in shapes]

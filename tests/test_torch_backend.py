@@ -281,7 +281,7 @@ def test_gated_delta_rule_compiled_step(monkeypatch, compiled_path, given):
 def test_routed_experts_of_a_few_rows_run_slot_by_slot(monkeypatch, T, dtype):
     """A decode-sized call (at most ``FEW_ROWS`` (token, slot) rows) runs each slot's expert
     directly: no routing sort and no runs of grouped matmuls, whose fixed cost is most of such
-    a call; a dropped slot (id >= E) adds nothing; the result is the sorted path's within the
+    a call; a dropped slot (id >= E, or -1) adds nothing; the result is the sorted path's within the
     tolerance."""
     sorted_calls = []
     original = moe_kernels.given_routing
@@ -298,6 +298,7 @@ def test_routed_experts_of_a_few_rows_run_slot_by_slot(monkeypatch, T, dtype):
     w_down = torch.randn(E, D, F, generator=gen).to(dtype) * 0.2
     idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)])
     idx[0, 1] = E  # dropped
+    idx[-1, 0] = -1  # dropped (DeepEP's "not on this rank")
     weights = torch.rand(T, 2, generator=gen).to(dtype)
     assert idx.numel() <= moe_kernels.FEW_ROWS
     outs = []

@@ -3,7 +3,8 @@
 
 Layout: each of the ``W`` ranks holds its own tokens and a contiguous block of ``E / W``
 experts, rank ``r`` the global ids ``[r E/W, (r+1) E/W)``; the weights a rank passes are its
-block. ``top_k_index`` holds global ids (``>= E``: a dropped slot, as in the single-process op).
+block. ``top_k_index`` holds global ids (``>= E`` or ``-1``: a dropped slot, as in the
+single-process op).
 
 A call makes two all-to-all exchanges of token rows: each kept ``(token, slot)`` row goes to the
 rank that owns its expert (sorted by destination, with its local expert id and its combine
@@ -102,7 +103,7 @@ def routed_experts(
     D = x.shape[1]
     ids = top_k_index.reshape(-1)
     # each kept (token, slot) row, sorted by the rank that owns its expert (dropped: sorted last)
-    dest = torch.where(ids < local * world, ids // local, world)
+    dest = torch.where((ids >= 0) & (ids < local * world), ids // local, world)
     order = torch.sort(dest, stable=True).indices
     counts = torch.bincount(dest, minlength=world + 1)[:world]
     # the counts and this rank's number of experts to every rank, in one exchange: each rank

@@ -468,7 +468,9 @@ def route(router_logits, top_k, renormalize, scale, dtype=torch.float32) -> Rout
 def given_routing(experts: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Routing:
     """The :class:`Routing` of experts and combine weights chosen elsewhere (``routed_experts``):
     rows sorted by expert, stable (no ``probs`` or ``r``: their backward is the caller's). A
-    dropped slot's weight is 0, whatever was given (a NaN there must not reach anything)."""
+    dropped slot (an id ``>= num_experts``, or ``-1``: taken as ``num_experts``, so that it sorts
+    last) has weight 0, whatever was given (a NaN there must not reach anything)."""
+    experts = experts.masked_fill(experts < 0, num_experts)
     weights = weights.masked_fill(experts >= num_experts, 0)
     flat = experts.flatten()
     by_expert, order = torch.sort(flat, stable=True)

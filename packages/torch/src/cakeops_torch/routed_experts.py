@@ -332,7 +332,7 @@ def _few_rows_forward(x, top_k_index, top_k_weights, ew: ExpertWeights):
     for t in range(T):
         row = x[t : t + 1].to(mm)
         for j, e in enumerate(ids[t]):
-            if e >= E:
+            if not 0 <= e < E:  # a dropped slot
                 continue
             if gate_up is not None:  # one product for both halves
                 hgu = F.linear(row, gate_up[e].to(mm)).to(acc)

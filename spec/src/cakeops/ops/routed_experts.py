@@ -12,9 +12,10 @@ elsewhere (by the model: softmax top-k, sigmoid with expert bias, grouped top-k,
 with ``act`` one of :data:`ACTIVATIONS` (``silu`` is ``g * sigmoid(alpha * g)``). The defaults
 (SiLU, ``alpha`` 1, no limit, no offset, no biases) are the SwiGLU experts of Mixtral, Qwen and
 DeepSeek; GPT-OSS is ``alpha=1.702, limit=7, up_offset=1`` with biases. Gradients flow to ``x``,
-``top_k_weights``, the weights and the biases; ``top_k_index`` has none. Ids ``>= E`` are
-dropped slots (transformers' expert parallelism sends them for experts on other ranks): they
-add nothing and get zero gradients. Negative ids are an error.
+``top_k_weights``, the weights and the biases; ``top_k_index`` has none. Ids ``>= E`` and ``-1`` are
+dropped slots (transformers' expert parallelism sends ids past the local experts for experts on
+other ranks, DeepEP's dispatch ``-1`` for "not on this rank"): they add nothing and get zero
+gradients. Ids below ``-1`` are an error.
 
 Weights are read through their strides: ``w_gate`` and ``w_up`` may be views of one packed
 ``(E, 2F, D)`` tensor (``gate_up_proj[:, :F]``), of an interleaved one (``[:, ::2]``), or
@@ -189,13 +190,13 @@ def example_weights(E: int, F: int, D: int, device, dtype) -> tuple[Tensor, Tens
 
 
 def _check_ids(index: Tensor, E: int) -> None:
-    """Negative ids are an error (ids ``>= E`` are dropped slots)."""
+    """Ids below -1 are an error (ids ``>= E`` and ``-1`` are dropped slots)."""
     if index.numel() == 0 or is_fake(index) or index.device.type == "meta":
         return
-    bad = index < 0
+    bad = index < -1
     message = (
-        f"{OP}: argument 'top_k_index' expected expert ids >= 0 (0..{E - 1}, or >= {E} for a "
-        f"dropped slot)"
+        f"{OP}: argument 'top_k_index' expected expert ids 0..{E - 1}, or -1 or >= {E} for a "
+        f"dropped slot"
     )
     if index.device.type == "cpu":
         if bad.any():
@@ -206,7 +207,7 @@ def _check_ids(index: Tensor, E: int) -> None:
 
 
 def check_data(a: Inputs) -> None:
-    """The check of :func:`check` that reads values: expert ids ``>= 0``."""
+    """The check of :func:`check` that reads values: expert ids ``>= -1``."""
     _check_ids(a.top_k_index, a.w_down.shape[0])
 
 

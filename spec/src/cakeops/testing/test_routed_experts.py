@@ -193,21 +193,23 @@ class TestRoutedExperts:
 
     @pytest.mark.parametrize("weight", ["finite", "nan", "inf"])
     def test_dropped_slots(self, backend, dtype, device, weight):
-        """Ids ``>= E`` (transformers' expert parallelism: experts on another rank) add nothing
-        and get zero gradients, whatever their weight (a NaN or inf there made the output NaN);
-        the rest is the op on the slots that are kept."""
+        """Ids ``>= E`` (transformers' expert parallelism: experts on another rank) and ``-1``
+        (DeepEP's dispatch: not on this rank) add nothing and get zero gradients, whatever their
+        weight (a NaN or inf there made the output NaN); the rest is the op on the slots that
+        are kept."""
         tensors, g = make_inputs(*FORM_SHAPE, dtype, device)
         x, index, weights, *w = tensors
         dropped = index.clone()
         dropped[::3, 1] = 4  # E: the first id past the local experts
         dropped[1::5, 0] = 1000
+        dropped[2::7, 0] = -1
+        kept = (dropped >= 0) & (dropped < 4)
         if weight != "finite":
             with torch.no_grad():
-                signs = (-1.0) ** torch.arange(int((dropped >= 4).sum()), device=device)
-                weights[dropped >= 4] = (float(weight) * signs).to(weights.dtype)
+                signs = (-1.0) ** torch.arange(int((~kept).sum()), device=device)
+                weights[~kept] = (float(weight) * signs).to(weights.dtype)
         got = run((x, dropped, weights, *w), g)
         # the same tokens with those slots' weights at zero and any valid id: the same result
-        kept = dropped < 4
         zeroed = torch.where(kept, weights, 0).detach().requires_grad_()
         want = run((x, torch.where(kept, dropped, 0), zeroed, *w), g)
         t.assert_matches(got[0], want[0].double(), "out", x.dtype)
@@ -334,11 +336,11 @@ class TestRoutedExpertsBadInput:
         t.assert_bad_input_raises(OP, call, error, argument)
 
     def test_negative_ids_raise(self, backend, device):
-        """Negative ids are an error naming the argument (on the CPU at the call; on a GPU a
+        """Ids below -1 are an error naming the argument (on the CPU at the call; on a GPU a
         device assertion, which does not synchronise and so is not a ValueError)."""
         if torch.device(device).type != "cpu":
             pytest.skip("a device assertion is reported asynchronously, not as a ValueError")
         args, _, _ = _bad_inputs(device)["ids-float"]
         x, index, w, wg, wu, wd = args
-        call = lambda: cakeops.routed_experts(x, index.long() - 1, w, wg, wu, wd)  # noqa: E731
+        call = lambda: cakeops.routed_experts(x, index.long() - 2, w, wg, wu, wd)  # noqa: E731
         t.assert_bad_input_raises(OP, call, ValueError, "top_k_index")
