@@ -1,0 +1,75 @@
+"""The grouped-experts slot of torchtitan-style engines (``experts(x, num_tokens_per_expert)``)
+on cakeops, against a plain loop over the experts (torchtitan itself is not installed: its
+slot's contract is what is tested)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cakeops
+from cakeops.integrations.torchtitan import grouped_experts, row_experts, use_cakeops_experts
+
+E, D, HIDDEN = 4, 8, 12
+
+
+class GroupedExperts(torch.nn.Module):
+    """A stand-in for torchtitan's module: its parameters, and its for-loop forward."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.num_experts = E
+        self.w1 = torch.nn.Parameter(torch.randn(E, HIDDEN, D, generator=g) * 0.3)
+        self.w2 = torch.nn.Parameter(torch.randn(E, D, HIDDEN, generator=g) * 0.3)
+        self.w3 = torch.nn.Parameter(torch.randn(E, HIDDEN, D, generator=g) * 0.3)
+
+    def forward(self, x, num_tokens_per_expert):
+        counts = [int(c) for c in num_tokens_per_expert.tolist()]
+        out = x.new_zeros(x.shape)
+        start = 0
+        for e, n in enumerate(counts):
+            rows = x[start : start + n]
+            h = F.silu(rows @ self.w1[e].T) * (rows @ self.w3[e].T)
+            out[start : start + n] = h @ self.w2[e].T
+            start += n
+        return out
+
+
+@pytest.mark.parametrize("counts, padding", [([3, 0, 5, 2], 0), ([0, 4, 1, 0], 3), ([0] * E, 2)])
+def test_matches_a_plain_loop(counts, padding):
+    """Rows sorted by expert (an expert without rows, padding rows past the counts' sum, float
+    counts as ``torch.histc`` gives them): the output and the gradients of x and the three
+    weights equal the loop's; padding rows give zeros and get zero gradients."""
+    rows = sum(counts) + padding
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, D, generator=g)
+    upstream = torch.randn(rows, D, generator=g)
+    num = torch.tensor(counts, dtype=torch.float32)
+    results = []
+    for patched in (False, True):
+        module = GroupedExperts()
+        if patched:
+            assert use_cakeops_experts(torch.nn.Sequential(module)) == 1
+        xi = x.clone().requires_grad_()
+        out = module(xi, num)
+        out.backward(upstream)
+        results.append([out, xi.grad, module.w1.grad, module.w2.grad, module.w3.grad])
+    for name, got, want in zip(("out", "dx", "dw1", "dw2", "dw3"), *results, strict=True):
+        assert cakeops.relative_error(got, want) <= cakeops.tolerance(torch.float32), name
+    assert torch.equal(results[1][0][rows - padding :], torch.zeros(padding, D))
+    assert torch.equal(results[1][1][rows - padding :], torch.zeros(padding, D))
+
+
+def test_row_experts_and_the_module_kept():
+    """Each row's expert from the counts (``E`` past their sum); the patched module keeps its
+    parameters and state-dict names; a wrong count shape is a ValueError naming it."""
+    ids = row_experts(torch.tensor([2.0, 0.0, 1.0]), 5)
+    assert ids.tolist() == [[0], [0], [2], [3], [3]]
+    module = GroupedExperts()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    use_cakeops_experts(module)
+    assert module.state_dict().keys() == before.keys()
+    with pytest.raises(ValueError, match="num_tokens_per_expert"):
+        grouped_experts(torch.randn(3, D), torch.ones(E + 1), module.w1, module.w2, module.w3)
