@@ -82,6 +82,52 @@ def test_matches_the_single_process_op(tmp_path, world, form):
         assert_matches(a, b, name, torch.float32)
 
 
+def _wire_worker(rank: int, world: int, init: str, out: str) -> None:
+    """Forward and backward of the 2-rank problem, recording each exchange of rows of D."""
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    sent = []
+    exchange = cd._all_to_all
+
+    def recorded(rows, split_in, split_out, group):
+        if rows.dim() == 2 and rows.shape[1] == D:
+            sent.append(sum(split_in) - split_in[rank])  # rows leaving this rank
+        return exchange(rows, split_in, split_out, group)
+
+    cd._all_to_all = recorded
+    x, index, weights, experts, g = problem(world, False)
+    mine, block = slice(rank * T, (rank + 1) * T), E // world
+    leaves = [t.clone().requires_grad_() for t in (x[mine], weights[mine])]
+    local = [t[rank * block : (rank + 1) * block] for t in experts]
+    cd.routed_experts(leaves[0], index[mine], leaves[1], *local).backward(g[mine])
+    torch.save(sent, f"{out}.{rank}")
+    dist.destroy_process_group()
+    _leave()
+
+
+@pytest.mark.timeout(300)
+def test_a_token_crosses_once_per_rank(tmp_path):
+    """A token goes once to each other rank that holds one of its experts, whatever how many
+    of its slots are there (it went once per slot): the four exchanges of rows (tokens out,
+    partial sums back, then in the backward the partial sums' gradients out and the tokens'
+    back) each carry exactly those pairs."""
+    world = 2
+    out = str(tmp_path / "rank")
+    mp.spawn(_wire_worker, args=(world, str(tmp_path / "init"), out), nprocs=world, join=True)
+    _, index, _, _, _ = problem(world, False)
+    owner = torch.where(index < E, index // (E // world), -1)  # each slot's rank (-1: dropped)
+    home = torch.arange(world * T) // T
+    for rank in range(world):
+        others = home != rank
+        # (token, rank) pairs leaving this rank, and arriving at it
+        away = sum(int((owner[home == rank] == r).any(1).sum()) for r in range(world) if r != rank)
+        received = int((others & (owner == rank).any(1)).sum())
+        slots_away = int(((owner[home == rank] != rank) & (owner[home == rank] >= 0)).sum())
+        sent = torch.load(f"{out}.{rank}")
+        assert sent == [away, received, away, received], sent
+        assert away < slots_away  # the problem has tokens with two slots on one rank
+
+
 def _edge_problem(case: str):
     """The gathered problem of an edge case, each rank's token rows and expert blocks:
     ``empty`` (rank 1 has no tokens), ``uneven`` (E = 5 as blocks of 3 and 2), ``bfloat16``

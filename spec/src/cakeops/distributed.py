@@ -6,11 +6,14 @@ experts, rank ``r`` the global ids ``[r E/W, (r+1) E/W)``; the weights a rank pa
 block. ``top_k_index`` holds global ids (``>= E`` or ``-1``: a dropped slot, as in the
 single-process op).
 
-A call makes two all-to-all exchanges of token rows: each kept ``(token, slot)`` row goes to the
-rank that owns its expert (sorted by destination, with its local expert id and its combine
-weight), runs through that rank's :func:`cakeops.routed_experts`, which weighs its float32 slot
-outputs (and computes the weights' gradient from them) as the single-process op does, and the
-weighted outputs come back in a second all-to-all, summed at home in float32, in slot order.
+A call makes two all-to-all exchanges of token rows: a token goes once to each rank that owns
+one of its experts (sorted by destination, with its ``k`` slots' local expert ids there and
+combine weights, the slots on other ranks dropped), runs through that rank's
+:func:`cakeops.routed_experts`, which weighs its float32 slot outputs, sums the token's slots
+there (and computes the weights' gradient from them) as the single-process op does, and each
+rank's partial sum comes back in a second all-to-all, summed at home in float32, rank by rank.
+At top-k over W ranks a token crosses at most ``min(k, W)`` times instead of ``k`` (top-4
+over 2 ranks: about 1.9 rows a token instead of 4).
 Every rank must hold the same number of experts (checked within the exchange of the counts: all
 ranks raise alike); a rank may have no tokens. Autograd
 flows back through both exchanges (each the reverse all-to-all of the other): ``x``, the local
@@ -99,13 +102,18 @@ def routed_experts(
     :func:`cakeops.routed_experts`). Returns this rank's ``(T, D)``."""
     world = _check(x, top_k_index, top_k_weights, w_up, group)
     local = w_up.shape[0]
-    T, k = top_k_index.shape
-    D = x.shape[1]
-    ids = top_k_index.reshape(-1)
-    # each kept (token, slot) row, sorted by the rank that owns its expert (dropped: sorted last)
+    T = top_k_index.shape[0]
+    ids = top_k_index
+    # each slot's destination rank (world: a dropped slot), then the (rank, token) pairs: a
+    # token goes once to each rank that holds one of its experts, with all its slots there
     dest = torch.where((ids >= 0) & (ids < local * world), ids // local, world)
-    order = torch.sort(dest, stable=True).indices
-    counts = torch.bincount(dest, minlength=world + 1)[:world]
+    wanted = torch.zeros((T, world + 1), dtype=torch.bool, device=x.device)
+    wanted.scatter_(1, dest, True)
+    wanted = wanted[:, :world].t()  # (world, T)
+    counts = wanted.sum(1)
+    # the pairs sorted by rank, then token, without waiting for the device: a stable sort of
+    # the flags puts the pairs first
+    order = torch.sort((~wanted).reshape(-1).to(torch.uint8), stable=True).indices
     # the counts and this rank's number of experts to every rank, in one exchange: each rank
     # then knows every block's size and refuses uneven ones, all ranks alike (no hang)
     mine = torch.stack([counts, torch.full_like(counts, local)], 1)
@@ -119,20 +127,29 @@ def routed_experts(
             f"contiguous block of E / W each), got blocks of {blocks} experts on ranks "
             f"0..{world - 1}"
         )
-    sent = order[: sum(split_in)]
-    rows = _exchange(_gather_rows(x, sent // k), split_in, split_out, group)
-    local_ids = _exchange((ids[sent] - dest[sent] * local).unsqueeze(1), split_in, split_out, group)
-    # each row's combine weight travels with it: the experts' op weighs its float32 slot
-    # outputs and computes the weights' gradient from them, as the single-process op does
-    # (weighing at home would round each slot's output to x's dtype first)
-    w_rows = _exchange(top_k_weights.reshape(-1)[sent].unsqueeze(1), split_in, split_out, group)
-    y = _routed_experts(rows, local_ids, w_rows, w_gate, w_up, w_down, **options)
-    back = _exchange(y, split_out, split_in, group)  # this rank's kept slots, in `sent` order
-    # The sum at home in float32 (float64 for float64), each token's slots in slot order;
-    # dropped slots (never sent, their weights unread) are zero rows.
+    pairs = order[: sum(split_in)]
+    rank, token = pairs // max(T, 1), pairs % max(T, 1)
+    # each pair's slots: those on its rank, with their local ids; the others dropped there
+    here = dest[token] == rank[:, None]
+    local_ids = torch.where(here, ids[token] - rank[:, None] * local, local).to(torch.int32)
+    pair_weights = torch.where(here, top_k_weights[token], 0)
+    rows = _exchange(_gather_rows(x, token), split_in, split_out, group)
+    ids_in = _exchange(local_ids, split_in, split_out, group)
+    # each slot's combine weight travels with it: the experts' op weighs its float32 slot
+    # outputs, sums a token's slots on that rank and computes the weights' gradient from them,
+    # as the single-process op does
+    weights_in = _exchange(pair_weights, split_in, split_out, group)
+    y = _routed_experts(rows, ids_in, weights_in, w_gate, w_up, w_down, **options)
+    back = _exchange(y, split_out, split_in, group)  # each pair's partial sum, in `pairs` order
+    # The partial sums at home in float32 (float64 for float64), rank by rank: within a rank
+    # a token appears once, so each add has distinct rows (the same order on every run).
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-    slots = x.new_zeros((T * k, D), dtype=ct).index_copy(0, sent, back.to(ct))
-    return slots.view(T, k, D).sum(1).to(x.dtype)
+    out = x.new_zeros((T, x.shape[1]), dtype=ct)
+    start = 0
+    for n in split_in:  # every rank, an empty block too: the graph reaches the exchange
+        out = out.index_add(0, token[start : start + n], back[start : start + n].to(ct))
+        start += n
+    return out.to(x.dtype)
 
 
 class _GatherRows(torch.autograd.Function):
