@@ -1,14 +1,16 @@
 """Expert parallelism on the CPU: ``cakeops.distributed.routed_experts`` on 2 processes of one
 thread each (gloo), each holding half the tokens and half the experts, against
-``cakeops.routed_experts`` on 1 process of 2 threads holding everything; forward+backward at
-the ``moe_experts`` bench shape::
+``cakeops.routed_experts`` on 1 process of 2 threads holding everything, and against the
+layout before #38 (one row per (token, slot), :func:`_by_slot`); forward+backward at the
+``moe_experts`` bench shape and at top-4 of 16 experts::
 
     python -m cakeops.bench.expert_parallel [--quick] [--markdown PATH]
 
-Reported per configuration: the median step time (the two configurations alternate, each
-timed ``REPEATS`` times), the bytes each rank sends in the exchanges of one step (token rows
-and their expert ids out and back, forward and backward; the counts' exchange is a few bytes),
-and the peak memory each rank allocates during a step beyond its inputs.
+Reported per configuration: the median step time (the configurations alternate, each timed
+``REPEATS`` times), the bytes each rank sends in the exchanges of one step (counted at the
+exchanges: token rows, their expert ids and weights out, the results back, and the gradients
+of both; the counts' exchange is a few bytes), and the peak memory each rank allocates during a
+step beyond its inputs.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from typing import Any
 
 import torch
 
-#: name -> (T, D, F, E, top_k): the first moe_experts bench case, and the quick one
-CASES = {"T4096 D1024 F2816 E8 top2": (4096, 1024, 2816, 8, 2)}
-QUICK_CASES = {"T512 D128 F256 E8 top2": (512, 128, 256, 8, 2)}
+#: name -> (T, D, F, E, top_k): the first moe_experts bench case, #38's (top-4 of 16 experts),
+#: and the quick one
+CASES = {"T4096 D1024 F2816 E8 top2": (4096, 1024, 2816, 8, 2),
+         "T4096 D1024 F1408 E16 top4": (4096, 1024, 1408, 16, 4)}  # fmt: skip
+QUICK_CASES = {"T512 D128 F256 E16 top4": (512, 128, 256, 16, 4)}
 WORLD, REPEATS, QUICK_REPEATS = 2, 5, 3
 
 
@@ -60,17 +64,46 @@ def _step(op, x, index, weights, experts, grad):
     return step
 
 
-def _exchanged_bytes(index: torch.Tensor, rank: int, world: int, D: int, local: int) -> int:
-    """Bytes this rank sends to the others in one step (float32 rows of ``D``). Forward: its
-    rows bound for another rank's experts, each with its int64 id, and the outputs of the rows
-    it received; backward, the exchanges reversed: the gradients of its rows' outputs, and the
-    input gradients of the rows it received. (Rows for its own experts stay on the rank.)"""
-    T = index.shape[0] // world
-    home = torch.arange(index.shape[0]).div(T, rounding_mode="floor").unsqueeze(1)
-    owner = index // local
-    away = int(((home == rank) & (owner != rank)).sum())
-    received = int(((home != rank) & (owner == rank)).sum())
-    return away * (4 * D + 8) + received * 4 * D + away * 4 * D + received * 4 * D
+def _by_slot(x, top_k_index, top_k_weights, w_gate, w_up, w_down, group=None):
+    """The layout before #38, kept to compare: one row per kept (token, slot), sent to the rank
+    of its expert with its local id and weight, each slot's output back, summed at home."""
+    import torch.distributed as dist
+
+    from cakeops import distributed as cd
+    from cakeops import routed_experts
+
+    world = dist.get_world_size(group)
+    local, (T, k) = w_up.shape[0], top_k_index.shape
+    ids = top_k_index.reshape(-1)
+    dest = torch.where((ids >= 0) & (ids < local * world), ids // local, world)
+    order = torch.sort(dest, stable=True).indices
+    counts = torch.bincount(dest, minlength=world + 1)[:world]
+    theirs = torch.empty_like(counts)
+    dist.all_to_all_single(theirs, counts, group=group)
+    split_in, split_out = counts.tolist(), theirs.tolist()
+    sent = order[: sum(split_in)]
+    rows = cd._exchange(x.index_select(0, sent // k), split_in, split_out, group)
+    ids_in = cd._exchange((ids[sent] - dest[sent] * local).unsqueeze(1), split_in, split_out,
+                          group)  # fmt: skip
+    w_in = cd._exchange(top_k_weights.reshape(-1)[sent].unsqueeze(1), split_in, split_out, group)
+    y = routed_experts(rows, ids_in, w_in, w_gate, w_up, w_down)
+    back = cd._exchange(y, split_out, split_in, group)
+    slots = x.new_zeros((T * k, x.shape[1])).index_copy(0, sent, back)
+    return slots.view(T, k, -1).sum(1)
+
+
+def _counting(sent: list[int], rank: int):
+    """Wraps the exchanges of :mod:`cakeops.distributed` to add the bytes leaving ``rank``."""
+    from cakeops import distributed as cd
+
+    exchange = cd._all_to_all
+
+    def counted(rows, split_in, split_out, group):
+        row_bytes = rows[:1].numel() * rows.element_size()
+        sent[0] += (sum(split_in) - split_in[rank]) * row_bytes
+        return exchange(rows, split_in, split_out, group)
+
+    cd._all_to_all = counted
 
 
 def _worker(rank: int, world: int, init: str, out: str, case: tuple, repeats: int, turn: str):
@@ -81,23 +114,31 @@ def _worker(rank: int, world: int, init: str, out: str, case: tuple, repeats: in
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    T, D, _, E, _ = case
+    T, _, _, E, _ = case
     x, index, weights, experts, grad = problem(*case)
     mine, block = slice(rank * T // world, (rank + 1) * T // world), E // world
     local = [w[rank * block : (rank + 1) * block] for w in experts]
-    step = _step(cd.routed_experts, x[mine], index[mine], weights[mine], local, grad[mine])
-    step()  # warm-up
-    times = []
+    steps = {name: _step(op, x[mine], index[mine], weights[mine], local, grad[mine])
+             for name, op in (("tokens", cd.routed_experts), ("slots", _by_slot))}  # fmt: skip
+    sent: dict[str, int] = {}
+    counter = [0]
+    _counting(counter, rank)
+    for name, step in steps.items():  # warm-up, and the bytes of one step
+        counter[0] = 0
+        step()
+        sent[name] = counter[0]
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(repeats):  # the one-process run takes its turn between these
         _wait_for(turn, f"ep {i}", dist)
-        start = time.perf_counter()
-        step()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
+        for name in list(steps) if i % 2 == 0 else list(steps)[::-1]:
+            dist.barrier()
+            start = time.perf_counter()
+            steps[name]()
+            dist.barrier()
+            times[name].append(time.perf_counter() - start)
         if rank == 0:
             Path(turn).write_text(f"done {i}")
-    peak = peak_memory(step, torch.device("cpu"))
-    sent = _exchanged_bytes(index, rank, world, D, block)
+    peak = {name: peak_memory(step, torch.device("cpu")) for name, step in steps.items()}
     torch.save({"times": times, "peak": peak, "sent": sent}, f"{out}.{rank}")
     dist.barrier()
     dist.destroy_process_group()
@@ -147,16 +188,18 @@ def run(quick: bool) -> list[dict[str, Any]]:
             one_peak = peak_memory(one, torch.device("cpu"))
             torch.set_num_threads(threads)
             ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
-        ep_time = statistics.median(
-            max(ts) for ts in zip(*(r["times"] for r in ranks), strict=True)
-        )
         one_time = statistics.median(times)
         rows.append({"case": name, "config": f"1 process x {WORLD} threads",
                      "time_s": one_time, "sent": 0, "peak": one_peak, "ratio": 1.0})  # fmt: skip
-        rows.append({"case": name, "config": f"{WORLD} processes x 1 thread (expert parallel)",
-                     "time_s": ep_time, "sent": max(r["sent"] for r in ranks),
-                     "peak": max(r["peak"] for r in ranks),
-                     "ratio": one_time / ep_time})  # fmt: skip
+        labels = {"tokens": "a token once per rank", "slots": "a row per slot, before #38"}
+        for layout, label in labels.items():
+            ep_time = statistics.median(
+                max(ts) for ts in zip(*(r["times"][layout] for r in ranks), strict=True)
+            )
+            rows.append({"case": name, "config": f"{WORLD} processes x 1 thread: {label}",
+                         "time_s": ep_time, "sent": max(r["sent"][layout] for r in ranks),
+                         "peak": max(r["peak"][layout] for r in ranks),
+                         "ratio": one_time / ep_time})  # fmt: skip
     return rows
 
 
