@@ -12,8 +12,8 @@ combine weights, the slots on other ranks dropped), runs through that rank's
 :func:`cakeops.routed_experts`, which weighs its float32 slot outputs, sums the token's slots
 there (and computes the weights' gradient from them) as the single-process op does, and each
 rank's partial sum comes back in a second all-to-all, summed at home in float32, rank by rank.
-At top-k over W ranks a token crosses at most ``min(k, W)`` times instead of ``k`` (top-4
-over 2 ranks: about 1.9 rows a token instead of 4).
+A token goes to at most ``min(k, W)`` ranks instead of as ``k`` rows (top-4 of 16 experts
+over 2 ranks: to the other rank 0.96 times on average instead of 2).
 Every rank must hold the same number of experts (checked within the exchange of the counts: all
 ranks raise alike); a rank may have no tokens. Autograd
 flows back through both exchanges (each the reverse all-to-all of the other): ``x``, the local
