@@ -307,9 +307,18 @@ def _hf_worker(rank: int, world: int, init: str, path: str, out: str) -> None:
 
     import cakeops.integrations.transformers  # noqa: F401 (registers "cakeops")
 
+    calls = []
+    dispatch = cd.routed_experts
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return dispatch(*args, **kwargs)
+
+    cd.routed_experts = counted  # how many layers ran cakeops' dispatcher
     results = {}
-    for impl in ("eager", "cakeops"):
-        config = DistributedConfig(ep_size=world, fsdp_size=world, tp_size=1)
+    for impl, ep in (("eager", "auto"), ("cakeops", "auto"), ("eager", "cakeops")):
+        calls.clear()
+        config = DistributedConfig(ep_size=world, fsdp_size=world, tp_size=1, ep_implementation=ep)
         model = tf.AutoModelForCausalLM.from_pretrained(
             path, distributed_config=config, experts_implementation=impl
         )
@@ -318,7 +327,8 @@ def _hf_worker(rank: int, world: int, init: str, path: str, out: str) -> None:
         loss.backward()
         grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
                  for n, p in model.named_parameters() if p.grad is not None}  # fmt: skip
-        results[impl] = (loss.detach(), grads)
+        key = impl if ep == "auto" else f"ep_implementation={ep}"
+        results[key] = (loss.detach(), grads, len(calls))
     torch.save(results, f"{out}.{rank}")
     dist.barrier()
     dist.destroy_process_group()
@@ -331,9 +341,10 @@ def _hf_tokens(rank: int) -> torch.Tensor:
 
 def test_transformers_expert_parallelism(tmp_path):
     """transformers' own expert parallelism (``DistributedConfig(ep_size=2)``, its all-to-all
-    dispatch, FSDP2 on the rest) runs on gloo: with ``experts_implementation="cakeops"`` each
-    rank's loss and every gradient equal those with the eager experts, and the loss is the
-    single-process model's on that rank's batch."""
+    dispatch, FSDP2 on the rest) runs on gloo: with ``experts_implementation="cakeops"``, and
+    with cakeops' dispatcher as its EP implementation (``ep_implementation="cakeops"``), each
+    rank's loss and every gradient equal those with the eager experts and transformers'
+    dispatch, and the loss is the single-process model's on that rank's batch."""
     sys.path.insert(0, os.path.dirname(__file__))
     import hf_families as H
 
@@ -345,13 +356,17 @@ def test_transformers_expert_parallelism(tmp_path):
     model.eval()
     for rank in range(world):
         results = torch.load(f"{out}.{rank}")
-        (loss, grads), (loss_c, grads_c) = results["eager"], results["cakeops"]
+        loss, grads, _ = results["eager"]
         single = model(_hf_tokens(rank), labels=_hf_tokens(rank)).loss.detach()
-        assert_matches(loss_c, single.double(), "loss against one process", torch.float32)
-        assert_matches(loss_c, loss.double(), "loss", torch.float32)
-        assert grads.keys() == grads_c.keys() and grads
-        for name, grad in grads.items():
-            assert_matches(grads_c[name], grad.double(), name, torch.float32)
+        assert results["cakeops"][2] == 0 and results["ep_implementation=cakeops"][2] == 2
+        for key in ("cakeops", "ep_implementation=cakeops"):
+            loss_c, grads_c, _ = results[key]
+            assert_matches(loss_c, single.double(), f"{key}: loss against one process",
+                           torch.float32)  # fmt: skip
+            assert_matches(loss_c, loss.double(), f"{key}: loss", torch.float32)
+            assert grads.keys() == grads_c.keys() and grads
+            for name, grad in grads.items():
+                assert_matches(grads_c[name], grad.double(), f"{key}: {name}", torch.float32)
 
 
 def test_benchmark_reports_both_configurations(tmp_path):

@@ -223,6 +223,7 @@ def register() -> None:
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(NAME, experts_forward)
+    _register_ep_implementation()
     post_init = PreTrainedModel.post_init
     if getattr(post_init, "_cakeops_checks", False):
         return
@@ -236,6 +237,58 @@ def register() -> None:
 
     post_init_then_check._cakeops_checks = True  # type: ignore[attr-defined]
     PreTrainedModel.post_init = post_init_then_check
+
+
+def _register_ep_implementation() -> None:
+    """Add ``"cakeops"`` to transformers' ``EPImplementationInterface`` (a transformers without
+    expert parallelism, or without torch.distributed, is left alone)."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from transformers.distributed.expert_parallel import (
+            EPImplementation,
+            EPImplementationInterface,
+        )
+    except ImportError:
+        return
+
+    class CakeopsEP(EPImplementation):
+        """``DistributedConfig(..., ep_implementation="cakeops")``: the experts module's
+        experts, sharded over the EP group, on :func:`cakeops.distributed.routed_experts` (a
+        token sent once to each rank that owns one of its experts, its slots' ids and weights
+        with it; the partial sums combined at home). The ranks of a TP group (which hold the same
+        batch) each take a slice of its tokens and gather the outputs, as transformers'
+        ``AllToAllEP`` does. Refuses an experts module cakeops cannot run, when built."""
+
+        def __init__(self, experts, ep_mesh, tp_mesh):
+            super().__init__(experts, ep_mesh, tp_mesh)
+            self.experts = experts
+            experts_options(experts)
+
+        def __call__(self, hidden_states, top_k_index, top_k_weights):
+            from cakeops.distributed import routed_experts as distributed_experts
+
+            num_tokens, hidden = hidden_states.shape
+            sliced = self.tp_mesh.size() > 1
+            if sliced:  # Replicate -> Shard(0): a local slice; its backward gathers the rows
+                hidden_states, top_k_index, top_k_weights = (
+                    DTensor.from_local(t, self.tp_mesh, [Replicate()], run_check=False)
+                    .redistribute(self.tp_mesh, [Shard(0)])
+                    .to_local()
+                    for t in (hidden_states, top_k_index, top_k_weights)
+                )
+            w = _weights(self.experts)  # the local experts: EP runs this inside its local view
+            out = distributed_experts(
+                hidden_states, top_k_index, top_k_weights, w.pop("w_gate"), w.pop("w_up"),
+                w.pop("w_down"), group=self.ep_mesh.get_group(), **w,
+                **experts_options(self.experts),
+            )  # fmt: skip
+            if not sliced:
+                return out
+            out = DTensor.from_local(out.contiguous(), self.tp_mesh, [Shard(0)],
+                                     shape=(num_tokens, hidden), stride=(hidden, 1))  # fmt: skip
+            return out.full_tensor()
+
+    EPImplementationInterface.register(NAME, CakeopsEP)
 
 
 # --------------------------------------------------------------------------------------------
