@@ -323,12 +323,23 @@ def _hf_worker(rank: int, world: int, init: str, path: str, out: str) -> None:
             path, distributed_config=config, experts_implementation=impl
         )
         ids = _hf_tokens(rank)
-        loss = model(ids, labels=ids).loss
-        loss.backward()
+        output = model(ids, labels=ids)
+        output.loss.backward()
         grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
                  for n, p in model.named_parameters() if p.grad is not None}  # fmt: skip
+        forwards = len(calls)
+        # three AdamW steps from there: the losses they reach
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            optimizer.step()
+            optimizer.zero_grad()
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.detach())
         key = impl if ep == "auto" else f"ep_implementation={ep}"
-        results[key] = (loss.detach(), grads, len(calls))
+        results[key] = (output.loss.detach(), grads, forwards, output.logits.detach(),
+                        torch.stack(losses))  # fmt: skip
     torch.save(results, f"{out}.{rank}")
     dist.barrier()
     dist.destroy_process_group()
@@ -343,8 +354,9 @@ def test_transformers_expert_parallelism(tmp_path):
     """transformers' own expert parallelism (``DistributedConfig(ep_size=2)``, its all-to-all
     dispatch, FSDP2 on the rest) runs on gloo: with ``experts_implementation="cakeops"``, and
     with cakeops' dispatcher as its EP implementation (``ep_implementation="cakeops"``), each
-    rank's loss and every gradient equal those with the eager experts and transformers'
-    dispatch, and the loss is the single-process model's on that rank's batch."""
+    rank's logits, loss, every gradient and the losses of 3 AdamW steps equal those with the
+    eager experts and transformers' dispatch, and the logits and loss are the single-process
+    model's on that rank's batch."""
     sys.path.insert(0, os.path.dirname(__file__))
     import hf_families as H
 
@@ -356,11 +368,17 @@ def test_transformers_expert_parallelism(tmp_path):
     model.eval()
     for rank in range(world):
         results = torch.load(f"{out}.{rank}")
-        loss, grads, _ = results["eager"]
-        single = model(_hf_tokens(rank), labels=_hf_tokens(rank)).loss.detach()
+        loss, grads, _, logits, steps = results["eager"]
+        single = model(_hf_tokens(rank), labels=_hf_tokens(rank))
+        assert_matches(logits, single.logits.detach().double(), "logits", torch.float32)
+        single = single.loss.detach()
         assert results["cakeops"][2] == 0 and results["ep_implementation=cakeops"][2] == 2
         for key in ("cakeops", "ep_implementation=cakeops"):
-            loss_c, grads_c, _ = results[key]
+            loss_c, grads_c, _, logits_c, steps_c = results[key]
+            assert_matches(logits_c, logits.double(), f"{key}: logits", torch.float32)
+            assert_matches(steps_c, steps.double(), f"{key}: losses of 3 AdamW steps",
+                           torch.float32)  # fmt: skip
+            assert not torch.allclose(steps_c[-1], loss_c)  # the steps changed the model
             assert_matches(loss_c, single.double(), f"{key}: loss against one process",
                            torch.float32)  # fmt: skip
             assert_matches(loss_c, loss.double(), f"{key}: loss", torch.float32)
