@@ -148,7 +148,8 @@ def log_multipliers(q, log_decay, log_gates, dtype=torch.float32) -> torch.Tenso
     without either): the log of what multiplies the state at each step."""
     if log_decay is None and log_gates is None:
         return None
-    N, H, L, _ = q.shape
+    N, _, L, _ = q.shape  # the heads: the value heads (q may have fewer, shared by groups)
+    H = log_gates.shape[1] if log_gates is not None else log_decay.shape[0]
     lm = torch.zeros((N, H, L), dtype=dtype, device=q.device)
     if log_decay is not None:
         lm += log_decay.to(dtype)[None, :, None]
@@ -177,11 +178,32 @@ def drop_tiny_(x: torch.Tensor) -> torch.Tensor:
     return x.masked_fill_(x.abs() < math.exp(LOG_FACTOR_FLOOR), 0.0)
 
 
+def value_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``causal_dot_product``'s ``q`` or ``k`` ``(N, Hk, L, E)`` as ``(N, heads, L, E)``, value
+    head ``h`` reading key head ``h // (heads / Hk)``: ``t`` itself, a stride-0 view for one key
+    head, else a copy (for kernels that read one head per value head)."""
+    Hk = t.shape[1]
+    if Hk == heads:
+        return t
+    if Hk == 1:
+        return t.expand(-1, heads, -1, -1)
+    return t.repeat_interleave(heads // Hk, dim=1)
+
+
+def key_head_sums(d: torch.Tensor, key_heads: int) -> torch.Tensor:
+    """Per-value-head gradients ``(N, H, L, E)`` of :func:`value_heads`' result summed over
+    each key head's group: ``(N, key_heads, L, E)``."""
+    N, H, L, E = d.shape
+    return d if key_heads == H else d.view(N, key_heads, H // key_heads, L, E).sum(2)
+
+
 def causal_step(q, k, v, lm, initial_state, scale):
     """``(out, state)`` of one position (``L = 1``, one sequence per row): ``S = exp(lm) S_0 +
     k^T v``, ``out = scale q S``, the state in the compute dtype (``S_0``: ``initial_state``,
     zeros when None; ``lm``: :func:`log_multipliers`, None for none). A decode step's few ops
     where the chunked forms would run their whole machinery for one position."""
+    H = v.shape[1]
+    q, k = value_heads(q, H), value_heads(k, H)
     state = _step_state(k, v, lm, initial_state)
     out = q[:, :, 0, None].to(state.dtype) @ state  # (N, H, 1, M)
     if scale is not None:
@@ -210,6 +232,9 @@ def causal_step_backward(g, g_final, q, k, v, scale, log_decay, log_gates, initi
     ct = compute_dtype(q.dtype)
     lm = log_multipliers(q, log_decay, log_gates, ct)
     s = 1.0 if scale is None else scale
+    key_heads, H = q.shape[1], v.shape[1]
+    given_q, given_k = q, k
+    q, k = value_heads(q, H), value_heads(k, H)
     state = _step_state(k, v, lm, initial_state)
     qt, kt, vt, gt = (x[:, :, 0].to(ct) for x in (q, k, v, g))
     reach = (qt * s)[..., :, None] * gt[..., None, :]  # (N, H, E, M)
@@ -230,8 +255,9 @@ def causal_step_backward(g, g_final, q, k, v, scale, log_decay, log_gates, initi
             d_lm = d_lm.masked_fill(a == 0, 0.0)
         d_decay = None if log_decay is None else d_lm.sum(0).to(log_decay.dtype)
         d_gates = None if log_gates is None else d_lm[..., None].to(log_gates.dtype)
-    grads = (t.transpose(-1, -2) for t in (dq, dk, dv))  # (N, H, 1, E) and (N, H, 1, M)
-    dq, dk, dv = cast_grads(tuple(grads), (q, k, v))
+    dq, dk, dv = (t.transpose(-1, -2) for t in (dq, dk, dv))  # (N, H, 1, E) and (N, H, 1, M)
+    dq, dk = key_head_sums(dq, key_heads), key_head_sums(dk, key_heads)
+    dq, dk, dv = cast_grads((dq, dk, dv), (given_q, given_k, v))
     return dq, dk, dv, d_decay, d_gates, d_init
 
 

@@ -25,9 +25,11 @@ from cakeops.helpers import (
     backward_by_scans,
     causal_step,
     causal_step_backward,
+    key_head_sums,
     log_multiplier_grads,
     log_multipliers,
     split_log_grads,
+    value_heads,
 )
 from cakeops_numba import SIMULATOR
 from cakeops_numba._elements import store, widen
@@ -167,19 +169,20 @@ def _run_options(q, k, v, lm, initial_state, cu_seqlens, scale):
     return out, states.view(N * S, H, E, M)
 
 
-def _backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
+def _backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens, wide=False):
     """``(dq, dk, dv, gradient reaching each initial state)`` as three runs of the kernel (``g``
     carries the scale): ``dq = (g, v, k)`` from ``S_0^T``, ``dk = (v, g, q)`` from
     ``g_final^T`` and ``dv = (k, q, g)`` from ``g_final`` in reverse, the last leaving the
-    gradient that reaches ``S_0``."""
+    gradient that reaches ``S_0``; dq and dk in float32 with ``wide``."""
+    wide_dtype = torch.float32 if wide else None
     N, H, _, E = q.shape
     M = v.shape[-1]
     S = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
     tasks = N * S * H
     st = _states(initial_state, tasks, M, E, transpose=True).to(q.device)
-    dq = _run(g, v, k, False, lm, st, cu_seqlens)
+    dq = _run(g, v, k, False, lm, st, cu_seqlens, out_dtype=wide_dtype)
     gt = _states(g_final, tasks, M, E, transpose=True).to(q.device)
-    dk = _run(v, g, q, True, lm, gt, cu_seqlens)
+    dk = _run(v, g, q, True, lm, gt, cu_seqlens, out_dtype=wide_dtype)
     gs = _states(g_final, tasks, E, M).to(q.device)
     dv = _run(k, q, g, True, lm, gs, cu_seqlens)
     return dq, dk, dv, gs.view(N * S, H, E, M)
@@ -197,10 +200,14 @@ def _plain(scale, lm, initial_state, output_final_state, cu_seqlens) -> bool:
 def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=None,
             output_final_state=False, cu_seqlens=None):  # fmt: skip
     lm = log_multipliers(q, log_decay, log_gates)
+    if not _on_cpu_kernels(q):  # the CUDA kernel reads one key head per value head
+        q, k = value_heads(q, v.shape[1]), value_heads(k, v.shape[1])
+    # the CPU's plain kernels read one key head per value head; its others, any
+    plain = _plain(scale, lm, initial_state, output_final_state, cu_seqlens)
     if _on_cpu_kernels(q) and q.shape[2] == 1 and cu_seqlens is None:
         # a decode step: a few PyTorch ops beat the kernels' host code for one position
         out, final = causal_step(q, k, v, lm, initial_state, scale)
-    elif _plain(scale, lm, initial_state, output_final_state, cu_seqlens):
+    elif plain and q.shape[1] == v.shape[1]:
         if _on_cpu_kernels(q):
             return cpu.forward(q, k, v), q.new_empty(0)
         return _run(q, k, v, reverse=False), q.new_empty(0)
@@ -219,8 +226,10 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
     if _on_cpu_kernels(q) and q.shape[2] == 1 and cu_seqlens is None:  # a decode step
         return causal_step_backward(g, g_final, q, k, v, scale, log_decay, log_gates,
                                     initial_state)  # fmt: skip
+    key_heads, dtype = q.shape[1], q.dtype
+    grouped = key_heads != v.shape[1]  # the CPU kernels sum a group's dq, dk themselves
     lm = log_multipliers(q, log_decay, log_gates)
-    if _plain(scale, lm, initial_state, g_final is not None, cu_seqlens):
+    if _plain(scale, lm, initial_state, g_final is not None, cu_seqlens) and not grouped:
         if _on_cpu_kernels(q):
             return (*cpu.backward(g, q, k, v), None, None, None)
         return (*backward_by_scans(_run, g, q, k, v), None, None, None)
@@ -231,11 +240,13 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
                                                        initial_state, cu_seqlens)  # fmt: skip
         if lm is not None:
             d_decay, d_gates = split_log_grads(dlm, lm, log_decay, log_gates)
-    else:
+    else:  # per value head on CUDA (float32 when a group's are summed after)
+        q, k = value_heads(q, v.shape[1]), value_heads(k, v.shape[1])
         dq, dk, dv, d_init = _backward_options(gs, g_final, q, k, v, lm, initial_state,
-                                               cu_seqlens)  # fmt: skip
+                                               cu_seqlens, wide=grouped)  # fmt: skip
         if lm is not None:
             d_decay, d_gates = log_multiplier_grads(gs, g_final, q, k, v, lm, initial_state,
                                                     cu_seqlens, log_decay, log_gates)  # fmt: skip
+        dq, dk = key_head_sums(dq, key_heads), key_head_sums(dk, key_heads)
     d_init = None if initial_state is None else d_init.to(initial_state.dtype)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_decay, d_gates, d_init
+    return dq.to(dtype), dk.to(dtype), dv.to(v.dtype), d_decay, d_gates, d_init

@@ -4,7 +4,9 @@ Within a chunk of ``CHUNK`` positions: a masked ``C x C`` score matrix times the
 Across chunks: one running ``E x M`` state in float32. Never an ``L x L`` matrix, never a state per
 position: peak extra memory is O(N H (L C + E M)) (the per-chunk float32 copies and scores).
 The backward recomputes everything from q, k, v: a forward-time scan for dq and a reverse-time
-scan for dk and dv.
+scan for dk and dv. Key heads shared by a group of value heads are never repeated: the chunk forms
+run on ``(N, Hk, G, ...)`` views, q and k broadcast over the group, and each chunk's dq and dk
+summed over it as they are formed.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=N
     if q.shape[2] == 1 and cu_seqlens is None:  # a decode step
         out, final = causal_step(q, k, v, lm, initial_state, scale)
         finals = (final,)
-    elif lm is None and initial_state is None and not output_final_state and cu_seqlens is None:
+    elif (lm is None and initial_state is None and not output_final_state and cu_seqlens is None
+          and q.shape[1] == v.shape[1]):  # fmt: skip
         out = _forward(q, k, v, scale)
     else:
         outs, finals = zip(*(_forward_options(q[r], k[r], v[r], None if lm is None else lm[r],
@@ -68,7 +71,8 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
     # the output's gradient carries the scale
     gs = g if scale is None else g.to(compute_dtype(g.dtype)) * scale
     lm = log_multipliers(q, log_decay, log_gates, compute_dtype(q.dtype))
-    if lm is None and initial_state is None and g_final is None and cu_seqlens is None:
+    if (lm is None and initial_state is None and g_final is None and cu_seqlens is None
+            and q.shape[1] == v.shape[1]):  # fmt: skip
         return (*_backward(gs, q, k, v), None, None, None)
     sequences = _sequences(q, cu_seqlens)  # once: cu_seqlens is read on the host
     parts = [
@@ -104,7 +108,7 @@ def _chunk_logs(lm, c):
     for ``j <= i`` (``-inf`` above the diagonal), ``b_i = lm_0 + ... + lm_i`` (the state into
     position ``i``), ``last`` ``(.., 1)`` the chunk's sum and ``tail_j = lm_{j+1} + ... +
     lm_{C-1}`` (position ``j`` to the chunk's end)."""
-    x = lm[:, :, c]
+    x = lm[..., c]
     C = x.shape[-1]
     later = torch.ones(C, C, dtype=torch.bool, device=x.device).tril(-1)  # [s, j]: s > j
     pairs = torch.where(later, x[..., :, None], 0.0).cumsum(-2)
@@ -114,19 +118,44 @@ def _chunk_logs(lm, c):
     return pairs, b, b[..., -1:], tail
 
 
+def _groups(q, v, *per_value_head):
+    """``q`` ``(N, Hk, L, E)`` as ``(N, Hk, 1, L, E)`` and ``v`` and the others (value heads
+    first: ``(N, H, ...)``; None stays None) as ``(N, Hk, G, ...)``: views, no copies."""
+    Hk = q.shape[1]
+    G = v.shape[1] // Hk
+
+    def split(t):
+        return None if t is None else t.view(t.shape[0], Hk, G, *t.shape[2:])
+
+    return (q[:, :, None], *(split(t) for t in (v, *per_value_head)))
+
+
+def _value_heads(t):
+    """A ``(N, Hk, G, ...)`` tensor of :func:`_groups` as ``(N, H, ...)``."""
+    return None if t is None else t.flatten(1, 2)
+
+
 def _forward_options(q, k, v, lm, init, scale):
     """``(out, final state)`` of ``S_t = exp(lm_t) S_{t-1} + k_t v_t^T``, ``out_t = s q_t^T S_t``
     from ``S_0 = init`` (zeros when None), chunk by chunk: ``b`` summed from the chunk's start,
     the scores ``(q_i . k_j) exp(b_i - b_j)``, the state entering as ``exp(b_i) q_i^T S`` and
     moving on as ``exp(b_C) S + sum_j exp(b_C - b_j) k_j v_j^T``."""
+    q, v, lm, init = _groups(q, v, lm, init)
+    k = k[:, :, None]
+    out, state = _forward_groups(q, k, v, lm, init, scale)
+    return _value_heads(out), _value_heads(state)
+
+
+def _forward_groups(q, k, v, lm, init, scale):
+    """:func:`_forward_options` on the views of :func:`_groups` (q, k broadcast over G)."""
     ct = compute_dtype(q.dtype)
-    N, H, L, E = q.shape
-    M = v.shape[-1]
-    out = torch.empty((N, H, L, M), dtype=q.dtype, device=q.device)
-    state = (torch.zeros((N, H, E, M), dtype=ct, device=q.device) if init is None
+    N, Hk, _, L, E = q.shape
+    G, M = v.shape[2], v.shape[-1]
+    out = torch.empty((N, Hk, G, L, M), dtype=q.dtype, device=q.device)
+    state = (torch.zeros((N, Hk, G, E, M), dtype=ct, device=q.device) if init is None
              else init.to(ct, copy=True))  # fmt: skip
     for c in _chunks(L):
-        qc, kc, vc = q[:, :, c].to(ct), k[:, :, c].to(ct), v[:, :, c].to(ct)
+        qc, kc, vc = q[..., c, :].to(ct), k[..., c, :].to(ct), v[..., c, :].to(ct)
         if lm is None:
             oc = _causal_mm((qc @ _t(kc)).tril_(), vc).add_(qc @ state)
             state = state + _t(kc) @ vc
@@ -135,7 +164,7 @@ def _forward_options(q, k, v, lm, init, scale):
             oc = _causal_mm(_masked(qc @ _t(kc), gate_factors(pairs)), vc)
             oc.add_(gate_factors(b)[..., None] * (qc @ state))
             state = _carry(state, last, kc * gate_factors(tail)[..., None], vc)
-        out[:, :, c] = oc if scale is None else oc.mul_(scale)
+        out[..., c, :] = oc if scale is None else oc.mul_(scale)
     return out, state
 
 
@@ -160,35 +189,52 @@ def _backward_options(g, q, k, v, lm, init, g_final):
     as the pairs crossing ``t`` (see :func:`cakeops.helpers.log_multiplier_grads`), from what
     the scans form anyway: the chunk's pairs (their scores times their values' products), its
     positions against the state entering (``q . dq`` of the state's part of ``dq``) and the
-    gradient leaving (``k . dk`` of the carried part of ``dk``), and the pairs spanning it."""
+    gradient leaving (``k . dk`` of the carried part of ``dk``), and the pairs spanning it.
+
+    Key heads shared by value heads (``q``, ``k`` of fewer heads than ``v``): on the views of
+    :func:`_groups`, each chunk's ``dq`` and ``dk`` summed over the group as it is formed."""
+    q, v, g, lm, init, g_final = _groups(q, v, g, lm, init, g_final)
+    k = k[:, :, None]
+    grads = _backward_groups(g, q, k, v, lm, init, g_final)
+    dq, dk = (d[:, :, 0] for d in grads[:2])
+    return (dq, dk, *(_value_heads(t) for t in grads[2:]))
+
+
+def _group_sum(x):
+    """A chunk's per-value-head ``(N, Hk, G, C, E)`` summed over each group (kept as G = 1)."""
+    return x if x.shape[2] == 1 else x.sum(2, keepdim=True)
+
+
+def _backward_groups(g, q, k, v, lm, init, g_final):
+    """:func:`_backward_options` on the views of :func:`_groups` (q, k broadcast over G)."""
     ct = compute_dtype(q.dtype)
-    N, H, L, E = q.shape
-    M = v.shape[-1]
-    dq = torch.empty((N, H, L, E), dtype=ct, device=q.device)
-    dk, dv = torch.empty_like(dq), torch.empty((N, H, L, M), dtype=ct, device=q.device)
-    dlm = None if lm is None else torch.empty((N, H, L), dtype=ct, device=q.device)
-    state = (torch.zeros((N, H, E, M), dtype=ct, device=q.device) if init is None
+    N, Hk, _, L, E = q.shape
+    G, M = v.shape[2], v.shape[-1]
+    dq = torch.empty((N, Hk, 1, L, E), dtype=ct, device=q.device)
+    dk, dv = torch.empty_like(dq), torch.empty((N, Hk, G, L, M), dtype=ct, device=q.device)
+    dlm = None if lm is None else torch.empty((N, Hk, G, L), dtype=ct, device=q.device)
+    state = (torch.zeros((N, Hk, G, E, M), dtype=ct, device=q.device) if init is None
              else init.to(ct, copy=True))  # fmt: skip
     entering = []  # per chunk: the state entering it
     for c in _chunks(L):
-        gc, kc, vc = g[:, :, c].to(ct), k[:, :, c].to(ct), v[:, :, c].to(ct)
+        gc, kc, vc = g[..., c, :].to(ct), k[..., c, :].to(ct), v[..., c, :].to(ct)
         if lm is None:
             dqc = _causal_mm((gc @ _t(vc)).tril_(), kc).add_(gc @ _t(state))
             state = state + _t(kc) @ vc
         else:
             pairs, b, last, tail = _chunk_logs(lm, c)
             from_state = gate_factors(b)[..., None] * (gc @ _t(state))
-            dlm[:, :, c] = (q[:, :, c].to(ct) * from_state).sum(-1)
+            dlm[..., c] = (q[..., c, :].to(ct) * from_state).sum(-1)
             entering.append(state)
             dqc = _causal_mm(_masked(gc @ _t(vc), gate_factors(pairs)), kc).add_(from_state)
             state = _carry(state, last, kc * gate_factors(tail)[..., None], vc)
-        dq[:, :, c] = dqc
+        dq[..., c, :] = _group_sum(dqc)
     final = state
-    carry = (torch.zeros((N, H, E, M), dtype=ct, device=q.device) if g_final is None
+    carry = (torch.zeros((N, Hk, G, E, M), dtype=ct, device=q.device) if g_final is None
              else g_final.to(ct, copy=True))  # fmt: skip
     for c in _chunks(L, reverse=True):
-        gc, qc = g[:, :, c].to(ct), q[:, :, c].to(ct)
-        kc, vc = k[:, :, c].to(ct), v[:, :, c].to(ct)
+        gc, qc = g[..., c, :].to(ct), q[..., c, :].to(ct)
+        kc, vc = k[..., c, :].to(ct), v[..., c, :].to(ct)
         if lm is None:
             gv, qk = (gc @ _t(vc)).tril_(), (qc @ _t(kc)).tril_()
             dkc = _causal_mm(_t(gv), qc, reverse=True).add_(vc @ _t(carry))
@@ -206,9 +252,9 @@ def _backward_options(g, q, k, v, lm, init, g_final):
             spanning = gate_factors(last[..., 0]) * (carry * entering.pop()).sum((-1, -2))
             pair = _t((vg * kq).masked_fill_(decays_t == 0, 0.0))  # [i, j]
             leaving = (kc * from_carry).sum(-1)
-            dlm[:, :, c] = crossing_in_chunk(pair, dlm[:, :, c], leaving, spanning)
+            dlm[..., c] = crossing_in_chunk(pair, dlm[..., c], leaving, spanning)
             carry = _carry(carry, last, qc * gate_factors(b)[..., None], gc)
-        dk[:, :, c], dv[:, :, c] = dkc, dvc
+        dk[..., c, :], dv[..., c, :] = _group_sum(dkc), dvc
     return dq, dk, dv, carry, final, dlm
 
 

@@ -12,14 +12,18 @@ of transposed views) and partial tiles are masked, not padded.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from cakeops.helpers import (
     backward_by_scans,
+    key_head_sums,
     log_multiplier_grads,
     log_multipliers,
+    value_heads,
 )
 from cakeops_triton._common import (
     INTERPRET,
@@ -357,6 +361,8 @@ def _run(a, b, c, reverse: bool, lm=None, init=None, final=None, cu=None,
 @serialised
 def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=None,
             output_final_state=False, cu_seqlens=None):  # fmt: skip
+    # key heads shared by value heads: read through a stride-0 view (one key head) or repeated
+    q, k = value_heads(q, v.shape[1]), value_heads(k, v.shape[1])
     lm = log_multipliers(q, log_decay, log_gates)
     sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
     final = None
@@ -397,13 +403,22 @@ def _run_sliced(a, b, c, reverse, lm, init, final, cu):
 @serialised
 def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
              initial_state=None, output_final_state=False, cu_seqlens=None):  # fmt: skip
+    key_heads, dtype = q.shape[1], q.dtype
+    grouped = key_heads != v.shape[1]
+    q, k = value_heads(q, v.shape[1]), value_heads(k, v.shape[1])
     lm = log_multipliers(q, log_decay, log_gates)
     gs = g if scale is None else g * scale  # the output's gradient carries the scale
-    if lm is None and initial_state is None and not output_final_state and cu_seqlens is None:
+    plain = lm is None and initial_state is None and not output_final_state and cu_seqlens is None
+    if plain and not grouped:
         return (*backward_by_scans(_run, gs, q, k, v), None, None, None)
     t = lambda x: None if x is None else x.transpose(-1, -2)  # noqa: E731
     g_final = g_final if output_final_state and g_final.numel() else None
-    run = _run_sliced if _sliced(q, lm) else _run
+    # per value head dq, dk in float32 when a group's are summed after
+    run = (
+        _run_sliced
+        if _sliced(q, lm)
+        else functools.partial(_run, out_dtype=torch.float32 if grouped else None)
+    )
     dq = run(gs, v, k, False, lm, t(initial_state), None, cu_seqlens)
     dk = run(v, gs, q, True, lm, t(g_final), None, cu_seqlens)
     d_init = None
@@ -415,4 +430,5 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
         d_decay, d_gates = log_multiplier_grads(gs, g_final, q, k, v, lm, initial_state,
                                                 cu_seqlens, log_decay, log_gates)  # fmt: skip
     d_init = None if d_init is None else d_init.to(initial_state.dtype)
+    dq, dk = (key_head_sums(d, key_heads).to(dtype) for d in (dq, dk))
     return dq, dk, dv.to(v.dtype), d_decay, d_gates, d_init

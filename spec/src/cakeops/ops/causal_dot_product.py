@@ -1,7 +1,10 @@
 """Spec of ``causal_dot_product``: causal linear attention, unnormalised and unscaled.
 
 ``out[n,h,i] = sum_{j<=i} (q[n,h,i] . k[n,h,j]) v[n,h,j]``, as fast-transformers'
-``CausalDotProduct`` computes it; feature maps and normalisation stay with the caller.
+``CausalDotProduct`` computes it; feature maps and normalisation stay with the caller. ``q`` and
+``k`` may have ``Hk`` heads for the ``H = G Hk`` heads of ``v``: value head ``h`` reads key head
+``h // G`` (transformers' ``repeat_interleave``; Mamba2's B and C shared by head groups), with
+the log multipliers and the states following the value heads.
 
 Backends implement :class:`Kernels` (arguments validated, no dimension zero, ``g`` contiguous,
 ``(N, H, L, M)``). Saved-tensor contract: exactly ``q``, ``k``, ``v``; the running states are
@@ -26,7 +29,8 @@ OP = "causal_dot_product"
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Inputs(OpInputs):
-    """The arguments, in order: ``q``, ``k`` ``(N, H, L, E)``, ``v`` ``(N, H, L, M)``; WIP
+    """The arguments, in order: ``q``, ``k`` ``(N, Hk, L, E)``, ``v`` ``(N, H, L, M)`` (``Hk``
+    divides ``H``); WIP
     (#27) keyword-only: ``scale``, ``log_decay (H,)``, ``log_gates (N, H, L)``,
     ``initial_state``, ``output_final_state``, ``cu_seqlens``."""
 
@@ -77,10 +81,13 @@ def check(a: Inputs) -> Inputs:
             f"{OP}: argument 'k' expected shape {tuple(q.shape)} (the shape of q: same N, H, L "
             f"and E), got {tuple(k.shape)}"
         )
-    if v.shape[:3] != q.shape[:3]:
+    N, Hk, L = q.shape[:3]
+    H = v.shape[1]
+    if v.shape[0] != N or v.shape[2] != L or (H % Hk if Hk else H):
         raise ValueError(
-            f"{OP}: argument 'v' expected shape ({', '.join(map(str, q.shape[:3]))}, M) (the "
-            f"N, H, L of q), got {tuple(v.shape)}"
+            f"{OP}: argument 'v' expected shape ({N}, H, {L}, M) with H a multiple of the {Hk} "
+            f"heads of q (the N and L of q; value head h reads key head h // (H / {Hk})), got "
+            f"{tuple(v.shape)}"
         )
     if not default_options(a):
         _check_options(a)
@@ -89,8 +96,8 @@ def check(a: Inputs) -> Inputs:
 
 def _check_options(a: Inputs) -> None:
     """WIP (#27): the options' shapes, dtypes and values."""
-    N, H, L, E = a.q.shape
-    M = a.v.shape[3]
+    N, _, L, E = a.q.shape
+    H, M = a.v.shape[1], a.v.shape[3]
     if a.scale is not None and not math.isfinite(a.scale):
         raise ValueError(f"{OP}: argument 'scale' expected a finite number, got {a.scale!r}")
     sequences = N
@@ -129,7 +136,7 @@ def _final_state(a: Inputs):
     """The final state's shape and dtype when the call asks for it."""
     if not a.output_final_state:
         return None
-    N, H, _, E = a.q.shape
+    N, E, H = a.q.shape[0], a.q.shape[3], a.v.shape[1]
     sequences = N if a.cu_seqlens is None else a.cu_seqlens.numel() - 1
     dtype = a.initial_state.dtype if a.initial_state is not None else _spec.compute_dtype(a.q.dtype)
     return (sequences, H, E, a.v.shape[3]), dtype
@@ -139,7 +146,7 @@ SPEC = OpSpec(
     inputs=Inputs,
     check=check,
     check_data=check_data,
-    output=lambda a: ((*a.q.shape[:3], a.v.shape[3]), a.q.dtype),
+    output=lambda a: (tuple(a.v.shape), a.q.dtype),
     no_work=_spec.state_no_work,
     example=example,
     leading=3,  # q, k, v: fast-transformers' op, cakeops::causal_dot_product_defaults
@@ -163,7 +170,8 @@ def causal_dot_product(
 ):
     """Causal linear attention: ``out_i = sum_{j<=i} (q_i . k_j) v_j``.
 
-    ``q``, ``k`` are ``(N, H, L, E)``, ``v`` is ``(N, H, L, M)``; returns ``(N, H, L, M)`` in
+    ``q``, ``k`` are ``(N, H, L, E)`` (or ``(N, Hk, L, E)``, value head ``h`` reading key head
+    ``h // (H / Hk)``), ``v`` is ``(N, H, L, M)``; returns ``(N, H, L, M)`` in
     ``q.dtype`` (float32 accumulation for 16-bit inputs). Saves only its tensor inputs. WIP
     (#27): with the options, ``S_t = exp(log_decay + log_gates_t) S_{t-1} + k_t v_t^T`` and
     ``out_t = scale q_t^T S_t``; ``(out, final_state)`` with ``output_final_state``.

@@ -20,10 +20,17 @@ def _states(a: torch.Tensor, b: torch.Tensor, reverse: bool = False) -> torch.Te
     return torch.cumsum(outer, dim=2)
 
 
+def value_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``q`` or ``k`` ``(N, Hk, L, E)`` repeated to the ``heads`` value heads (head ``h`` reads
+    ``h // (heads / Hk)``); differentiable, so that autograd sums each group's gradients."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // max(t.shape[1], 1), dim=1)
+
+
 def math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``out_i = q_i^T S_i`` with ``S_i = sum_{j<=i} k_j v_j^T`` in float64. Differentiable;
     memory ``L x E x M`` per head."""
-    q, k, v = q.double(), k.double(), v.double()
+    H = v.shape[1]
+    q, k, v = value_heads(q.double(), H), value_heads(k.double(), H), v.double()
     return torch.einsum("nhle,nhlem->nhlm", q, _states(k, v))
 
 
@@ -65,19 +72,25 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
 
 def _plain_backward(g, q, k, v):
     """``dq_i = S_i g_i``, ``dk_j = R_j v_j``, ``dv_j = R_j^T k_j`` with
-    ``R_j = sum_{i>=j} q_i g_i^T``, in float64."""
-    gd, qd, kd, vd = g.double(), q.double(), k.double(), v.double()
+    ``R_j = sum_{i>=j} q_i g_i^T``, in float64 (each key head's gradients summed over the value
+    heads reading it)."""
+    H = v.shape[1]
+    gd, vd = g.double(), v.double()
+    qd, kd = value_heads(q.double(), H), value_heads(k.double(), H)
     dq = torch.einsum("nhlem,nhlm->nhle", _states(kd, vd), gd)
     rev = _states(qd, gd, reverse=True)
     dk = torch.einsum("nhlem,nhlm->nhle", rev, vd)
     dv = torch.einsum("nhlem,nhle->nhlm", rev, kd)
+    N, Hk, L, E = q.shape
+    dq, dk = (d.reshape(N, Hk, H // max(Hk, 1), L, E).sum(2) for d in (dq, dk))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def scan(q, k, v, *, scale=None, log_decay=None, log_gates=None, initial_state=None,
          cu_seqlens=None):  # fmt: skip
     """``(out (N, H, L, M), final_state (N or sequences, H, E, M))`` in float64."""
-    q, k, v = q.double(), k.double(), v.double()
+    H = v.shape[1]
+    q, k, v = value_heads(q.double(), H), value_heads(k.double(), H), v.double()
     N, H, L, E = q.shape
     M = v.shape[-1]
     zero = q.new_zeros(())

@@ -172,6 +172,8 @@ def _bad_inputs(device):
         "k-feature": ((q, q[..., :3], v), ValueError, "k"),
         "v-length": ((q, q, v[:, :, :4]), ValueError, "v"),
         "v-batch": ((q, q, torch.cat([v, v])), ValueError, "v"),
+        "v-heads-not-a-multiple": ((q, q, torch.cat([v, v[:, :1]], 1)), ValueError, "v"),
+        "v-fewer-heads": ((q, q, v[:, :1]), ValueError, "v"),
         "k-dtype": ((q, q.double(), v), TypeError, "k"),
         "v-dtype": ((q, q, v.half()), TypeError, "v"),
         "int-dtype": ((q.long(), q.long(), v.long()), TypeError, "q"),
@@ -233,7 +235,7 @@ def log_multiplier_scale(exact, g, g_final=None, fixed=None) -> torch.Tensor:
     the options). What the log multipliers' gradients are accurate relative to (the op's
     page)."""
     q, k, v = (exact[n].detach().abs() for n in "qkv")
-    N, H, L, _ = q.shape
+    N, H, L = v.shape[:3]
     lm = torch.zeros(N, H, L, dtype=q.dtype, device=q.device)
     if "log_gates" in exact:
         lm = lm + exact["log_gates"].detach()
@@ -612,3 +614,79 @@ class TestCausalOptions:
                   for n, t in kwargs.items()}  # fmt: skip
         call = lambda: cakeops.causal_dot_product(x, x, x, **kwargs)  # noqa: E731
         assert_bad_input_raises(OP, call, error, argument)
+
+
+# --------------------------------------------------------------------------------------------
+# Key heads shared by groups of value heads: q and k of Hk heads, v of H = G Hk (value head h
+# reads key head h // G), as Mamba2's B and C are shared by head groups.
+GROUP_CASES = {"plain": (), "gates": ("log_gates",), "all": OPTION_CASES["all"],
+               "packed": OPTION_CASES["packed"]}  # fmt: skip
+
+
+def _grouped_inputs(given, dtype, device, key_heads, group=3, **shape):
+    """:func:`_option_inputs` with ``key_heads`` heads of q and k for ``key_heads * group``
+    value heads."""
+    (q, k, v), tensors, fixed, g, g_final = _option_inputs(
+        given, dtype, device, H=key_heads * group, **shape
+    )
+    q, k = (t.detach()[:, :key_heads].clone().requires_grad_() for t in (q, k))
+    return (q, k, v), tensors, fixed, g, g_final
+
+
+class TestKeyHeadGroups:
+    op = OP
+
+    @pytest.mark.parametrize("key_heads", [1, 2])
+    @pytest.mark.parametrize("case", list(GROUP_CASES))
+    def test_value_heads_share_key_heads(self, backend, dtype, device, case, key_heads):
+        """Without options and with each kind of option: the output, the final state and every
+        gradient (each key head's the sum over its group) against the float64 scan."""
+        qkv, tensors, fixed, g, g_final = _grouped_inputs(GROUP_CASES[case], dtype, device,
+                                                          key_heads)  # fmt: skip
+        check_against_scan(qkv, tensors, fixed, g, g_final, plain_logs=True)
+
+    @pytest.mark.parametrize("key_heads", [1, 2])
+    def test_a_decode_step(self, backend, dtype, device, key_heads):
+        """One position with every option but packing, from key heads shared by groups."""
+        qkv, tensors, fixed, g, g_final = _grouped_inputs(OPTION_CASES["all"], dtype, device,
+                                                          key_heads, L=1)  # fmt: skip
+        check_against_scan(qkv, tensors, fixed, g, g_final, plain_logs=True)
+
+    def test_many_value_heads_per_key_head(self, backend, dtype, device):
+        """One key head for 16 value heads (Mamba2's one group), packed: more value heads than
+        a backend may give each task."""
+        qkv, tensors, fixed, g, g_final = _grouped_inputs(
+            OPTION_CASES["packed"], dtype, device, 1, group=16, L=45, E=4, M=3
+        )
+        check_against_scan(qkv, tensors, fixed, g, g_final, plain_logs=True)
+
+    @pytest.mark.cakeops_dtypes(torch.float64)
+    def test_gradcheck(self, backend, dtype, device):
+        """Float64 gradcheck of the output and the final state, two key heads for four value
+        heads, packed, every option."""
+        given = ("log_decay", "log_gates", "initial_state", "scale", "cu_seqlens")
+        (q, k, v), tensors, fixed, _, _ = _grouped_inputs(given, dtype, device, 2, group=2,
+                                                          L=13, E=3, M=2)  # fmt: skip
+        fixed["cu_seqlens"] = torch.tensor([0, 4, 4, 9, 13], device=device)
+        names = ["q", "k", "v", *tensors]
+
+        def fn(*values):
+            given_ = dict(zip(names, values, strict=True))
+            qkv = (given_.pop("q"), given_.pop("k"), given_.pop("v"))
+            return cakeops.causal_dot_product(*qkv, **given_, **fixed, output_final_state=True)
+
+        assert torch.autograd.gradcheck(fn, (q, k, v, *tensors.values()))
+
+    def test_opcheck(self, backend, device):
+        """The custom op and its backward pass torch.library.opcheck with shared key heads."""
+        (q, k, v), tensors, fixed, g, g_final = _grouped_inputs(OPTION_CASES["all"],
+                                                                torch.float32, device, 2,
+                                                                L=21)  # fmt: skip
+        from cakeops.ops import SPECS
+
+        kwargs = {**tensors, **fixed, "output_final_state": True}
+        values = SPECS[OP].inputs(q, k, v, **kwargs).values()
+        torch.library.opcheck(torch.ops.cakeops.causal_dot_product.default, tuple(values))
+        plain = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in values)
+        backward = torch.ops.cakeops.causal_dot_product_backward.default
+        torch.library.opcheck(backward, (g, g_final.float(), *plain))

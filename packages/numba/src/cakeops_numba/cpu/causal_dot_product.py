@@ -349,10 +349,12 @@ SEGMENT = 64
 
 
 @_compiled(parallel=False)
-def _scan_with_logs(c, a, b, lm, h, start, end, state, y, scale, marks):  # pragma: no cover
+def _scan_with_logs(c, ch, a, ah, b, bh, lm, h, start, end, state, y, yh, scale, marks,
+                    add):  # pragma: no cover - compiled  # fmt: skip
     """``X_t = exp(lm_t) X_{t-1} + a_t b_t^T`` and ``y_t = scale X_t^T c_t`` over positions
-    ``start..end-1`` of head ``h`` (``c``, ``a``: ``(heads, L, P)``; ``b``, ``y``:
-    ``(heads, L, Q)``), from the state ``X``, kept transposed in ``state`` ``(Q, P)`` as in
+    ``start..end-1`` (``c``, ``a``: ``(heads, L, P)``; ``b``, ``y``: ``(heads, L, Q)``; rows
+    ``ch``, ``ah``, ``bh``, ``yh`` of them, ``h`` of ``lm``; ``y_t`` added to ``y`` with
+    ``add``), from the state ``X``, kept transposed in ``state`` ``(Q, P)`` as in
     :func:`_forward_head` and left at ``X_end``: the forward with ``(q, k, v)`` (``S^T``),
     ``dq`` with ``(g, v, k)`` (``S``). With ``marks`` not empty, ``marks[s]`` is left holding
     the state before position ``start + s * SEGMENT`` (for :func:`_reverse_with_logs`)."""
@@ -378,10 +380,10 @@ def _scan_with_logs(c, a, b, lm, h, start, end, state, y, scale, marks):  # prag
             lf[t + 1] = lm[h, s0 + t] if live else np.float32(0.0)
             if live:
                 for p in range(P):
-                    cb[t, p] = c[h, s0 + t, p]
-                    aw[t, p] = a[h, s0 + t, p]
+                    cb[t, p] = c[ch, s0 + t, p]
+                    aw[t, p] = a[ah, s0 + t, p]
                 for j in range(Q):
-                    bb[t, j] = b[h, s0 + t, j]
+                    bb[t, j] = b[bh, s0 + t, j]
             else:
                 for p in range(P):
                     cb[t, p] = 0.0
@@ -422,14 +424,18 @@ def _scan_with_logs(c, a, b, lm, h, start, end, state, y, scale, marks):  # prag
             acc[3, j] = f3 * s_3 + w30 * b0 + w31 * b1 + w32 * b2 + w33 * b3
         for t in range(n):
             for j in range(Q):
-                y[h, s0 + t, j] = scale * acc[t, j]
+                if add:
+                    y[yh, s0 + t, j] += scale * acc[t, j]
+                else:
+                    y[yh, s0 + t, j] = scale * acc[t, j]
     state[:, :] = XT
 
 
 @_compiled(parallel=False)
-def _pass_states(k, v, lm, h, s0, end, S, out):  # pragma: no cover - compiled
+def _pass_states(k, kh, v, lm, h, s0, end, S, out):  # pragma: no cover - compiled
     """``out[p]`` = the state before position ``s0 + 4p`` (``S_{s0 + 4p - 1}``), for the passes
-    of the segment from ``s0`` (``S``: the state before ``s0``, ``(E, M)``) up to ``end``."""
+    of the segment from ``s0`` (``S``: the state before ``s0``, ``(E, M)``) up to ``end`` (row
+    ``kh`` of ``k``, ``h`` of the others)."""
     E, M = S.shape
     X = S.copy()
     row = np.empty(M, np.float32)
@@ -445,14 +451,16 @@ def _pass_states(k, v, lm, h, s0, end, S, out):  # pragma: no cover - compiled
             for m in range(M):
                 row[m] = v[h, t, m]
             for e in range(E):
-                ke = k[h, t, e]
+                ke = k[kh, t, e]
                 for m in range(M):
                     X[e, m] = f * X[e, m] + ke * row[m]
 
 
 @_compiled(parallel=False)
-def _reverse_with_logs(q, g, k, v, lm, h, start, end, grad, dk, dv, dlm, marks):  # pragma: no cover
-    """The reverse-time scan with log multipliers over positions ``start..end-1`` of head ``h``:
+def _reverse_with_logs(q, g, k, v, lm, h, kh, dkh, start, end, grad, dk, dv, dlm,
+                       marks):  # pragma: no cover - compiled  # fmt: skip
+    """The reverse-time scan with log multipliers over positions ``start..end-1`` of value head
+    ``h`` (row ``kh`` of ``q`` and ``k``; ``dk_t`` added to row ``dkh`` of ``dk``):
     ``R_t = exp(lm_{t+1}) R_{t+1} + q_t g_t^T`` from ``grad`` (the final state's gradient,
     with the scale in ``g``), ``dk_t = R_t v_t``, ``dv_t = R_t^T k_t``; leaves ``R_start`` in
     ``grad``. The passes take the four positions ``p0..p0+3`` the forward's passes take
@@ -487,7 +495,7 @@ def _reverse_with_logs(q, g, k, v, lm, h, start, end, grad, dk, dv, dlm, marks):
         p0 = s1 - n
         segment = (p0 - start) // SEGMENT
         if segment != loaded:
-            _pass_states(k, v, lm, h, start + segment * SEGMENT, end, marks[segment], states)
+            _pass_states(k, kh, v, lm, h, start + segment * SEGMENT, end, marks[segment], states)
             loaded = segment
         S = states[((p0 - start) % SEGMENT) // 4]
         for i in range(4):  # element loops, as in _scan_with_logs
@@ -496,8 +504,8 @@ def _reverse_with_logs(q, g, k, v, lm, h, start, end, grad, dk, dv, dlm, marks):
             lf[i + 1] = lm[h, t + 1] if live and t + 1 < end else np.float32(0.0)
             if live:
                 for e in range(E):
-                    qb[i, e] = q[h, t, e]
-                    kb[i, e] = k[h, t, e]
+                    qb[i, e] = q[kh, t, e]
+                    kb[i, e] = k[kh, t, e]
                 for m in range(M):
                     gb[i, m] = g[h, t, m]
                     vb[i, m] = v[h, t, m]
@@ -586,7 +594,7 @@ def _reverse_with_logs(q, g, k, v, lm, h, start, end, grad, dk, dv, dlm, marks):
                 for m in range(M):
                     zv[i, m] += wv * gb[j, m]
             for e in range(E):
-                dk[h, t, e] = yk[i, e]
+                dk[dkh, t, e] += yk[i, e]
             for m in range(M):
                 dv[h, t, m] = zv[i, m]
         s1 = p0
@@ -594,39 +602,59 @@ def _reverse_with_logs(q, g, k, v, lm, h, start, end, grad, dk, dv, dlm, marks):
 
 
 @_compiled(parallel=True)
-def _forward_options(q, k, v, lm, cu, H, states, out, scale):  # pragma: no cover - compiled
-    """Every (head, sequence) on its own thread: ``states[task]`` ``(E, M)`` holds the initial
-    state and is left holding the final one (task = (row * sequences + s) * H + h)."""
+def _forward_options(q, k, v, lm, cu, H, G, states, out, scale):  # pragma: no cover - compiled
+    """Every (value head, sequence) on its own thread: ``states[task]`` ``(E, M)`` holds the
+    initial state and is left holding the final one (task = (row * sequences + s) * H + h);
+    value head ``h`` reads key head ``h // G`` of q and k."""
     S = cu.shape[0] - 1
-    heads = q.shape[0]
+    heads = v.shape[0]
     for task in prange(heads * S):
         nh, s = task // S, task % S
+        kh = (nh // H) * (H // G) + (nh % H) // G
         X = states[((nh // H) * S + s) * H + nh % H]
         none = np.empty((0, 1, 1), np.float32)  # no states kept
-        _scan_with_logs(q, k, v, lm, nh, cu[s], cu[s + 1], X, out, scale, none)
+        _scan_with_logs(q, kh, k, kh, v, nh, lm, nh, cu[s], cu[s + 1], X, out, nh, scale, none,
+                        False)  # fmt: skip
 
 
 @_compiled(parallel=True)
-def _backward_options(g, q, k, v, lm, cu, H, states, grads, dq, dk, dv, dlm):  # pragma: no cover
+def _backward_options(g, q, k, v, lm, cu, H, G, P, states, grads, dq, dk, dv,
+                      dlm):  # pragma: no cover - compiled  # fmt: skip
     """``dq`` forward in time (``states``: the initial states in, the final ones out; every
     ``SEGMENT``-th state kept), then ``dk``, ``dv`` and the log multipliers' gradient ``dlm``
     in reverse (``grads``: the final states' gradients in, those reaching each sequence's
-    start out, before its first multiplier)."""
+    start out, before its first multiplier). A task is (key head row, slab ``p`` of ``P``,
+    sequence): the value heads ``p, p + P, ...`` of the key head's group of ``G``, one after
+    another, adding their dq and dk to the slab's rows (``dq``, ``dk``: ``(P * key rows, L,
+    E)``, zeros in; summed over the slabs after). Every sum in a fixed order: deterministic."""
     S = cu.shape[0] - 1
-    heads = q.shape[0]
+    keys = q.shape[0]
+    Hk = H // G
     E, M = states.shape[1], states.shape[2]
-    for task in prange(heads * S):
-        nh, s = task // S, task % S
-        i = ((nh // H) * S + s) * H + nh % H
+    for task in prange(keys * P * S):
+        s, p, kh = task % S, (task // S) % P, task // (S * P)
+        n = kh // Hk
+        row = p * keys + kh
         start, end = cu[s], cu[s + 1]
         marks = np.empty(((end - start + SEGMENT - 1) // SEGMENT, E, M), np.float32)
-        _scan_with_logs(g, v, k, lm, nh, start, end, states[i], dq, np.float32(1.0), marks)
-        _reverse_with_logs(q, g, k, v, lm, nh, start, end, grads[i], dk, dv, dlm, marks)
+        for j in range(p, G, P):
+            h = (kh % Hk) * G + j
+            nh = n * H + h
+            i = (n * S + s) * H + h
+            _scan_with_logs(g, nh, v, nh, k, kh, lm, nh, start, end, states[i], dq, row,
+                            np.float32(1.0), marks, True)  # fmt: skip
+            _reverse_with_logs(q, g, k, v, lm, nh, kh, row, start, end, grads[i], dk, dv, dlm,
+                               marks)  # fmt: skip
 
 
 #: Problems smaller than this (positions x E x M: a decoding step) run on one thread: waking
 #: numba's threads would cost more than the work.
 SERIAL_BELOW = 1 << 16
+#: Tasks the backward gives numba's threads at least, where value heads share key heads: a
+#: group's heads are split into as many slabs as that takes (each a dq and dk of the key heads'
+#: size), so one key head for 32 value heads (Mamba2) neither runs on one thread nor keeps 32
+#: per-head copies of dq and dk.
+GROUP_TASKS = 16
 
 
 def _heads(t: torch.Tensor) -> np.ndarray:
@@ -651,9 +679,10 @@ def _launch(kernel, work: int, *args) -> None:
         kernel(*args)
 
 
-def _layout(q, lm, cu_seqlens):
-    """The kernels' log multipliers ``(heads, L)`` float32 (zeros without any) and offsets."""
-    N, H, L, _ = q.shape
+def _layout(q, v, lm, cu_seqlens):
+    """The kernels' log multipliers ``(value heads, L)`` float32 (zeros without any) and
+    offsets."""
+    N, H, L = v.shape[:3]
     lm = torch.zeros((N, H, L)) if lm is None else lm.float().contiguous()
     cu = torch.tensor([0, L]) if cu_seqlens is None else cu_seqlens.long()
     return lm.view(N * H, L), cu
@@ -673,9 +702,9 @@ def _scratch(x, tasks: int, shape=None, transpose: bool = False) -> torch.Tensor
 def forward_options(q, k, v, lm, initial_state, cu_seqlens, scale):
     """``(out, final states float32)`` with the options (``lm``: the summed log multipliers
     ``(N, H, L)`` or None)."""
-    N, H, L, E = q.shape
-    M = v.shape[-1]
-    lm, cu = _layout(q, lm, cu_seqlens)
+    N, Hk, L, E = q.shape
+    H, M = v.shape[1], v.shape[-1]
+    lm, cu = _layout(q, v, lm, cu_seqlens)
     S = cu.numel() - 1
     # transposed: the kernel's XT = S^T (a final state handed back is laid out so already)
     states = _scratch(initial_state, N * S * H, (E, M), transpose=True)
@@ -683,7 +712,7 @@ def forward_options(q, k, v, lm, initial_state, cu_seqlens, scale):
     if N * H * L:
         s = np.float32(1.0 if scale is None else scale)
         _launch(_forward_options, N * H * L * E * M, _heads(q), _heads(k), _heads(v), lm.numpy(),
-                cu.numpy(), H,
+                cu.numpy(), H, H // Hk,
                 states.numpy(), out.view(N * H, L, M).numpy(), s)  # fmt: skip
     return out.to(q.dtype), states.view(N * S, H, M, E).transpose(-1, -2)
 
@@ -692,19 +721,27 @@ def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
     """``(dq, dk, dv float32, gradient reaching each initial state, the log multipliers'
     gradient per position)`` with the options; ``g`` carries the scale,
     ``g_final`` None for none."""
-    N, H, L, E = q.shape
-    M = v.shape[-1]
-    lm, cu = _layout(q, lm, cu_seqlens)
+    N, Hk, L, E = q.shape
+    H, M = v.shape[1], v.shape[-1]
+    G = H // Hk
+    lm, cu = _layout(q, v, lm, cu_seqlens)
     S = cu.numel() - 1
     states = _scratch(initial_state, N * S * H, (E, M))  # the dq run's XT = S
     grads = _scratch(g_final, N * S * H, (E, M))  # R_T
-    dq, dk, dv = torch.empty((N, H, L, E)), torch.empty((N, H, L, E)), torch.empty((N, H, L, M))
+    # a group's value heads add their dq, dk to P slabs, P only as large as the threads need
+    P = min(G, max(1, -(-GROUP_TASKS // (N * Hk * S))))
+    dqs, dks = torch.zeros((P, N, Hk, L, E)), torch.zeros((P, N, Hk, L, E))
+    dv = torch.empty((N, H, L, M))
     dlm = torch.zeros((N, H, L))
     if N * H * L:
-        outs = (t.view(N * H, L, -1).numpy() for t in (dq, dk, dv))
+        outs = (t.view(-1, L, t.shape[-1]).numpy() for t in (dqs, dks, dv))
         _launch(_backward_options, N * H * L * E * M, *(_heads(t) for t in (g, q, k, v)),
-                lm.numpy(), cu.numpy(), H, states.numpy(), grads.numpy(), *outs,
+                lm.numpy(), cu.numpy(), H, G, P, states.numpy(), grads.numpy(), *outs,
                 dlm.view(N * H, L).numpy())  # fmt: skip
+    dq, dk = dqs[0], dks[0]
+    for p in range(1, P):  # in a fixed order
+        dq.add_(dqs[p])
+        dk.add_(dks[p])
     # the gradient reaching S_0 is exp(lm_first) R_first (R_first itself for an empty sequence)
     first = torch.zeros((N, S, H))
     if L:
