@@ -477,14 +477,11 @@ def _hf_causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activ
 # Mamba2's scan (SSD) on causal_dot_product
 
 
-def _heads(t: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """Mamba2's B or C ``(N, L, G, S)`` as ``(N, heads, L, S)`` in ``dtype``, head ``h`` reading
-    group ``h // (heads / G)``: one group is a stride-0 view (no copy)."""
-    t = t.to(dtype).transpose(1, 2)
-    groups = t.shape[1]
-    if groups == 1:
-        return t.expand(-1, heads, -1, -1)
-    return t.repeat_interleave(heads // groups, dim=1)
+def _groups(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Mamba2's B or C ``(N, L, G, S)`` as :func:`cakeops.causal_dot_product`'s key heads
+    ``(N, G, L, S)`` in ``dtype`` (a transposed view): value head ``h`` reads group
+    ``h // (heads / G)``, the op's own rule, so no head gets a copy."""
+    return t.to(dtype).transpose(1, 2)
 
 
 def _time_steps(dt, dt_bias, dt_softplus, dtype, dt_limit=None):
@@ -506,13 +503,13 @@ def _hf_mamba_chunk_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, z=
                          **kwargs):  # fmt: skip
     """mamba_ssm's (and transformers' fallback's) ``mamba_chunk_scan_combined`` on
     :func:`cakeops.causal_dot_product`: ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``,
-    ``y_t = C_t^T h_t + D x_t`` (times ``silu(z)``), i.e. q = C, k = B (groups as stride-0
-    views), v = dt x, ``log_gates = dt A``; the state ``(N, H, P, S)`` as the models keep it
-    (the op's is its transpose), float32; packed sequences from ``seq_idx`` or
-    ``cu_seq_lens_q``, each document from zeros but the first (from the row's initial state),
-    the row's final state its last document's (mamba_ssm's rule). ``chunk_size`` is the op's
-    business."""
-    heads, f = hidden_states.shape[2], compute_dtype(hidden_states.dtype)
+    ``y_t = C_t^T h_t + D x_t`` (times ``silu(z)``), i.e. q = C, k = B (the op's key heads,
+    one per group: never repeated per head), v = dt x, ``log_gates = dt A``; the state
+    ``(N, H, P, S)`` as the models keep it (the op's is its transpose), float32; packed
+    sequences from ``seq_idx`` or ``cu_seq_lens_q``, each document from zeros but the first
+    (from the row's initial state), the row's final state its last document's (mamba_ssm's
+    rule). ``chunk_size`` is the op's business."""
+    f = compute_dtype(hidden_states.dtype)
     dt = _time_steps(dt, dt_bias, dt_softplus, f, dt_limit)  # (N, L, H)
     x = hidden_states.to(f)
     v = (x * dt[..., None]).transpose(1, 2)
@@ -521,7 +518,7 @@ def _hf_mamba_chunk_scan(hidden_states, dt, A, B, C, chunk_size=None, D=None, z=
     cu = _packed_offsets(hidden_states, {**kwargs, "seq_idx": seq_idx})
     if cu is not None and initial is not None:  # the row's initial state is its first document's
         initial = torch.cat([initial, initial.new_zeros((cu.numel() - 2, *initial.shape[1:]))])
-    out, final = causal_dot_product(_heads(C, heads, f), _heads(B, heads, f), v,
+    out, final = causal_dot_product(_groups(C, f), _groups(B, f), v,
                                     log_gates=log_gates, initial_state=initial,
                                     output_final_state=True, cu_seqlens=cu)  # fmt: skip
     if cu is not None:  # the row's final state: its last document's
@@ -550,13 +547,13 @@ def _hf_selective_state_update(original, state, hidden_states, dt, A, B, C, D=No
     if not (mamba2 and _per_head(dt, 1) and _per_head(dt_bias, 1) and _per_head(A, 2)):
         return original(state, hidden_states, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
                         dt_softplus=dt_softplus, **kwargs)  # fmt: skip
-    heads, f = hidden_states.shape[1], compute_dtype(hidden_states.dtype)
+    f = compute_dtype(hidden_states.dtype)
     bias = None if dt_bias is None else dt_bias[..., 0]
     dt = _time_steps(dt[..., 0], bias, dt_softplus, f)[..., None]  # (N, H, 1)
     x = hidden_states.to(f)
     v = (x * dt)[:, :, None]
     log_gates = dt * A[:, 0, 0].to(f)[:, None]
-    q, k = (_heads(t[:, None], heads, f) for t in (C, B))
+    q, k = (_groups(t[:, None], f) for t in (C, B))
     out, final = causal_dot_product(q, k, v, log_gates=log_gates,
                                     initial_state=state.to(f).transpose(-1, -2),
                                     output_final_state=True)  # fmt: skip
