@@ -56,7 +56,7 @@ FAMILIES = {
         "mamba_dt_rank": 4, "use_mamba_kernels": False}),
     "Nemotron-H": _config("NemotronHConfig", {
         **ATTENTION, "head_dim": 8, "layers_block_type": ["mamba", "attention"],
-        "mamba_num_heads": 8, "mamba_head_dim": 8, "ssm_state_size": 8, "n_groups": 1,
+        "mamba_num_heads": 8, "mamba_head_dim": 8, "ssm_state_size": 8, "n_groups": 2,
         "conv_kernel": 4, "chunk_size": 8, "use_mamba_kernels": False}),
     "Falcon-H1": _config("FalconH1Config", {
         **ATTENTION, **MAMBA2, "num_hidden_layers": 2, "head_dim": 8, "mamba_d_ssm": 64}),

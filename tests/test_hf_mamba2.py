@@ -8,6 +8,7 @@ gradient; packed sequences stay apart where the fallback runs them together."""
 from __future__ import annotations
 
 import importlib
+import sys
 
 import hf_kernel_checks as checks
 import pytest
@@ -185,6 +186,111 @@ def test_packed_sequences_stay_apart_where_the_fallback_mixes_them():
     assert final.shape == last.shape and cakeops.relative_error(final, last) <= TOLERANCE
     for name, total in shared.items():
         assert cakeops.relative_error(grads[name], total) <= TOLERANCE, name
+
+
+FUSED_CALL = "mamba_split_conv1d_scan_combined"
+
+
+def _fused_name(cls: type) -> str | None:
+    """The name under which a mixer class (unpatched) calls the fused call cakeops serves."""
+    return next((n for n, k in integration._served_names(cls).items() if k == FUSED_CALL), None)
+
+
+def _mixer(model):
+    return next(m for m in model.modules() if scan_names(type(m)))
+
+
+FUSED = [f for f in BUILT if _fused_name(type(_mixer(pair(f)[0])))]
+
+
+def test_the_fused_call_is_served_where_a_family_makes_it():
+    """Every Mamba2 mixer tries mamba_ssm's fused training call first; cakeops serves it for
+    all but Falcon-H1's, whose fused call and own norm disagree (the reason is listed)."""
+    assert set(FUSED) == set(BUILT) - {"Falcon-H1"}
+    falcon = type(_mixer(pair("Falcon-H1")[0]))
+    assert FUSED_CALL in integration.NOT_SERVED_CALLS[falcon.__name__]
+    calls = {
+        integration._hub_name(f.__globals__.get(n))
+        for f in integration._layers(falcon.__dict__["forward"])
+        for n in f.__code__.co_names
+    }
+    assert FUSED_CALL in calls  # it makes the call: cakeops leaves it on purpose
+
+
+@pytest.mark.parametrize("family", FUSED)
+def test_the_fused_training_call_runs_on_cakeops(family, monkeypatch):
+    """In training without a cache (``use_cache=False``) a mixer calls
+    ``mamba_split_conv1d_scan_combined`` first:
+    the patched model serves it (once per mixer, counted), where transformers' fallback answers
+    None and the unpatched model runs the separate calls; the loss and every gradient equal
+    the unpatched model's."""
+    model, patched = pair(family)
+    cls = type(_mixer(model))
+    name = _fused_name(cls)
+    # the patched forward reads the served functions from a copy of its module
+    scope = sys.modules[f"cakeops._served.{cls.__module__}"].__dict__
+    served, answers = scope[name], []
+
+    def counting(*args, **kwargs):
+        answers.append(served(*args, **kwargs))
+        return answers[-1]
+
+    monkeypatch.setitem(scope, name, counting)
+
+    def loss_and_grads(m):  # training without a cache (use_cache=False, as trainers set it)
+        m.train()
+        m.zero_grad(set_to_none=True)
+        loss = m(tokens(), labels=tokens(), use_cache=False).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+    loss, grads = loss_and_grads(model)
+    loss_c, grads_c = loss_and_grads(patched)
+    assert len(answers) == _mixers(patched) and all(a is not None for a in answers)
+    assert cakeops.relative_error(loss_c, loss) <= TOLERANCE
+    assert grads.keys() == grads_c.keys()
+    for p, want in grads.items():
+        err = cakeops.relative_error(grads_c[p], want)
+        assert err <= TOLERANCE, f"{p}: {err:.2e} from the unpatched model's"
+
+
+@pytest.mark.parametrize("mode", ["compile", "checkpointing"])
+def test_fused_training_steps(mode):
+    """Three SGD steps through the fused call (``use_cache=False``) of Granite 4.0's hybrid
+    match the unpatched model's, compiled or with activation checkpointing."""
+    from test_transformers import assert_training_matches
+
+    model, patched = pair("Granite-4.0-hybrid")
+    for m in (model, patched):
+        m.config.use_cache = False
+        m.train()
+    assert_training_matches(model, patched, mode, tokens())
+
+
+def test_the_fused_call_keeps_packed_documents_apart():
+    """The fused call on documents packed in one row (``seq_idx``): each document's output
+    equals the document run alone, in the convolution and the scan both (Nemotron-H's two
+    groups of B and C)."""
+    mixer = _mixer(pair("Nemotron-H")[0])
+    cu = torch.tensor([0, 5, 13, 20])
+    seq_idx = torch.repeat_interleave(torch.arange(3), cu[1:] - cu[:-1])[None].int()
+    zxbcdt = mixer.in_proj(torch.randn(1, 20, mixer.in_proj.in_features))
+
+    def fused(z, **kwargs):
+        return integration._hf_split_conv1d_scan(
+            z, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.dt_bias,
+            -torch.exp(mixer.A_log.float()), D=mixer.D, chunk_size=mixer.chunk_size,
+            activation=mixer.activation, rmsnorm_weight=mixer.norm.weight,
+            rmsnorm_eps=mixer.norm.variance_epsilon, outproj_weight=mixer.out_proj.weight,
+            outproj_bias=mixer.out_proj.bias, headdim=mixer.head_dim, ngroups=mixer.n_groups,
+            norm_before_gate=False, **kwargs)  # fmt: skip
+
+    assert mixer.n_groups == 2
+    packed = fused(zxbcdt, seq_idx=seq_idx)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        alone = fused(zxbcdt[:, s:e])
+        assert cakeops.relative_error(packed[:, s:e], alone) <= TOLERANCE
+    assert cakeops.relative_error(packed[:, 5:], fused(zxbcdt)[:, 5:]) > 0.01
 
 
 def test_mamba1_state_update_is_left_to_transformers():

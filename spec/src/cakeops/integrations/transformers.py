@@ -568,6 +568,47 @@ def _hf_selective_state_update(original, state, hidden_states, dt, A, B, C, D=No
 
 _hf_selective_state_update.wants_original = True
 
+
+def _hf_split_conv1d_scan(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size=None,
+                          initial_states=None, seq_idx=None, dt_limit=(0.0, float("inf")),
+                          return_final_states=False, activation="silu", rmsnorm_weight=None,
+                          rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None,
+                          headdim=None, ngroups=1, norm_before_gate=True,
+                          **kwargs):  # fmt: skip
+    """mamba_ssm's ``mamba_split_conv1d_scan_combined``, the call a Mamba2 mixer makes first
+    in training (no cache), as the mixers make it: the projection ``zxbcdt`` split into the gate
+    ``z``, the convolution's input and ``dt``; :func:`cakeops.causal_conv1d` (SiLU); the SSD
+    scan on :func:`cakeops.causal_dot_product` (softplus of ``dt + dt_bias``, the ``D`` skip);
+    the grouped gated norm on :func:`cakeops.rmsnorm_silu_gate`; the output projection. Packed
+    documents (``seq_idx`` or ``cu_seq_lens_q``) stay apart in both the convolution and the
+    scan. As mamba_ssm's kernel, it receives no attention mask: a left-padded batch's padding
+    reaches the scan through the convolution's bias, where the mixer's separate calls zero it.
+    Any other use (no norm or projection, mamba_ssm's extra gated-MLP columns, an activation
+    the convolution does not fuse) answers None, and the mixer runs its separate calls."""
+    heads, conv_dim = A.shape[0], conv1d_weight.shape[0]
+    dim = heads * (headdim or 0)
+    if (activation not in ("silu", "swish") or rmsnorm_weight is None or outproj_weight is None
+            or not dim or zxbcdt.shape[-1] != dim + conv_dim + heads):  # fmt: skip
+        return None
+    state = (conv_dim - dim) // (2 * ngroups)
+    z, xbc, dt = zxbcdt.split([dim, conv_dim, heads], dim=-1)
+    xbc = _hf_causal_conv1d_fn(xbc.transpose(1, 2), conv1d_weight, conv1d_bias, activation,
+                               seq_idx=seq_idx, **kwargs).transpose(1, 2)  # fmt: skip
+    x, B, C = xbc.split([dim, ngroups * state, ngroups * state], dim=-1)
+    N, L = zxbcdt.shape[:2]
+    result = _hf_mamba_chunk_scan(
+        x.reshape(N, L, heads, headdim), dt, A, B.reshape(N, L, ngroups, state),
+        C.reshape(N, L, ngroups, state), chunk_size, D=D, dt_bias=dt_bias,
+        initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit,
+        return_final_states=return_final_states, **kwargs)  # fmt: skip
+    y, final = result if return_final_states else (result, None)
+    y = rmsnorm_silu_gate(y.reshape(N, L, dim), z.to(y.dtype), rmsnorm_weight.to(y.dtype),
+                          rmsnorm_eps, group_size=dim // ngroups,
+                          norm_before_gate=norm_before_gate)  # fmt: skip
+    out = torch.nn.functional.linear(y.to(zxbcdt.dtype), outproj_weight, outproj_bias)
+    return (out, final) if return_final_states else out
+
+
 #: the kernel names transformers' ``use_kernel_func_from_hub_with_fallback`` wraps that
 #: cakeops serves: the delta rules, the convolutions, Mamba2's scans, and what serves each
 DELTA_RULES = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda",
@@ -579,6 +620,7 @@ SERVED_KERNELS = {
     "causal_conv1d_update": _hf_causal_conv1d_update,
     "mamba_chunk_scan_combined": _hf_mamba_chunk_scan,
     "selective_state_update": _hf_selective_state_update,
+    "mamba_split_conv1d_scan_combined": _hf_split_conv1d_scan,
 }
 MAMBA2_SCANS = ("mamba_chunk_scan_combined", "selective_state_update")
 
@@ -617,7 +659,20 @@ def _served_names(cls: type, kernels=tuple(SERVED_KERNELS)) -> dict[str, str]:
                 names[n] = kernel
     if "mamba_chunk_scan_combined" not in names.values():  # Mamba1's state update: not served
         names = {n: k for n, k in names.items() if k != "selective_state_update"}
-    return names
+    left = NOT_SERVED_CALLS.get(cls.__name__, {})
+    return {n: k for n, k in names.items() if k not in left}
+
+
+#: layer class name -> {kernel name: why cakeops leaves that call to the model}
+NOT_SERVED_CALLS = {
+    "FalconH1Mixer": {
+        "mamba_split_conv1d_scan_combined": "its fused training call asks for the norm after "
+        "the gate, where its own norm (and so its inference) normalises before it by default "
+        "(config.mamba_norm_before_gate): transformers' two paths disagree, and serving the "
+        "fused call would train another model than the one that generates; its separate "
+        "calls, each on cakeops, run instead",
+    },
+}
 
 
 def _originals(cls: type) -> dict[str, Any]:
