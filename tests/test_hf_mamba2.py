@@ -8,6 +8,7 @@ gradient; packed sequences stay apart where the fallback runs them together."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import sys
 
 import hf_kernel_checks as checks
@@ -203,27 +204,23 @@ def _mixer(model):
 FUSED = [f for f in BUILT if _fused_name(type(_mixer(pair(f)[0])))]
 
 
-def test_the_fused_call_is_served_where_a_family_makes_it():
+def test_every_mixer_makes_the_fused_call():
     """Every Mamba2 mixer tries mamba_ssm's fused training call first; cakeops serves it for
-    all but Falcon-H1's, whose fused call and own norm disagree (the reason is listed)."""
-    assert set(FUSED) == set(BUILT) - {"Falcon-H1"}
+    all but Falcon-H1's, whose fused call and own norm disagree: it declines that one (the
+    reason is listed)."""
+    assert FUSED == BUILT
     falcon = type(_mixer(pair("Falcon-H1")[0]))
-    assert FUSED_CALL in integration.NOT_SERVED_CALLS[falcon.__name__]
-    calls = {
-        integration._hub_name(f.__globals__.get(n))
-        for f in integration._layers(falcon.__dict__["forward"])
-        for n in f.__code__.co_names
-    }
-    assert FUSED_CALL in calls  # it makes the call: cakeops leaves it on purpose
+    assert FUSED_CALL in integration.DECLINED_CALLS[falcon.__name__]
 
 
 @pytest.mark.parametrize("family", FUSED)
 def test_the_fused_training_call_runs_on_cakeops(family, monkeypatch):
     """In training without a cache (``use_cache=False``) a mixer calls
     ``mamba_split_conv1d_scan_combined`` first:
-    the patched model serves it (once per mixer, counted), where transformers' fallback answers
-    None and the unpatched model runs the separate calls; the loss and every gradient equal
-    the unpatched model's."""
+    the patched model serves it (once per mixer, counted; Falcon-H1's declined, its separate
+    calls on cakeops instead), where transformers' fallback answers None and the unpatched model
+    runs the separate calls; the loss and every gradient equal the unpatched model's."""
+    declined = family == "Falcon-H1"
     model, patched = pair(family)
     cls = type(_mixer(model))
     name = _fused_name(cls)
@@ -246,7 +243,8 @@ def test_the_fused_training_call_runs_on_cakeops(family, monkeypatch):
 
     loss, grads = loss_and_grads(model)
     loss_c, grads_c = loss_and_grads(patched)
-    assert len(answers) == _mixers(patched) and all(a is not None for a in answers)
+    assert len(answers) == _mixers(patched)
+    assert all((a is None) == declined for a in answers)  # declined: the separate calls ran
     assert cakeops.relative_error(loss_c, loss) <= TOLERANCE
     assert grads.keys() == grads_c.keys()
     for p, want in grads.items():
@@ -265,6 +263,38 @@ def test_fused_training_steps(mode):
         m.config.use_cache = False
         m.train()
     assert_training_matches(model, patched, mode, tokens())
+
+
+def _packed_pair(family: str):
+    """The family's tiny model and its patched copy, Granite 4.0's with Mamba2 layers only (its
+    attention, without positions, would mix packed documents: that is not cakeops' part)."""
+    config_class, sizes = FAMILIES[family]
+    if family == "Granite-4.0-hybrid":
+        sizes = {**sizes, "layer_types": ["mamba", "mamba"]}
+    return checks.pair({family: (config_class, sizes)}, family)
+
+
+@pytest.mark.parametrize("family", BUILT)
+@pytest.mark.parametrize("training", [False, True])
+def test_packed_documents_in_the_model(family, training):
+    """Three documents packed in one row (``seq_idx`` and positions restarting, as
+    transformers' flattening collator hands them): each document's hidden states equal the
+    document run alone, in inference (the separate calls) and in training without a cache
+    (the fused call); the unpatched model's fallbacks refuse the packed row."""
+    model, patched = _packed_pair(family)
+    ids = tokens(shape=(1, 20))
+    cu = torch.tensor([0, 5, 12, 20])
+    seq_idx = torch.repeat_interleave(torch.arange(3), cu[1:] - cu[:-1])[None].int()
+    positions = torch.cat([torch.arange(e - s) for s, e in itertools.pairwise(cu.tolist())])
+    for m in (model, patched):
+        m.train(training)
+    packed = patched.base_model(ids, seq_idx=seq_idx, position_ids=positions[None],
+                                use_cache=False).last_hidden_state  # fmt: skip
+    for s, e in itertools.pairwise(cu.tolist()):
+        alone = patched.base_model(ids[:, s:e], use_cache=False).last_hidden_state
+        assert cakeops.relative_error(packed[:, s:e], alone) <= TOLERANCE
+    with pytest.raises(ValueError, match="packed sequences"):
+        model.base_model(ids, seq_idx=seq_idx, position_ids=positions[None], use_cache=False)
 
 
 def test_the_fused_call_keeps_packed_documents_apart():

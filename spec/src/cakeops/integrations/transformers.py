@@ -659,20 +659,26 @@ def _served_names(cls: type, kernels=tuple(SERVED_KERNELS)) -> dict[str, str]:
                 names[n] = kernel
     if "mamba_chunk_scan_combined" not in names.values():  # Mamba1's state update: not served
         names = {n: k for n, k in names.items() if k != "selective_state_update"}
-    left = NOT_SERVED_CALLS.get(cls.__name__, {})
-    return {n: k for n, k in names.items() if k not in left}
+    return names
 
 
-#: layer class name -> {kernel name: why cakeops leaves that call to the model}
-NOT_SERVED_CALLS = {
+#: layer class name -> {kernel name: why cakeops declines that call}: it answers None, as
+#: transformers' fallback does, and the layer makes its separate calls (each on cakeops; the
+#: fallback itself raises on packed documents)
+DECLINED_CALLS = {
     "FalconH1Mixer": {
         "mamba_split_conv1d_scan_combined": "its fused training call asks for the norm after "
         "the gate, where its own norm (and so its inference) normalises before it by default "
         "(config.mamba_norm_before_gate): transformers' two paths disagree, and serving the "
-        "fused call would train another model than the one that generates; its separate "
-        "calls, each on cakeops, run instead",
+        "fused call would train another model than the one that generates",
     },
 }
+
+
+def _declined(*args: Any, **kwargs: Any) -> None:
+    """A call cakeops declines (:data:`DECLINED_CALLS`): None, so the layer goes on with its
+    separate calls."""
+    return None
 
 
 def _originals(cls: type) -> dict[str, Any]:
@@ -728,8 +734,9 @@ def _kernels_class(cls: type) -> type:
     if cls not in _patched:
         originals = _originals(cls)
         served = {}
+        declined = DECLINED_CALLS.get(cls.__name__, {})
         for name, kernel in _served_names(cls).items():
-            adapter = SERVED_KERNELS[kernel]
+            adapter = _declined if kernel in declined else SERVED_KERNELS[kernel]
             if getattr(adapter, "wants_original", False):
                 adapter = functools.partial(adapter, originals[name])
             served[name] = adapter
