@@ -171,8 +171,8 @@ def inputs(call: Call) -> tuple[tuple, tuple]:
         if call.variant == "transposed":
             q, k = (empty(N, L, H, E).transpose(1, 2) for _ in range(2))
             v = empty(N, L, H, M).transpose(1, 2)
-        elif call.variant == "mamba2":  # q = C and k = B shared by every head: stride 0
-            q, k = (empty(N, 1, L, E).expand(N, H, L, E) for _ in range(2))
+        elif call.variant == "mamba2":  # q = C and k = B: one key head shared by every head
+            q, k = (empty(N, 1, L, E) for _ in range(2))
             v = empty(N, H, L, M)
         else:
             q, k, v = empty(N, H, L, E), empty(N, H, L, E), empty(N, H, L, M)

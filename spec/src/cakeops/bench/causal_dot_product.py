@@ -185,10 +185,9 @@ def gpu_cases(device: torch.device, shape: tuple[int, ...]) -> list:
     k = (torch.randn(N, H, L, E, device=device) * E**-0.5).bfloat16()
     v = torch.randn(N, H, L, M, device=device, dtype=torch.bfloat16)
     log_gates = -torch.rand(N, H, L, device=device) * 0.1
-    # Mamba2's SSD scan as the transformers adapter runs it: q = C and k = B, one group shared
-    # by every head (a stride-0 view), log_gates = dt A
-    c, b = ((torch.randn(N, 1, L, E, device=device) * E**-0.5).bfloat16().expand(N, H, L, E)
-            for _ in "cb")  # fmt: skip
+    # Mamba2's SSD scan as the transformers adapter runs it: q = C and k = B, one group (a key
+    # head) shared by every head, log_gates = dt A
+    c, b = ((torch.randn(N, 1, L, E, device=device) * E**-0.5).bfloat16() for _ in "cb")
     return [GpuCase("bfloat16", Inputs(q, k, v)),
             GpuCase("bfloat16, log_gates", Inputs(q, k, v, log_gates=log_gates)),
             GpuCase("bfloat16, Mamba2 SSD scan", Inputs(c, b, v, log_gates=log_gates))]  # fmt: skip
@@ -200,6 +199,8 @@ def gpu_peers(inputs) -> dict[str, Any]:
     ``chunk_simple_gla`` with gates) when it imports (its layout is (B, T, H, D)); a string
     says why a peer is not compared."""
     q, k, v, gates = inputs["q"], inputs["k"], inputs["v"], inputs["log_gates"]
+    grouped = k.shape[1] != v.shape[1]  # Mamba2's SSD scan: one key head for every head
+    q, k = (t.expand(-1, v.shape[1], -1, -1) if grouped else t for t in (q, k))
     name = "masked" if gates is None else "masked decay"
     composite = masked if gates is None else (lambda q, k, v: masked_decay(q, k, v, gates))
     compiled = torch.compile(composite, dynamic=False)
@@ -207,7 +208,7 @@ def gpu_peers(inputs) -> dict[str, Any]:
         f"{name} composite": lambda: composite(q, k, v),
         f"torch.compile({name})": lambda: compiled(q, k, v),
     }
-    if k.stride(1) == 0:  # Mamba2's SSD scan: mamba-ssm's kernel when it imports
+    if grouped:  # Mamba2's SSD scan: mamba-ssm's kernel when it imports
         peers["mamba-ssm"] = _mamba_peer(q, k, v, gates)
         return peers
     try:
@@ -238,6 +239,6 @@ def _mamba_peer(q, k, v, gates):
         return f"does not import ({type(exc).__name__}: {exc})"[:200]
     x = v.transpose(1, 2)
     dt = (-gates).transpose(1, 2).to(v.dtype)
-    A = -torch.ones(q.shape[1], device=q.device)
+    A = -torch.ones(v.shape[1], device=q.device)
     B, C = (t[:, :1].transpose(1, 2) for t in (k, q))  # (N, L, 1, S)
     return lambda: kernel(x, dt, A, B, C, chunk_size=256)
