@@ -125,33 +125,71 @@ def test_options_at_their_defaults_take_the_short_op():
     torch.testing.assert_close(outs["a bias"], outs["left out"])
 
 
+def _custom_op_calls(fn):
+    """``fn()`` and how many ``cakeops::`` ops the profiler saw it run."""
+    with torch.profiler.profile() as prof:
+        out = fn()
+    return out, sum(e.count for e in prof.key_averages() if e.key.startswith("cakeops::"))
+
+
 def test_a_call_without_autograd_skips_the_dispatcher_unless_something_watches_it():
     """With nothing for autograd to record (grad mode off, or no input requiring a gradient), an
     eager call runs its kernel without the custom op (a decode step's fixed cost); the result is
-    the same, a dispatch mode still sees the op as one node, and a call that records a gradient
-    still goes through it."""
-
-    def custom_op_calls(fn):
-        with torch.profiler.profile() as prof:
-            out = fn()
-        return out, sum(e.count for e in prof.key_averages() if e.key.startswith("cakeops::"))
+    the same, and a dispatch mode still sees the op as one node."""
 
     x = torch.randn(5)
     leaf = x.clone().requires_grad_()
     with torch.no_grad():
-        plain, calls = custom_op_calls(lambda: SPEC(x=leaf, scale=2.0))
+        plain, calls = _custom_op_calls(lambda: SPEC(x=leaf, scale=2.0))
     assert calls == 0
-    not_requiring, calls = custom_op_calls(lambda: SPEC(x=x, scale=2.0))
+    not_requiring, calls = _custom_op_calls(lambda: SPEC(x=x, scale=2.0))
     assert calls == 0
-    recorded, calls = custom_op_calls(lambda: SPEC(x=leaf, scale=2.0))
-    assert calls >= 1 and recorded.requires_grad
-    torch.testing.assert_close(plain, recorded.detach())
     torch.testing.assert_close(not_requiring, plain)
     with torch.no_grad(), Ops() as mode:
         SPEC(x=x, scale=2.0)
     assert mode.seen == ["test_scaled_square"]
     with pytest.raises(ValueError, match="test_scaled_square: argument 'x'"), torch.no_grad():
         SPEC(x=torch.randn(2, 2))
+
+
+def test_a_call_autograd_records_runs_the_kernels_without_the_custom_op(monkeypatch):
+    """An eager call that records a gradient, in a plain context: its forward and backward run
+    the backend's kernels with no ``cakeops::`` op dispatched (a small training call's fixed
+    cost), with the custom op's results and contract: the gradient, exactly the input saved, a
+    backward run by the backend that ran the forward, a refused second derivative, a refused
+    backward after the input changed in place; a dispatch mode still sees the op and its
+    backward as nodes."""
+    x = torch.randn(5)
+    leaf = x.clone().requires_grad_()
+    kernels = sys.modules["_cakeops_toy_kernels"]
+    backward, calls = kernels.backward, []
+    monkeypatch.setattr(kernels, "backward", lambda *a: calls.append(1) or backward(*a))
+
+    def step():
+        y = SPEC(x=leaf, scale=2.0)
+        return y, torch.autograd.grad(y.sum(), leaf)[0]
+
+    (y, dx), ops = _custom_op_calls(step)
+    assert ops == 0 and calls == [1] and y.requires_grad
+    torch.testing.assert_close(y, 2.0 * x * x)
+    torch.testing.assert_close(dx, 4.0 * x)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        saved = []
+        SPEC(x=leaf, scale=2.0)
+    assert len(saved) == 1 and saved[0] is leaf
+    (dx2,) = torch.autograd.grad(SPEC(x=leaf, scale=2.0).sum(), leaf, create_graph=True)
+    torch.testing.assert_close(dx2, 4.0 * x)
+    with pytest.raises(NotImplementedError, match="second derivatives"):
+        dx2.sum().backward()
+    changed = leaf.clone()
+    y = SPEC(x=changed, scale=2.0)
+    with torch.no_grad():
+        changed.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    with Ops() as mode:
+        torch.autograd.grad(SPEC(x=leaf, scale=2.0).sum(), leaf)
+    assert mode.seen == ["test_scaled_square", "test_scaled_square_backward"]
 
 
 def _with(name, value):

@@ -386,3 +386,30 @@ def test_experts_implementation_resolves_after_import_cakeops(order):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert proc.stdout.strip() == "runs on cakeops", proc.stderr[-3000:]
+
+
+def test_decode_keeps_the_experts_views_while_the_parameters_stay():
+    """Without grad mode the experts' weight views are kept on the module between calls: an
+    in-place update of a parameter (an optimizer step), a new parameter and new ``.data`` all
+    reach the next call; with grad mode nothing is kept."""
+    from cakeops.integrations.transformers import experts_forward
+
+    model, _ = pair("Qwen3-MoE")
+    experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, COMMON["hidden_size"], generator=gen)
+    index = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    weights = torch.rand(3, 2, generator=gen)
+    with torch.no_grad():
+        first = experts_forward(experts, x, index, weights)
+        assert "_cakeops_arguments" in experts.__dict__
+        experts.down_proj.mul_(2)
+        torch.testing.assert_close(experts_forward(experts, x, index, weights), 2 * first)
+        experts.down_proj = torch.nn.Parameter(experts.down_proj * 0.5)
+        torch.testing.assert_close(experts_forward(experts, x, index, weights), first)
+        experts.down_proj.data = experts.down_proj.data * 3
+        torch.testing.assert_close(experts_forward(experts, x, index, weights), 3 * first)
+    experts.__dict__.pop("_cakeops_arguments")
+    out = experts_forward(experts, x, index, weights)
+    assert out.requires_grad and "_cakeops_arguments" not in experts.__dict__
+    torch.testing.assert_close(out.detach(), 3 * first)

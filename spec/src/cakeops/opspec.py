@@ -303,10 +303,18 @@ def _forward_ad_active() -> bool:
 
 def _direct(tensors: Collection[torch.Tensor]) -> bool:
     """Whether an eager call may skip the custom op: no gradient to record (grad mode off or no
-    input requiring one), plain tensors only (a subclass dispatches through the op), and no
-    torch function mode, dispatch mode or tracer that expects to see the op as one node."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
+    input requiring one) and a plain context (:func:`_plain`)."""
+    return not _records_grad(tensors) and _plain(tensors)
+
+
+def _records_grad(tensors: Collection[torch.Tensor]) -> bool:
+    """Whether autograd records a call on ``tensors``: grad mode on and one requires a grad."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _plain(tensors: Collection[torch.Tensor]) -> bool:
+    """Plain tensors only (a subclass dispatches through the op), and no torch function mode,
+    dispatch mode or tracer that expects to see the op as one node."""
     if any(type(t) not in _PLAIN_TENSORS for t in tensors):
         return False
     return not (
@@ -547,9 +555,10 @@ class OpSpec:
         return self.forward_op(*values)
 
     def _lean(self, arguments: dict[str, Any]) -> Any:
-        """An eager call without autograd (:func:`_direct`): the first of its signature checked
+        """An eager call of plain tensors (:func:`_plain`): the first of its signature checked
         in full and remembered (:class:`_Plan`), a later one with the checks that read values
-        only, the backend chosen again only when the selection state changed, then the kernel.
+        only, the backend chosen again only when the selection state changed, then the kernel,
+        or with a gradient to record, :class:`_LeanFunction` around the kernels.
         :data:`_NOT_LEAN` when the call is not one (the full path then runs, and raises what it
         raises)."""
         if not arguments.keys() <= self.inputs._name_set() or _forward_ad_active():
@@ -562,8 +571,25 @@ class OpSpec:
                 return _NOT_LEAN  # missing, a list, a NumPy number, a subclass: the full path says
             if kind in _PLAIN_TENSORS:
                 tensors.append(v)
-        if not _direct(tensors):
+        if not _plain(tensors):
             return _NOT_LEAN
+        if not _records_grad(tensors):
+            plan, values, inputs = self._lean_plan(values)
+            if plan.no_work:
+                return self._run_forward(inputs or self._make(values))
+            return self._lean_forward(plan, values)
+        with torch.no_grad():  # the checks: nothing of them in the autograd graph
+            plan, checked, _ = self._lean_plan(values)
+        if plan.no_work or any(a is not b for a, b in zip(values, checked, strict=True)
+                               if isinstance(a, torch.Tensor)):  # fmt: skip
+            # zeros and gradients for them, or a check that replaced a tensor: the custom op
+            return _NOT_LEAN
+        return _LeanFunction.apply(self, plan, *checked)
+
+    def _lean_plan(self, values: tuple[Any, ...]) -> tuple[_Plan, tuple[Any, ...], Any]:
+        """``(plan, values as checked, the inputs when made)`` of a lean call: its signature's
+        plan (made by every check on the first call, else the value checks), the backend chosen
+        again if the selection state changed."""
         key = _signature(values)
         plan = self._plans.get(key)
         inputs = None
@@ -581,12 +607,16 @@ class OpSpec:
             if self.check_data is not None:
                 inputs = self._make(values)
                 self.check_data(inputs)
-        if plan.no_work:
-            return self._run_forward(inputs or self._make(values))
-        token = selection_token(self.name)
-        if plan.token != token:
-            plan.backend, plan.token = select(self.name, inputs or self._make(values)), token
+        if not plan.no_work:
+            token = selection_token(self.name)
+            if plan.token != token:
+                plan.backend, plan.token = select(self.name, inputs or self._make(values)), token
+        return plan, values, inputs
+
+    def _lean_forward(self, plan: _Plan, values: tuple[Any, ...]) -> Any:
+        """The chosen backend's forward of checked ``values``, its outputs checked."""
         backend = plan.backend
+        assert backend is not None
         result = _run_kernel(backend, self.name, "forward", *values, devices=plan.devices)
         if self.second is None:
             out = _checked(self.name, backend, "the output", result, plan.out, False)
@@ -761,33 +791,39 @@ class OpSpec:
                 tuple(_absent(g) if t is None else torch.zeros_like(t) for t in tensors.values())
             )
         backend = select(self.name, inputs)
+        grads = self._run_backward(backend, grads_out, inputs.values(), tensors)
+        return _unwrapped(tuple(_absent(g) if t is None else d
+                                for t, d in zip(tensors.values(), grads, strict=True)))  # fmt: skip
+
+    def _run_backward(
+        self,
+        backend: Backend,
+        grads_out: tuple[torch.Tensor, ...],
+        values: tuple[Any, ...],
+        tensors: Mapping[str, torch.Tensor | None],
+        devices: frozenset[str] | None = None,
+    ) -> list[torch.Tensor | None]:
+        """``backend``'s backward kernel of checked ``values``: each differentiable input's
+        gradient (``tensors``: those inputs by name), checked and laid out like it (None for an
+        input not given)."""
         if self.contiguous_grads:
             grads_out = tuple(t.contiguous() for t in grads_out)
-        grads = _run_kernel(backend, self.name, "backward", *grads_out, *inputs.values())
+        grads = _run_kernel(backend, self.name, "backward", *grads_out, *values, devices=devices)
         if len(grads) != len(tensors):
             raise RuntimeError(
                 f"{self.name}: backend {backend.name!r} returned {len(grads)} gradients, "
                 f"expected {len(tensors)} ({', '.join(tensors)})"
             )
-        return _unwrapped(
-            tuple(
-                _absent(g)
-                if t is None
-                else _like(
-                    # laid out by _like: a gradient with its input's strides stays as it is
-                    _checked(
-                        self.name,
-                        backend,
-                        f"d{name}",
-                        grad,
-                        (t.shape, t.dtype, t.device),
-                        contiguous=False,
-                    ),
-                    t,
-                )
-                for (name, t), grad in zip(tensors.items(), grads, strict=True)
+        return [
+            None
+            if t is None
+            else _like(
+                # laid out by _like: a gradient with its input's strides stays as it is
+                _checked(self.name, backend, f"d{name}", grad, (t.shape, t.dtype, t.device), False),
+                t,
             )
-        )
+            for (name, t), grad in zip(tensors.items(), grads, strict=True)
+        ]
 
     def _split_grads(self, g: torch.Tensor, values: tuple[Any, ...]):
         """``((grad_output[, grad_second]), the op's arguments)`` of the backward op's."""
@@ -874,6 +910,42 @@ class OpSpec:
                 "generate_vmap_rule": True,
             },
         )
+
+
+class _LeanFunction(torch.autograd.Function):
+    """An eager call that autograd records, in a plain context (``OpSpec._lean``): the chosen
+    backend's forward and backward kernels called directly, without the custom op's dispatch
+    and its second round of checks, which cost a small call more than its kernels. It saves
+    exactly the tensor inputs, as the custom op does (autograd's version counters refuse a
+    backward after one of them changed in place, so the forward's checks still hold); a
+    backward that could itself be differentiated goes through the backward op, which refuses
+    second derivatives."""
+
+    @staticmethod
+    def forward(ctx: Any, spec: OpSpec, plan: _Plan, *values: Any) -> Any:  # type: ignore[override]
+        out = spec._lean_forward(plan, values)
+        ctx.save_for_backward(*(v for v in values if isinstance(v, torch.Tensor)))
+        ctx.params = tuple(_SAVED if isinstance(v, torch.Tensor) else v for v in values)
+        ctx.spec, ctx.backend, ctx.devices = spec, plan.backend, plan.devices
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads_out: torch.Tensor) -> Any:  # type: ignore[override]
+        spec: OpSpec = ctx.spec
+        saved = iter(ctx.saved_tensors)
+        values = tuple(next(saved) if p is _SAVED else p for p in ctx.params)
+        if _may_differentiate_backward():
+            with forcing(ctx.backend.name, spec.name):
+                grads = spec._full.backward_function.apply(*grads_out, *values)
+            grads = iter((grads,) if isinstance(grads, torch.Tensor) else grads)
+            given = [next(grads) if n in spec.differentiable else None for n in spec.names]
+            given = [None if v is None else d for v, d in zip(values, given, strict=True)]
+            return (None, None, *given)
+        inputs = dict(zip(spec.names, values, strict=True))
+        tensors = {name: inputs[name] for name in spec.differentiable}
+        grads = dict(zip(tensors, spec._run_backward(ctx.backend, grads_out, values, tensors,
+                                                     ctx.devices), strict=True))  # fmt: skip
+        return (None, None, *(grads.get(n) for n in spec.names))
 
 
 def moved_to_helpers(module: str) -> Callable[[str], Any]:

@@ -183,6 +183,28 @@ def _weights(self: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return out
 
 
+def _arguments(self: torch.nn.Module) -> tuple[Any, ...]:
+    """``(w_gate, w_up, w_down, the other keyword arguments)`` of :func:`cakeops.routed_experts`
+    for the module (:func:`_weights` and :func:`experts_options`). Without grad mode (a decode
+    step) they are kept on the module while its parameters are the same tensors on the same
+    memory (an optimizer's in-place step keeps the views valid; a new parameter or ``.data``
+    does not): a decode step then skips the views' half-dozen ops."""
+    if torch.is_grad_enabled():
+        return _made_arguments(self)
+    key = tuple((id(p), p.data_ptr(), p.shape) for p in self._parameters.values() if p is not None)
+    cached = self.__dict__.get("_cakeops_arguments")
+    if cached is None or cached[0] != key:
+        cached = (key, _made_arguments(self))
+        self.__dict__["_cakeops_arguments"] = cached
+    return cached[1]
+
+
+def _made_arguments(self: torch.nn.Module) -> tuple[Any, ...]:
+    w = _weights(self)
+    gate, up, down = w.pop("w_gate"), w.pop("w_up"), w.pop("w_down")
+    return gate, up, down, {**w, **experts_options(self)}
+
+
 def experts_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -193,12 +215,8 @@ def experts_forward(
     :func:`cakeops.routed_experts`, whatever its form (activation, clamped gate, biases,
     transposed or interleaved weights, no gate). Ids past the local experts (transformers'
     expert parallelism) are dropped slots. Refuses a module it cannot run, with the reasons."""
-    options = experts_options(self)
-    w = _weights(self)
-    return routed_experts(
-        hidden_states, top_k_index, top_k_weights, w.pop("w_gate"), w.pop("w_up"),
-        w.pop("w_down"), **w, **options,
-    )  # fmt: skip
+    gate, up, down, rest = _arguments(self)
+    return routed_experts(hidden_states, top_k_index, top_k_weights, gate, up, down, **rest)
 
 
 def check_model(model: torch.nn.Module) -> None:
