@@ -387,6 +387,64 @@ def test_transformers_expert_parallelism(tmp_path):
                 assert_matches(grads_c[name], grad.double(), f"{key}: {name}", torch.float32)
 
 
+def _hf_allreduce_worker(rank: int, world: int, init: str, path: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    import transformers as tf
+    from transformers.distributed import DistributedConfig
+
+    from cakeops.integrations import transformers as integration
+
+    seen = []  # per experts call: whether a slot was dropped (an id past the local experts)
+    run = integration.routed_experts
+
+    def spy(x, index, weights, w_gate, w_up, w_down, **kwargs):
+        seen.append(bool((index >= w_down.shape[0]).any()))
+        return run(x, index, weights, w_gate, w_up, w_down, **kwargs)
+
+    integration.routed_experts = spy
+    results = {}
+    for impl in ("eager", "cakeops"):
+        config = DistributedConfig(tp_size=world, ep_size=world)
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            path, distributed_config=config, experts_implementation=impl
+        )
+        model.eval()
+        with torch.no_grad():
+            results[impl] = model(_hf_tokens(0)).logits
+    results["sentinels"] = seen
+    torch.save(results, f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+    _leave()
+
+
+def test_transformers_allreduce_ep_hands_the_experts_sentinels(tmp_path):
+    """transformers' ``AllReduceEP`` (``tp_size == ep_size``, inference: every rank runs its
+    experts on the whole batch, the routes to other ranks' experts given the local id
+    ``num_local_experts`` and weight 0) with ``experts_implementation="cakeops"``: the experts
+    receive those sentinel ids (recorded) and drop them; each rank's logits equal the eager
+    experts' and the single-process model's."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import hf_families as H
+
+    model = H.build_model(H.family("qwen3_moe"))
+    model.save_pretrained(tmp_path / "model")
+    world, out, init = 2, str(tmp_path / "rank"), str(tmp_path / "init")
+    mp.spawn(_hf_allreduce_worker, args=(world, init, str(tmp_path / "model"), out),
+             nprocs=world, join=True)  # fmt: skip
+    model.set_experts_implementation("eager")
+    model.eval()
+    with torch.no_grad():
+        single = model(_hf_tokens(0)).logits.double()
+    for rank in range(world):
+        results = torch.load(f"{out}.{rank}")
+        assert results["sentinels"] and all(results["sentinels"])
+        assert_matches(results["eager"], single, "eager logits", torch.float32)
+        assert_matches(results["cakeops"], single, "cakeops logits", torch.float32)
+
+
 def test_benchmark_reports_both_configurations(tmp_path):
     """``python -m cakeops.bench.expert_parallel --quick``: one process, and the two layouts
     (a token once per rank, a row per slot before #38); bytes sent by the expert-parallel ranks
