@@ -245,7 +245,7 @@ class Model(torch.nn.Module):
         return self.out(h + op(h, index, weights, *self.experts))
 
 
-def _fsdp_worker(rank: int, world: int, init: str, out: str) -> None:
+def _fsdp_worker(rank: int, world: int, init: str, out: str, how: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
@@ -253,10 +253,13 @@ def _fsdp_worker(rank: int, world: int, init: str, out: str) -> None:
     model = Model(world, rank)
     for part in (model.inp, model.router, model.out):  # FSDP2 on everything but the experts
         fully_shard(part)
+    if how == "hook":
+        cd.average_expert_grads(model.experts)
     x, target = _data(world)
     mine = slice(rank * T, (rank + 1) * T)
     F.mse_loss(model(x[mine]), target[mine]).backward()
-    cd.scale_expert_grads(model.experts.parameters())
+    if how == "by hand":
+        cd.scale_expert_grads(model.experts.parameters())
     grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
              for n, p in model.named_parameters()}  # fmt: skip
     torch.save(grads, f"{out}.{rank}")
@@ -270,12 +273,15 @@ def _data(world: int):
     return torch.randn(world * T, D, generator=g), torch.randn(world * T, D, generator=g)
 
 
-def test_composes_with_fsdp2(tmp_path):
+@pytest.mark.parametrize("how", ["hook", "by hand"])
+def test_composes_with_fsdp2(tmp_path, how):
     """FSDP2 shards and averages the other parameters; the experts are sharded by expert
-    parallelism, their gradients averaged by ``scale_expert_grads``: every gradient equals
-    the one process's on the whole batch."""
+    parallelism, their gradients averaged by ``average_expert_grads``' hooks (set once) or by
+    ``scale_expert_grads`` after the backward: every gradient equals the one process's on the
+    whole batch."""
     world, out = 2, str(tmp_path / "rank")
-    mp.spawn(_fsdp_worker, args=(world, str(tmp_path / "init"), out), nprocs=world, join=True)
+    mp.spawn(_fsdp_worker, args=(world, str(tmp_path / "init"), out, how), nprocs=world,
+             join=True)  # fmt: skip
     parts = [torch.load(f"{out}.{r}") for r in range(world)]
     model = Model()
     x, target = _data(world)
@@ -286,6 +292,82 @@ def test_composes_with_fsdp2(tmp_path):
         else:
             got = parts[0][name]
             assert torch.equal(got, parts[1][name]), name
+        assert_matches(got, p.grad.double(), name, torch.float32)
+
+
+class Experts(torch.nn.Module):
+    """This rank's block of experts behind a forward (what FSDP2 shards and gathers around)."""
+
+    def __init__(self, weights, group=None):
+        super().__init__()
+        self.w_gate, self.w_up, self.w_down = (torch.nn.Parameter(w) for w in weights)
+        self.group = group
+
+    def forward(self, h, index, weights):
+        w = (self.w_gate, self.w_up, self.w_down)
+        if self.group is None:
+            return cakeops.routed_experts(h, index, weights, *w)
+        return cd.routed_experts(h, index, weights, *w, group=self.group)
+
+
+class MeshModel(Model):
+    """:class:`Model` with its experts a module: block ``ep_rank`` of ``ep`` over ``group``."""
+
+    def __init__(self, ep: int = 1, ep_rank: int = 0, group=None):
+        super().__init__()
+        block = slice(ep_rank * E // ep, (ep_rank + 1) * E // ep)
+        self.experts = Experts([w.detach()[block] for w in self.experts], group)
+
+    def forward(self, x):
+        h = self.inp(x)
+        weights, index = torch.topk(torch.softmax(self.router(h), -1), K, dim=-1)
+        return self.out(h + self.experts(h, index, weights))
+
+
+def _mesh_worker(rank: int, world: int, init: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    # 2-D: expert-FSDP x EP; the experts' blocks over "ep", each block sharded over "efsdp"
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("efsdp", "ep"))
+    ep = mesh["ep"]
+    model = MeshModel(ep.size(), ep.get_local_rank(), ep.get_group())
+    cd.average_expert_grads(model.experts, ep.get_group(), fsdp_mesh=mesh["efsdp"])
+    for part in (model.inp, model.router, model.out):  # FSDP2 over every rank
+        fully_shard(part)
+    x, target = _data(world)
+    mine = slice(rank * T, (rank + 1) * T)
+    F.mse_loss(model(x[mine]), target[mine]).backward()
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+             for n, p in model.named_parameters()}  # fmt: skip
+    torch.save((ep.get_local_rank(), grads), f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+    _leave()
+
+
+def test_a_2d_mesh_averages_through_fsdp_s_divide_factor(tmp_path):
+    """4 ranks as a 2-D mesh (expert-FSDP 2 x EP 2): the experts' blocks over EP, each block
+    ``fully_shard``-ed over expert-FSDP by ``average_expert_grads``, whose divide factor (4)
+    makes FSDP's own reduce-scatter average the experts' gradients over every rank, with
+    nothing called after the backward; the other parameters FSDP2 over all 4: every gradient
+    equals the one process's on the whole batch."""
+    world, out = 4, str(tmp_path / "rank")
+    mp.spawn(_mesh_worker, args=(world, str(tmp_path / "init"), out), nprocs=world, join=True)
+    parts = [torch.load(f"{out}.{r}") for r in range(world)]
+    model = MeshModel()
+    x, target = _data(world)
+    F.mse_loss(model(x), target).backward()
+    blocks = {}
+    for ep_rank, grads in parts:
+        blocks.setdefault(ep_rank, grads)
+    for name, p in model.named_parameters():
+        expert = name.startswith("experts.")
+        for ep_rank, grads in parts:  # the same on every rank (of a block, for the experts)
+            assert torch.equal(grads[name], (blocks[ep_rank] if expert else parts[0][1])[name])
+        got = torch.cat([blocks[b][name] for b in sorted(blocks)]) if expert else parts[0][1][name]
         assert_matches(got, p.grad.double(), name, torch.float32)
 
 
@@ -475,3 +557,16 @@ def test_benchmark_reports_both_configurations(tmp_path):
     assert tokens["sent"] <= 0.55 * slots["sent"]
     text = bench.markdown(rows, quick=True)
     assert "2 processes x 1 thread" in text and "python -m cakeops.bench.expert_parallel" in text
+
+
+def test_the_2d_mesh_example_runs():
+    """``python docs/examples/expert_parallel_2d.py``: 4 gloo processes, expert-FSDP x EP,
+    three SGD steps reaching the one-process losses (the example checks them)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "docs", "examples",
+                                                        "expert_parallel_2d.py")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the same" in done.stdout

@@ -22,8 +22,10 @@ experts' weights and biases, and ``top_k_weights``. Only the split sizes cross t
 
 Gradients: each rank's expert weights receive the gradients of every rank's tokens, the sum of
 all the ranks' losses. A data-parallel setup that averages the other parameters' gradients
-over ranks (DDP, FSDP2) should divide the expert gradients by the world size too (or scale
-what it sums), as :func:`scale_expert_grads` does.
+over ranks (DDP, FSDP2) divides the expert gradients by the world size too:
+:func:`average_expert_grads` sets that up once (FSDP's own divide factor when the experts are
+sharded over an expert-FSDP dimension, else a gradient hook); :func:`scale_expert_grads` does it
+by hand after a backward.
 """
 
 from __future__ import annotations
@@ -173,6 +175,40 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if x.requires_grad and x.dtype in (torch.float16, torch.bfloat16) and torch.is_grad_enabled():
         return _GatherRows.apply(x, index)
     return x.index_select(0, index)
+
+
+def average_expert_grads(
+    experts: torch.nn.Module,
+    group: dist.ProcessGroup | None = None,
+    fsdp_mesh: Any = None,
+    **fsdp_kwargs: Any,
+) -> torch.nn.Module:
+    """Make the gradients of ``experts`` (a module holding this rank's expert block, whose
+    forward runs :func:`routed_experts` over the expert-parallel ``group``) the average over
+    every data-parallel rank, as DDP and FSDP2 make the other parameters', with nothing to call
+    after each backward. Each rank's block receives the sum of its EP group's gradients; so:
+
+    - with ``fsdp_mesh`` (the expert-FSDP dimension of a 2-D mesh, expert-FSDP x EP): the module
+      is ``fully_shard``-ed over it (``fsdp_kwargs`` passed on) with FSDP's own gradient divide
+      factor set to ``expert-FSDP size x EP size``: its reduce-scatter sums over the expert-FSDP
+      ranks and divides by every rank's count (torchtitan does the same);
+    - without: a gradient hook on each parameter divides what reaches it by the EP group's size
+      (before accumulation: correct with gradient accumulation too).
+
+    Returns ``experts``. Use it instead of :func:`scale_expert_grads`, not with it."""
+    ep = dist.get_world_size(group)
+    if fsdp_mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(experts, mesh=fsdp_mesh, **fsdp_kwargs)
+        experts.set_gradient_divide_factor(float(fsdp_mesh.size() * ep))  # type: ignore[operator]
+        if dist.get_backend(fsdp_mesh.get_group()) == "gloo":  # no PREMUL_SUM: sum, then divide
+            experts.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+        return experts
+    for p in experts.parameters():
+        if p.requires_grad:
+            p.register_hook(lambda g, ep=ep: g / ep)
+    return experts
 
 
 def scale_expert_grads(parameters, group: dist.ProcessGroup | None = None) -> None:
