@@ -62,6 +62,12 @@ def calls(dtypes=DTYPES) -> Iterator[Call]:
         # WIP #27: every option (decay, gates, initial and final state), and packed sequences
         out += [Call("causal_dot_product", dtype, (2, 2, 45, 6, 5), "options")]
         out += [Call("causal_dot_product", dtype, (1, 2, 45, 6, 5), "packed")]
+        # key heads shared by groups of 3 value heads (TestKeyHeadGroups): one key head (a
+        # stride-0 view) and two (repeated), with and without the options
+        out += [Call("causal_dot_product", dtype, (2, 6, 45, 6, 5), f"groups:{hk}:{opts}")
+                for hk in (1, 2) for opts in ("plain", "gates", "options")]  # fmt: skip
+        out += [Call("causal_dot_product", dtype, (1, 6, 45, 6, 5), f"groups:{hk}:packed")
+                for hk in (1, 2)]  # fmt: skip
         # the gated delta rule and KDA: every option, grouped value heads, and packed
         out += [Call("gated_delta_rule", dtype, DELTA_SUITE, v) for v in DELTA_VARIANTS]
         out += [Call("gated_delta_rule", dtype, (1, 1, 1, 20, 136, 5), "kda")]  # wide heads
@@ -123,6 +129,23 @@ EXPERT_SIZES = ((96, 160), (640, 1408), (1000, 1400), (2880, 2880), (7168, 2048)
 NORM_SIZES = (96, 640, 1000, 2880, 5120, 8200)
 
 
+def _grouped_causal_inputs(call: Call, empty):
+    """The forward's and backward's arguments of a ``groups:<key heads>:<options>`` call."""
+    N, H, L, E, M = call.shape
+    _, hk, given = call.variant.split(":")
+    q, k, v = empty(N, int(hk), L, E), empty(N, int(hk), L, E), empty(N, H, L, M)
+    gates = -torch.rand(N, H, L)
+    if given == "plain":
+        return (q, k, v), (empty(N, H, L, M), empty(0), q, k, v)
+    if given == "gates":
+        opts = (None, None, gates, None, False, None)
+        return (q, k, v, *opts), (empty(N, H, L, M), empty(0), q, k, v, *opts)
+    cu = torch.tensor([0, 10, 10, 31, L]) if given == "packed" else None
+    S = N if cu is None else cu.numel() - 1
+    opts = (0.7, -torch.rand(H), gates, torch.randn(S, H, E, M), True, cu)
+    return (q, k, v, *opts), (empty(N, H, L, M), torch.randn(S, H, E, M), q, k, v, *opts)
+
+
 def sweep_calls(dtypes=(torch.bfloat16, torch.float16)) -> Iterator[Call]:
     """The resource sweep: shapes no test uses, which a config must fit all the same (every
     config the pruning keeps is compiled), 16-bit and 16-bit ``x`` with float32 weights."""
@@ -168,6 +191,8 @@ def inputs(call: Call) -> tuple[tuple, tuple]:
         return (x, z, w, 1e-6, gs, nbg), (empty(*shape), x, z, w, 1e-6, gs, nbg)
     if call.op == "causal_dot_product":
         N, H, L, E, M = call.shape
+        if call.variant.startswith("groups:"):
+            return _grouped_causal_inputs(call, empty)
         if call.variant == "transposed":
             q, k = (empty(N, L, H, E).transpose(1, 2) for _ in range(2))
             v = empty(N, L, H, M).transpose(1, 2)

@@ -309,6 +309,19 @@ def check_against_scan(qkv, tensors, fixed, g, g_final, plain_logs=False):
                            logs)  # fmt: skip
 
 
+def assert_gradcheck(qkv, tensors, fixed) -> None:
+    """Float64 gradcheck of the output and the final state in q, k, v and the tensor options
+    ``tensors`` (``fixed``: the others)."""
+    names = ["q", "k", "v", *tensors]
+
+    def fn(*values):
+        given = dict(zip(names, values, strict=True))
+        q, k, v = given.pop("q"), given.pop("k"), given.pop("v")
+        return cakeops.causal_dot_product(q, k, v, **given, **fixed, output_final_state=True)
+
+    assert torch.autograd.gradcheck(fn, (*qkv, *tensors.values()))
+
+
 class TestCausalOptions:
     op = OP
 
@@ -421,14 +434,7 @@ class TestCausalOptions:
             fixed["cu_seqlens"] = torch.tensor([0, 4, 4, 9, 13], device=device)
             tensors["initial_state"] = tensors["initial_state"].detach()[:4].requires_grad_()
         # a log multiplier nudged by gradcheck stays <= 0
-        names = ["q", "k", "v", *tensors]
-
-        def fn(*values):
-            given_ = dict(zip(names, values, strict=True))
-            qkv = (given_.pop("q"), given_.pop("k"), given_.pop("v"))
-            return cakeops.causal_dot_product(*qkv, **given_, **fixed, output_final_state=True)
-
-        assert torch.autograd.gradcheck(fn, (q, k, v, *tensors.values()))
+        assert_gradcheck((q, k, v), tensors, fixed)
 
     @pytest.mark.parametrize("poisoned", ["q", "k", "v", "g"])
     def test_non_finite_values_stay_causal_with_decay(self, backend, dtype, device, poisoned):
@@ -668,14 +674,7 @@ class TestKeyHeadGroups:
         (q, k, v), tensors, fixed, _, _ = _grouped_inputs(given, dtype, device, 2, group=2,
                                                           L=13, E=3, M=2)  # fmt: skip
         fixed["cu_seqlens"] = torch.tensor([0, 4, 4, 9, 13], device=device)
-        names = ["q", "k", "v", *tensors]
-
-        def fn(*values):
-            given_ = dict(zip(names, values, strict=True))
-            qkv = (given_.pop("q"), given_.pop("k"), given_.pop("v"))
-            return cakeops.causal_dot_product(*qkv, **given_, **fixed, output_final_state=True)
-
-        assert torch.autograd.gradcheck(fn, (q, k, v, *tensors.values()))
+        assert_gradcheck((q, k, v), tensors, fixed)
 
     def test_opcheck(self, backend, device):
         """The custom op and its backward pass torch.library.opcheck with shared key heads."""
