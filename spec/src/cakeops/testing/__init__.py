@@ -38,6 +38,15 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str, dtype=None) 
     assert err <= tol, f"{what}: relative error {err:.3g} exceeds the {dtype} tolerance {tol:g}"
 
 
+def assert_compiled_matches(eager, compiled) -> None:
+    """A compiled call's results against the eager call's: the same shapes and dtypes, values
+    within the spec's tolerance. Not bit for bit: the kernels are the same, but a GPU's
+    reductions may sum in another order for another alignment of the compiled graph's buffers
+    (seen on an H200: float32 results 1e-5 apart)."""
+    for i, (a, b) in enumerate(zip(eager, compiled, strict=True)):
+        assert_matches(b, a, f"compiled result {i}", a.dtype)
+
+
 def run_with_state(op, reference, tensors, fixed, g_out, g_final, math=False):
     """``(out, final_state or None, *gradients)`` of ``op(**tensors, **fixed)`` (with ``math``,
     of ``reference``'s float64 ``(out, final_state)`` on float64 copies) for the upstream
@@ -74,7 +83,7 @@ def check_with_state(op, reference, tensors, fixed, g_out, g_final) -> None:
 def assert_opcheck_and_compile_with_state(op: str, tensors, fixed, g_out, g_final) -> None:
     """``cakeops::<op>`` and its backward pass ``torch.library.opcheck`` with these arguments
     (a final state asked for), and ``torch.compile(fullgraph=True)`` of the public function
-    gives exactly the eager output, final state and gradients."""
+    gives the eager output, final state and gradients (:func:`assert_compiled_matches`)."""
     from cakeops.ops import SPECS
 
     values = SPECS[op].inputs(**tensors, **fixed).values()
@@ -93,8 +102,7 @@ def assert_opcheck_and_compile_with_state(op: str, tensors, fixed, g_out, g_fina
     torch._dynamo.reset()
     eager = call(public)
     compiled = call(torch.compile(public, fullgraph=True))
-    for a, b in zip(eager, compiled, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert_compiled_matches(eager, compiled)
 
 
 def reference_outputs(

@@ -14,6 +14,7 @@ from cakeops.reference import causal_conv1d as ref
 from cakeops.testing import (
     EMULATED,
     assert_bad_input_raises,
+    assert_compiled_matches,
     assert_matches,
     assert_opcheck_and_compile_with_state,
     check_with_state,
@@ -204,9 +205,8 @@ class TestCausalConv1d:
         torch._dynamo.reset()
         eager = cakeops.causal_conv1d(**tensors, **fixed)
         compiled = torch.compile(cakeops.causal_conv1d, fullgraph=True)(**tensors, **fixed)
-        for a, b in zip(eager, compiled, strict=True):
-            assert a.stride() == b.stride()
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert [a.stride() for a in eager] == [b.stride() for b in compiled]
+        assert_compiled_matches(eager, compiled)
         assert compiled[0].stride() == x.stride()
 
     @pytest.mark.parametrize("packed", [False, True])

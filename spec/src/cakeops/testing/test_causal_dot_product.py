@@ -12,6 +12,7 @@ from cakeops.reference import causal_dot_product as ref
 from cakeops.testing import (
     EMULATED,
     assert_bad_input_raises,
+    assert_compiled_matches,
     assert_matches,
     peak_memory,
     reference_outputs,
@@ -416,8 +417,7 @@ class TestCausalOptions:
         torch._dynamo.reset()
         eager = run(cakeops.causal_dot_product)
         compiled = run(torch.compile(cakeops.causal_dot_product, fullgraph=True))
-        for a, b in zip(eager, compiled, strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert_compiled_matches(eager, compiled)
 
     @pytest.mark.cakeops_dtypes(torch.float64)
     @pytest.mark.parametrize("packed", [False, True])
