@@ -414,3 +414,21 @@ def test_routed_experts_packed_gate_up_in_one_product(monkeypatch, T):
                                   w_down.double())  # fmt: skip
     for out in outs[:2]:
         assert cakeops.relative_error(out, want) <= cakeops.tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_small_norm_keeps_an_infinity_to_its_own_entry(fused, dtype):
+    """The decode-size norm, fused (``F.rms_norm``, a CPU's) and in plain ops (every other
+    device's): one infinite entry gives NaN there and zeros beside it in its group, one NaN a
+    NaN group; the other groups are the float64 math's."""
+    v = torch.randn(3, 32, dtype=dtype)
+    v[1, 5], v[2, 20] = float("inf"), float("nan")
+    got = kernels._small_norm(v, 16, 1e-6, fused)
+    v64 = v.double().unflatten(-1, (2, 16))
+    want = (v64 / (v64.square().mean(-1, keepdim=True) + 1e-6).sqrt()).flatten(-2)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.isnan(), torch.tensor([[False] * 32, [False] * 5 + [True] + [False] * 26,
+                                                  [False] * 16 + [True] * 16]))  # fmt: skip
+    finite = want.isfinite()
+    torch.testing.assert_close(got[finite].double(), want[finite], rtol=1e-6, atol=0)

@@ -103,6 +103,16 @@ def _fused_backward(
     terms_out.copy_(gy * n)
 
 
+def _small_norm(v: torch.Tensor, group_size: int, eps: float, fused: bool) -> torch.Tensor:
+    """``v * rsqrt(mean(v^2) + eps)`` per group, unweighted: ``F.rms_norm`` when ``fused`` (on
+    a CPU), else the plain ops. On an H200 (torch 2.11) ``F.rms_norm``'s float64 kernel made a
+    whole row NaN for one infinite entry, where the math gives NaN there and zeros beside it."""
+    groups = v.unflatten(-1, (-1, group_size))
+    if fused:
+        return torch.nn.functional.rms_norm(groups, (group_size,), None, eps).flatten(-2)
+    return (groups * groups.square().mean(-1, keepdim=True).add_(eps).rsqrt_()).flatten(-2)
+
+
 def _small_forward(x, z, weight, eps, group_size, norm_before_gate):
     """The forward of one block's worth of rows in three ops (``F.rms_norm``, the gate, the
     product): a decode step's call, where the blocked code's twenty small ops cost four times
@@ -115,11 +125,10 @@ def _small_forward(x, z, weight, eps, group_size, norm_before_gate):
     gate = torch.nn.functional.silu(z)
     v = x if norm_before_gate else x * gate
     D = x.shape[-1]
-    if group_size == D:
+    if group_size == D and x.device.type == "cpu":
         n = torch.nn.functional.rms_norm(v, (D,), weight, eps)
     else:
-        groups = v.unflatten(-1, (D // group_size, group_size))
-        n = torch.nn.functional.rms_norm(groups, (group_size,), None, eps).flatten(-2) * weight
+        n = _small_norm(v, group_size, eps, x.device.type == "cpu") * weight
     y = n * gate if norm_before_gate else n
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
