@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                 wanted = args.dtype is None or str(dtype).removeprefix("torch.") in args.dtype
                 if dtype == torch.float64 or not wanted:
                     continue
+                # said before the call: a step cut short shows which call it was in (the first
+                # Triton call builds the launcher and compiles: 45 s on the first H200 run)
+                print(f"  ...  {op} {name} {str(dtype).removeprefix('torch.')}", flush=True)
                 row = check_one(op, name, dtype, device, again=not args.once)
                 rows.append(row)
                 first = f"{row.get('first_s', 0):.2f} s first" + (

@@ -200,13 +200,16 @@ def gpu_peers(inputs) -> dict[str, Any]:
     says why a peer is not compared."""
     q, k, v, gates = inputs["q"], inputs["k"], inputs["v"], inputs["log_gates"]
     grouped = k.shape[1] != v.shape[1]  # Mamba2's SSD scan: one key head for every head
-    q, k = (t.expand(-1, v.shape[1], -1, -1) if grouped else t for t in (q, k))
+
+    def heads(t):  # made in each step, as every view of a leaf here (see gpu._contenders)
+        return t.expand(-1, v.shape[1], -1, -1) if grouped else t
+
     name = "masked" if gates is None else "masked decay"
     composite = masked if gates is None else (lambda q, k, v: masked_decay(q, k, v, gates))
     compiled = torch.compile(composite, dynamic=False)
     peers: dict[str, Any] = {
-        f"{name} composite": lambda: composite(q, k, v),
-        f"torch.compile({name})": lambda: compiled(q, k, v),
+        f"{name} composite": lambda: composite(heads(q), heads(k), v),
+        f"torch.compile({name})": lambda: compiled(heads(q), heads(k), v),
     }
     if grouped:  # Mamba2's SSD scan: mamba-ssm's kernel when it imports
         peers["mamba-ssm"] = _mamba_peer(q, k, v, gates)
@@ -237,8 +240,11 @@ def _mamba_peer(q, k, v, gates):
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as kernel
     except Exception as exc:  # not installed, or a different API
         return f"does not import ({type(exc).__name__}: {exc})"[:200]
-    x = v.transpose(1, 2)
-    dt = (-gates).transpose(1, 2).to(v.dtype)
     A = -torch.ones(v.shape[1], device=q.device)
-    B, C = (t[:, :1].transpose(1, 2) for t in (k, q))  # (N, L, 1, S)
-    return lambda: kernel(x, dt, A, B, C, chunk_size=256)
+
+    def step():  # the views made in each step (see gpu._contenders)
+        x, dt = v.transpose(1, 2), (-gates).transpose(1, 2).to(v.dtype)
+        B, C = (t.transpose(1, 2) for t in (k, q))  # (N, L, 1, S)
+        return kernel(x, dt, A, B, C, chunk_size=256)
+
+    return step

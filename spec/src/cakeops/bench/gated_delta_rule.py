@@ -86,9 +86,12 @@ def gpu_peers(inputs) -> dict[str, Any]:
     ``chunk_gated_delta_rule`` / ``chunk_kda`` when they import (layout (B, T, H, D), value
     heads sharing a key head repeated for fla where it needs them); a string says why a peer
     is not compared."""
-    t = lambda x: x.transpose(1, 2)  # noqa: E731
-    q, k, v, g, beta = (t(inputs[n]) for n in ("q", "k", "v", "g", "beta"))
-    kda = g.dim() == 4
+    names = ("q", "k", "v", "g", "beta")
+
+    def views():  # made in each step, as every view of a leaf here (see gpu._contenders)
+        return (inputs[n].transpose(1, 2) for n in names)
+
+    kda = inputs["g"].dim() == 4
     peers: dict[str, Any] = {}
     fallback = transformers_fallback()
     if fallback is None:
@@ -98,7 +101,7 @@ def gpu_peers(inputs) -> dict[str, Any]:
     else:
 
         def hf():
-            return fallback(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+            return fallback(*views(), use_qk_l2norm_in_kernel=True)[0]
 
         peers["transformers fallback"] = hf
     try:
@@ -109,10 +112,11 @@ def gpu_peers(inputs) -> dict[str, Any]:
     except Exception as exc:  # not installed, or a different API
         peers["flash-linear-attention"] = f"does not import ({type(exc).__name__}: {exc})"[:200]
         return peers
-    groups = v.shape[2] // q.shape[2]
-    qf, kf = (x.repeat_interleave(groups, dim=2) for x in (q, k))
+    groups = inputs["v"].shape[1] // inputs["q"].shape[1]
 
     def fla():
+        q, k, v, g, beta = views()
+        qf, kf = (x.repeat_interleave(groups, dim=2) for x in (q, k))
         return kernel(qf, kf, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
 
     peers["flash-linear-attention"] = fla

@@ -159,7 +159,8 @@ def _graph_time(step: Callable[[], Any], device: torch.device, repeats: int) -> 
         return {"kernels": start.elapsed_time(end) / 1e3 / repeats, "graph": "yes"}
     except Exception as exc:  # an op that synchronises, or a peer that cannot be captured
         torch.cuda.synchronize(device)
-        return {"kernels": None, "graph": f"not capturable: {type(exc).__name__}"}
+        why = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
+        return {"kernels": None, "graph": f"not capturable: {type(exc).__name__}: {why}"}
 
 
 class Recorder:
@@ -227,8 +228,12 @@ def _contenders(op: str, case: GpuCase) -> tuple[list[Contender], list[Contender
     spec, inputs = SPECS[op], _inputs(op, case)
     ours = [Contender(op, case, inputs, f"cakeops [{n}]", lambda: spec(**inputs), n)
             for n in _backends_for(op, case.inputs)]  # fmt: skip
-    peers = [Contender(op, case, inputs, label, fn, None)
-             for label, fn in _peers(op, inputs).items()]  # fmt: skip
+    # the peers' own leaves (the same memory): a view a peer keeps of a leaf keeps the leaf's
+    # gradient node alive, on the stream it was made on, and a CUDA graph captured on a side
+    # stream then fails at that node (cakeops' SSD-scan row on the first H200 run)
+    theirs = _inputs(op, case)
+    peers = [Contender(op, case, theirs, label, fn, None)
+             for label, fn in _peers(op, theirs).items()]  # fmt: skip
     return ours, peers
 
 

@@ -67,7 +67,11 @@ def step_of(op: str, inputs, forward: Callable[[], Any]) -> Callable[[], Any]:
 
     spec = SPECS[op]
     wrt = tuple(inputs[name] for name in spec.differentiable_given(inputs))
-    g = torch.randn_like(spec.output_like(inputs))
+    like = spec.output_like(inputs)
+    # drawn on the CPU: a device generator left mid-capture by a peer's failed CUDA graph (seen
+    # on an H200) refuses every later draw, and would fail every row after it
+    cpu = torch.Generator().manual_seed(0)
+    g = torch.randn(like.shape, generator=cpu, dtype=torch.float32).to(like.device, like.dtype)
 
     def step():
         out = forward()
