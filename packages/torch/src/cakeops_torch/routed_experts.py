@@ -40,6 +40,7 @@ from cakeops.helpers import (
     ExpertWeights,
     Routing,
     cast_grads,
+    combine,
     given_routing,
     packed_gate_up,
     row_weights,
@@ -180,9 +181,42 @@ def _drop(t: torch.Tensor, routing: Routing, dropped: int) -> None:
         t[routing.order[-dropped:]] = 0
 
 
+def _off_the_host(x: torch.Tensor) -> bool:
+    """Whether a call's routing stays on the device (:func:`_device_forward`): not on a CPU,
+    where reading the offsets costs nothing (a test runs the device's path there by patching
+    this)."""
+    return x.device.type != "cpu"
+
+
+def _device_forward(x, routing: Routing, ew: ExpertWeights) -> torch.Tensor:
+    """:func:`experts_forward` of a call small enough for one run (a decode step's), without
+    reading the routing on the host: every expert's rows through one grouped matmul per
+    projection, with the offsets on the device (empty experts included: a device pays little
+    per group), so that the call queues without a synchronisation and a CUDA graph can capture
+    it. Dropped rows (past ``offsets[E]``) are left out by the combine."""
+    acc, F_ = compute_dtype(x.dtype), ew.w_gate.shape[1]
+    offs = routing.offsets[1:].to(torch.int32)
+    xe = x.index_select(0, routing.token)
+    gate_up = packed_gate_up(ew.w_gate, ew.w_up)
+    if gate_up is not None:  # one product for both halves
+        hgu = torch._grouped_mm(xe, gate_up.transpose(1, 2), offs=offs).to(acc)
+        hg, hu = hgu[:, :F_], hgu[:, F_:]
+    else:
+        hg = torch._grouped_mm(xe, ew.w_gate.transpose(1, 2), offs=offs).to(acc)
+        hu = torch._grouped_mm(xe, ew.w_up.transpose(1, 2), offs=offs).to(acc)
+    h = F.silu(hg).mul_(hu).to(x.dtype)
+    out = torch._grouped_mm(h, ew.w_down.transpose(1, 2), offs=offs)
+    return combine(out.to(acc), routing).to(x.dtype)
+
+
 def experts_forward(x, routing: Routing, ew: ExpertWeights):
     """The experts and the combine for a routing: ``(T, D)`` in ``x.dtype``."""
     T, D = x.shape
+    width = max(ew.w_up.shape[1], D)
+    one_run = T * routing.experts.shape[1] * width <= GROUP_ELEMENTS
+    grouped = ew.is_swiglu and _grouped(x, ew.w_gate, ew.w_up, ew.w_down)
+    if grouped and one_run and _off_the_host(x):
+        return _device_forward(x, routing, ew)
     top_k = routing.experts.shape[1]
     bounds = routing.bounds
     w_gate, w_up, w_down = ew.w_gate, ew.w_up, ew.w_down
@@ -358,7 +392,7 @@ def _few_rows_forward(x, top_k_index, top_k_weights, ew: ExpertWeights):
 
 def forward(x, top_k_index, top_k_weights, *weights):
     ew = ExpertWeights.of(*weights)
-    if ew.is_swiglu and top_k_index.numel() <= FEW_ROWS and x.device.type == "cpu":
+    if ew.is_swiglu and top_k_index.numel() <= FEW_ROWS and not _off_the_host(x):
         return _few_rows_forward(x, top_k_index, top_k_weights, ew)
     routing = given_routing(top_k_index, top_k_weights, ew.w_up.shape[0])
     return experts_forward(x, routing, ew)
