@@ -285,3 +285,28 @@ def test_inputs_made_without_init_read_like_the_dataclass(name):
     assert made.tensors.keys() == built.tensors.keys() and made.selecting is built.selecting
     for field in dataclasses.fields(built):
         assert getattr(made, field.name) is getattr(built, field.name)
+
+
+def test_device_value_checks_follow_the_environment(monkeypatch):
+    """``CAKEOPS_CHECK_VALUES``: unset or 0, a GPU's log multipliers are not read; 1, they are;
+    anything else is a clear error naming the variable. ``cu_seqlens`` is read on every device,
+    a fake or meta tensor never (no values), a CPU tensor always."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cakeops import _spec
+
+    monkeypatch.delenv(_spec.CHECK_VALUES_ENV, raising=False)
+    assert not _spec.device_values_checked()
+    for raw, want in (("0", False), ("1", True), (" 1 ", True), ("", False)):
+        monkeypatch.setenv(_spec.CHECK_VALUES_ENV, raw)
+        assert _spec.device_values_checked() is want
+    monkeypatch.setenv(_spec.CHECK_VALUES_ENV, "yes")
+    with pytest.raises(ValueError, match="CAKEOPS_CHECK_VALUES expected 0 or 1, got 'yes'"):
+        _spec.device_values_checked()
+    meta = torch.empty(3, device="meta")
+    assert not _spec.readable(meta, on_device=True)
+    with FakeTensorMode():
+        assert not _spec.readable(torch.empty(3), on_device=True)
+    assert _spec.readable(torch.zeros(3), on_device=False)
+    # a meta cu_seqlens: its shape checked, its values not read
+    assert _spec.check_cu_seqlens("op", torch.empty(4, dtype=torch.int64, device="meta"), 1, 8) == 3

@@ -23,6 +23,7 @@ from cakeops.testing import test_moe_experts as moe_suite
 from cakeops.testing.test_rmsnorm_silu_gate import check_against_reference, make_inputs, run
 from cakeops_torch import _compile as compile_
 from cakeops_torch import rmsnorm_silu_gate as kernels
+from cakeops_torch import moe_experts as moe_kernel
 from cakeops_torch import routed_experts as moe_kernels  # the experts of moe_experts
 
 
@@ -309,6 +310,76 @@ def test_routed_experts_of_a_few_rows_run_slot_by_slot(monkeypatch, T, dtype):
         assert len(sorted_calls) == (0 if few else 1)
     assert outs[0].dtype == dtype
     assert cakeops.relative_error(outs[0], outs[1]) <= cakeops.tolerance(dtype)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+@pytest.mark.parametrize("op", ["routed_experts", "moe_experts"])
+@pytest.mark.parametrize("T", [1, 5])
+def test_experts_device_path_reads_no_routing_on_the_host(monkeypatch, op, T):
+    """The experts' path off the CPU (a GPU's decode step: one grouped matmul per projection
+    over every expert, offsets on the device), run here on the CPU: no value of the routing is
+    read on the host (no ``.tolist()``, ``.item()``, ``bool()``: each a synchronisation on a
+    GPU), dropped slots (id ``E`` and ``-1``) add nothing, and the forward is the reference's
+    within the tolerance, with the backward's gradients."""
+    monkeypatch.setattr(moe_kernels, "_off_the_host", lambda x: True)
+    ran = []
+    original = moe_kernels._device_forward
+    monkeypatch.setattr(moe_kernels, "_device_forward", lambda *a: ran.append(1) or original(*a))
+    gen = torch.Generator().manual_seed(0)
+    E, D, F = 6, 16, 24
+    x = torch.randn(T, D, generator=gen)
+    ws = [torch.randn(E, F, D, generator=gen) * 0.2 for _ in "gu"]
+    ws.append(torch.randn(E, D, F, generator=gen) * 0.2)
+    if op == "routed_experts":
+        idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)])
+        idx[0, 1], idx[-1, 0] = E, -1  # dropped slots
+        weights = torch.rand(T, 2, generator=gen)
+        call = lambda *t: cakeops.routed_experts(t[0], idx, t[1], *t[2:])  # noqa: E731
+        kernel = lambda: moe_kernels.forward(x, idx, weights, *ws)  # noqa: E731
+        tensors = (x, weights, *ws)
+    else:
+        logits = torch.randn(T, E, generator=gen)
+        call = lambda *t: cakeops.moe_experts(*t, top_k=2)  # noqa: E731
+        kernel = lambda: moe_kernel.forward(x, logits, *ws, 2, True, 1.0)  # noqa: E731
+        tensors = (x, logits, *ws)
+    host_reads = (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__)
+    with _Refusing(host_reads):  # the backend's kernel alone (the spec checks CPU ids' values)
+        kernel()
+    assert ran == [1]
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    with cakeops.use_backend("torch"):
+        out = call(*leaves)
+    assert ran == [1, 1]
+    leaves64 = [t.detach().double().requires_grad_() for t in tensors]
+    with cakeops.use_backend("reference"):
+        want = call(*leaves64)
+    assert cakeops.relative_error(out, want) <= cakeops.tolerance(torch.float32)
+    g = torch.randn(T, D, generator=gen)
+    grads = torch.autograd.grad(out, leaves, g)
+    wants = torch.autograd.grad(want, leaves64, g.double())
+    for got, ref in zip(grads, wants, strict=True):
+        assert cakeops.relative_error(got, ref) <= cakeops.tolerance(torch.float32)
+
+
+class _Refusing:
+    """Makes the given tensor methods raise while active (a host read of a device value)."""
+
+    def __init__(self, methods):
+        self.methods = methods
+        self.saved = {}
+
+    def __enter__(self):
+        for m in self.methods:
+            self.saved[m.__name__] = m
+
+            def refuse(*args, _name=m.__name__, **kwargs):
+                raise AssertionError(f"Tensor.{_name} read a value on the host")
+
+            setattr(torch.Tensor, m.__name__, refuse)
+
+    def __exit__(self, *exc):
+        for name, m in self.saved.items():
+            setattr(torch.Tensor, name, m)
 
 
 class _SubnormalReads(TorchDispatchMode):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import sys
 from typing import Any
 
@@ -121,22 +123,57 @@ def check_number(op: str, name: str, value: Any) -> float:
         ) from None
 
 
-def check_cu_seqlens(op: str, cu: torch.Tensor, N: int, L: int) -> int:
-    """Packed sequences' offsets (``(S + 1,)`` int32/int64, sorted from 0 to ``L``, ``N = 1``;
-    the values are checked on a CPU tensor only: on a device that costs a synchronisation);
-    returns ``S``."""
+#: ``1``: the log multipliers' values are checked on a GPU too (a host synchronisation per call;
+#: a CPU's are always checked); ``0`` or unset: not there.
+CHECK_VALUES_ENV = "CAKEOPS_CHECK_VALUES"
+
+
+def device_values_checked() -> bool:
+    """Whether :data:`CHECK_VALUES_ENV` asks for the checks that read a GPU tensor's values."""
+    raw = os.environ.get(CHECK_VALUES_ENV)
+    if raw is None or raw.strip() in ("", "0"):
+        return False
+    if raw.strip() == "1":
+        return True
+    raise ValueError(f"cakeops: environment variable {CHECK_VALUES_ENV} expected 0 or 1, got "
+                     f"{raw!r}")  # fmt: skip
+
+
+def readable(t: torch.Tensor, on_device: bool) -> bool:
+    """Whether a check may read ``t``'s values on the host: always on a CPU; on another device
+    when ``on_device`` (a read costs a synchronisation there), never while a CUDA graph is being
+    captured (a read would break it), nor for a fake or meta tensor (no values)."""
+    if t.device.type == "cpu":
+        if type(t) is torch.Tensor:
+            return True
+        from torch._subclasses.fake_tensor import is_fake
+
+        return not is_fake(t)
+    if not on_device or t.device.type == "meta":
+        return False
     from torch._subclasses.fake_tensor import is_fake
 
+    if is_fake(t):
+        return False
+    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def check_cu_seqlens(op: str, cu: torch.Tensor, N: int, L: int) -> int:
+    """Packed sequences' offsets (``(S + 1,)`` int32/int64, sorted from 0 to ``L``, ``N = 1``);
+    returns ``S``. The values are read on the host on every device (on a GPU, a
+    synchronisation: offsets past ``L`` would make a kernel read and write out of bounds),
+    except while a CUDA graph is captured."""
     if cu.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{op}: argument 'cu_seqlens' expected dtype int32 or int64, got "
                         f"{dtype_name(cu.dtype)}")  # fmt: skip
     if cu.dim() != 1 or cu.numel() < 2 or N != 1:
         raise ValueError(f"{op}: argument 'cu_seqlens' expected offsets (S + 1,) with N = 1, "
                          f"got shape {tuple(cu.shape)} with N = {N}")  # fmt: skip
-    checkable = cu.device.type == "cpu" and not is_fake(cu)
-    if checkable and (cu[0] != 0 or cu[-1] != L or bool((cu[1:] < cu[:-1]).any())):
-        raise ValueError(f"{op}: argument 'cu_seqlens' expected sorted offsets from 0 to "
-                         f"L = {L}, got {cu.tolist()}")  # fmt: skip
+    if readable(cu, on_device=True):
+        values = cu.tolist()  # one read (on a GPU, one synchronisation) for every check
+        if values[0] != 0 or values[-1] != L or any(b < a for a, b in itertools.pairwise(values)):
+            raise ValueError(f"{op}: argument 'cu_seqlens' expected sorted offsets from 0 to "
+                             f"L = {L}, got {values}")  # fmt: skip
     return cu.numel() - 1
 
 
@@ -155,14 +192,11 @@ def check_states(op: str, a: Any, N: int, L: int, state_shape: tuple[int, ...]) 
 
 
 def check_log_multipliers(op: str, name: str, t: torch.Tensor) -> None:
-    """Logs of multipliers are ``<= 0`` (checked on a CPU tensor only)."""
-    if t.device.type != "cpu" or not t.numel():
+    """Logs of multipliers are ``<= 0``: checked on a CPU tensor, on a GPU's only with
+    :data:`CHECK_VALUES_ENV` set (a decode step's check would wait for the device; a positive
+    value there grows the state, reads nothing out of bounds)."""
+    if not t.numel() or not readable(t, t.device.type == "cpu" or device_values_checked()):
         return
-    if type(t) is not torch.Tensor:
-        from torch._subclasses.fake_tensor import is_fake
-
-        if is_fake(t):
-            return
     # one reduction (a decode step's few values: a third of any() of a comparison); a NaN
     # maximum hides whether a positive value is there too: then the comparison decides
     top = t.max().item()
