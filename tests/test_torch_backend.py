@@ -22,8 +22,8 @@ from cakeops.testing import run_with_grads
 from cakeops.testing import test_moe_experts as moe_suite
 from cakeops.testing.test_rmsnorm_silu_gate import check_against_reference, make_inputs, run
 from cakeops_torch import _compile as compile_
-from cakeops_torch import rmsnorm_silu_gate as kernels
 from cakeops_torch import moe_experts as moe_kernel
+from cakeops_torch import rmsnorm_silu_gate as kernels
 from cakeops_torch import routed_experts as moe_kernels  # the experts of moe_experts
 
 
@@ -303,6 +303,7 @@ def test_routed_experts_of_a_few_rows_run_slot_by_slot(monkeypatch, T, dtype):
     weights = torch.rand(T, 2, generator=gen).to(dtype)
     assert idx.numel() <= moe_kernels.FEW_ROWS
     outs = []
+    monkeypatch.setattr(moe_kernels, "PADDED_ROWS", 0)  # (the sorted path, not the padded one)
     for few in (moe_kernels.FEW_ROWS, 0):
         monkeypatch.setattr(moe_kernels, "FEW_ROWS", few)
         with cakeops.use_backend("torch"):
@@ -310,6 +311,54 @@ def test_routed_experts_of_a_few_rows_run_slot_by_slot(monkeypatch, T, dtype):
         assert len(sorted_calls) == (0 if few else 1)
     assert outs[0].dtype == dtype
     assert cakeops.relative_error(outs[0], outs[1]) <= cakeops.tolerance(dtype)
+
+
+@pytest.mark.parametrize("spread", [True, False], ids=["padded", "too-skewed"])
+@pytest.mark.parametrize("op", ["routed_experts", "moe_experts"])
+def test_experts_of_few_rows_as_padded_batched_products(monkeypatch, op, spread):
+    """A CPU call of at most ``PADDED_ROWS`` (token, slot) rows runs two ``bmm`` over its
+    experts' rows padded to the busiest expert's count, from ids read on the host; where that
+    would more than double the rows (every token on one expert), the sorted path. Dropped slots
+    (id ``E``, ``-1``, a NaN weight) add nothing; forward and gradients are the reference's."""
+    outcomes = []
+    original = moe_kernels._padded_forward
+    monkeypatch.setattr(moe_kernels, "_padded_forward",
+                        lambda *a: outcomes.append(original(*a)) or outcomes[-1])  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    T, E, D, F = 12, 6, 16, 24
+    x = torch.randn(T, D, generator=gen)
+    ws = [torch.randn(E, F, D, generator=gen) * 0.2 for _ in "gu"]
+    ws.append(torch.randn(E, D, F, generator=gen) * 0.2)
+    if op == "routed_experts":
+        if spread:
+            idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)])
+            idx[0, 1], idx[-1, 0] = E, -1  # dropped slots
+        else:
+            idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.full((T,), E - 1)], 1)
+        weights = torch.rand(T, 2, generator=gen)
+        if spread:
+            weights[0, 1] = float("nan")  # on a dropped slot: reaches nothing
+        call = lambda *t: cakeops.routed_experts(t[0], idx, t[1], *t[2:])  # noqa: E731
+        tensors = (x, weights, *ws)
+    else:
+        logits = torch.randn(T, E, generator=gen)
+        if not spread:
+            logits[:, 0] += 4.0  # every token's first choice
+        call = lambda *t: cakeops.moe_experts(*t, top_k=2)  # noqa: E731
+        tensors = (x, logits, *ws)
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    with cakeops.use_backend("torch"):
+        out = call(*leaves)
+    assert len(outcomes) == 1 and (outcomes[0] is None) != spread
+    leaves64 = [t.detach().double().requires_grad_() for t in tensors]
+    with cakeops.use_backend("reference"):
+        want = call(*leaves64)
+    assert cakeops.relative_error(out, want) <= cakeops.tolerance(torch.float32)
+    g = torch.randn(T, D, generator=gen)
+    grads = torch.autograd.grad(out, leaves, g)
+    wants = torch.autograd.grad(want, leaves64, g.double())
+    for got, ref in zip(grads, wants, strict=True):
+        assert cakeops.relative_error(got, ref) <= cakeops.tolerance(torch.float32)
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
@@ -444,8 +493,8 @@ def test_gate_factors_drop_only_what_is_under_the_floor():
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
-@pytest.mark.parametrize("T", [2, 24], ids=["few-rows", "grouped"])
-def test_routed_experts_packed_gate_up_in_one_product(monkeypatch, T):
+@pytest.mark.parametrize("T, path", [(2, "few-rows"), (24, "grouped"), (24, "padded")])
+def test_routed_experts_packed_gate_up_in_one_product(monkeypatch, T, path):
     """Gate and up projections that are the halves of one packed tensor (Hugging Face's
     ``gate_up_proj``) take one product for both (a small call's cost is its products' count):
     the result is the separate tensors' within the tolerance; views that are not adjacent halves
@@ -474,6 +523,9 @@ def test_routed_experts_packed_gate_up_in_one_product(monkeypatch, T):
     assert packed_gate_up(*(t.contiguous() for t in halves)) is None
     monkeypatch.setattr(moe_kernels.F, "linear", counted(moe_kernels.F.linear))
     monkeypatch.setattr(torch, "_grouped_mm", counted(torch._grouped_mm))
+    monkeypatch.setattr(torch, "bmm", counted(torch.bmm))
+    if path == "grouped":
+        monkeypatch.setattr(moe_kernels, "PADDED_ROWS", 0)
     counts, outs = [], []
     with cakeops.use_backend("torch"):
         for w_gate, w_up in (halves, tuple(t.contiguous() for t in halves), interleaved):
