@@ -313,6 +313,21 @@ def test_routed_experts_of_a_few_rows_run_slot_by_slot(monkeypatch, T, dtype):
     assert cakeops.relative_error(outs[0], outs[1]) <= cakeops.tolerance(dtype)
 
 
+def test_padded_experts_read_few_weights_of_experts_without_rows(monkeypatch):
+    """An expert without rows between two with rows has its weights read by the padded
+    products: the path declines beyond ``PADDED_SPARE_BYTES`` of them (big experts: one product
+    per expert reads less)."""
+    from cakeops.helpers import ExpertWeights
+
+    ew = ExpertWeights.of(torch.randn(3, 8, 4), torch.randn(3, 8, 4), torch.randn(3, 4, 8))
+    x, w = torch.randn(2, 4), torch.rand(2, 2)
+    ids = [[0, 2], [2, 0]]  # expert 1 gets no row
+    assert moe_kernels._padded_forward(x, ids, w, ew) is not None
+    monkeypatch.setattr(moe_kernels, "PADDED_SPARE_BYTES", 3 * 8 * 4 * 4 - 1)
+    assert moe_kernels._padded_forward(x, ids, w, ew) is None
+    assert moe_kernels._padded_forward(x, [[0, 1], [1, 0]], w, ew) is not None
+
+
 @pytest.mark.parametrize("spread", [True, False], ids=["padded", "too-skewed"])
 @pytest.mark.parametrize("op", ["routed_experts", "moe_experts"])
 def test_experts_of_few_rows_as_padded_batched_products(monkeypatch, op, spread):
