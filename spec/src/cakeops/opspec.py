@@ -926,24 +926,21 @@ class _LeanFunction(torch.autograd.Function):
         out = spec._lean_forward(plan, values)
         ctx.save_for_backward(*(v for v in values if isinstance(v, torch.Tensor)))
         ctx.params = tuple(_SAVED if isinstance(v, torch.Tensor) else v for v in values)
-        ctx.spec, ctx.backend, ctx.devices = spec, plan.backend, plan.devices
+        # (ctx.backend: the name, as the custom op's context keeps it for OpSpec._backward)
+        ctx.spec, ctx.kernels, ctx.devices = spec, plan.backend, plan.devices
+        ctx.backend = plan.backend.name
         return out
 
     @staticmethod
     def backward(ctx: Any, *grads_out: torch.Tensor) -> Any:  # type: ignore[override]
         spec: OpSpec = ctx.spec
+        if _may_differentiate_backward():  # the custom op's backward, through the backward op
+            return (None, None, *spec._backward(spec._full, ctx, *grads_out))
         saved = iter(ctx.saved_tensors)
         values = tuple(next(saved) if p is _SAVED else p for p in ctx.params)
-        if _may_differentiate_backward():
-            with forcing(ctx.backend.name, spec.name):
-                grads = spec._full.backward_function.apply(*grads_out, *values)
-            grads = iter((grads,) if isinstance(grads, torch.Tensor) else grads)
-            given = [next(grads) if n in spec.differentiable else None for n in spec.names]
-            given = [None if v is None else d for v, d in zip(values, given, strict=True)]
-            return (None, None, *given)
         inputs = dict(zip(spec.names, values, strict=True))
         tensors = {name: inputs[name] for name in spec.differentiable}
-        grads = dict(zip(tensors, spec._run_backward(ctx.backend, grads_out, values, tensors,
+        grads = dict(zip(tensors, spec._run_backward(ctx.kernels, grads_out, values, tensors,
                                                      ctx.devices), strict=True))  # fmt: skip
         return (None, None, *(grads.get(n) for n in spec.names))
 
