@@ -200,3 +200,20 @@ def test_source_tree_shims_on_a_machine_without_cakeops_installed(monkeypatch, t
     entry_points = (shims / f"cakeops_numba-{version}.dist-info" / "entry_points.txt").read_text()
     assert "[cakeops.backends]\nnumba = cakeops_numba:backend" in entry_points
     assert str(ROOT / "spec" / "src") in paths
+
+
+def test_a_triton_row_profiles_one_step(tmp_path):
+    """Each Triton row profiles one step (on a GPU its kernels, here the CPU's operators): the
+    launches and the busiest by time, in the row and in ``gpu-profile.md``."""
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    prof = gpu.profile_step(lambda: (a @ b).relu().sum(), torch.device("cpu"))
+    names = [name for name, _, _ in prof["top"]]
+    assert prof["launches"] >= 3 and "aten::mm" in names and prof["host_ms"] > 0
+    assert all(n >= 1 and ms >= 0 for _, n, ms in prof["top"])
+    recorder = gpu.Recorder(tmp_path, {"device": "cpu", "torch": torch.__version__, "rows": []})
+    recorder.add({"op": "rmsnorm_silu_gate", "case": "bfloat16", "impl": "cakeops [triton]",
+                  "back_to_back_s": 1e-3, "host_s": 1e-3, "kernels_s": None, "time_s": 1e-3,
+                  "graph": "no GPU",
+                  "profile": prof})  # fmt: skip
+    text = (tmp_path / "gpu-profile.md").read_text()
+    assert "### rmsnorm_silu_gate, bfloat16, cakeops [triton]" in text and "`aten::mm`" in text

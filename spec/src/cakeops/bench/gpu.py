@@ -13,7 +13,8 @@ flash-linear-attention when it imports). On CUDA each row has three times:
 - *host*: the CPU time to queue one step (Python, dispatch, launches).
 
 Every row is written to ``DIR/gpu-rows.jsonl`` as soon as it is measured and ``DIR/gpu.json`` /
-``DIR/gpu.md`` are rewritten after each, so a run cut short keeps what it measured. Past
+``DIR/gpu.md`` are rewritten after each, so a run cut short keeps what it measured; each
+Triton row also profiles one step (``DIR/gpu-profile.md``: its launches and busiest kernels). Past
 ``--budget`` the remaining contenders are listed as not timed: every op's Triton row comes
 first (the ops in the order of :data:`ORDER`: rmsnorm, moe, routed, causal), then ``torch``'s,
 then the other backends', then the peers, the ``torch.compile`` ones, numba's matrix products
@@ -136,6 +137,56 @@ def time_step(step: Callable[[], Any], device: torch.device, repeats: int) -> di
     return result
 
 
+#: Kernels (or, on a CPU, operators) listed per profiled row.
+PROFILE_TOP = 8
+
+
+def profile_step(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
+    """One step under ``torch.profiler``: ``launches`` (kernels a CUDA step launches; operators
+    on a CPU), ``host_ms`` (the step's wall time, profiled), and ``top``, the busiest
+    :data:`PROFILE_TOP` kernels by device time (CPU operators by their own time on a CPU) as
+    ``[name, calls, ms]``: where a row's time goes, for the run after (a row far from its
+    forecast says which kernel or which host ops to look at)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        step()
+        sync(device)
+        host_ms = (time.perf_counter() - start) * 1e3
+    totals: dict[str, list[float]] = {}
+    if cuda:
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                entry = totals.setdefault(event.name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += event.time_range.elapsed_us() / 1e3
+    else:
+        for item in prof.key_averages():
+            if item.self_cpu_time_total > 0:
+                totals[item.key] = [item.count, item.self_cpu_time_total / 1e3]
+    top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:PROFILE_TOP]
+    return {"launches": int(sum(n for n, _ in totals.values())), "host_ms": host_ms,
+            "top": [[name[:80], int(n), ms] for name, (n, ms) in top]}  # fmt: skip
+
+
+def profile_summary(record: dict[str, Any]) -> str:
+    """The profiled rows (:func:`profile_step`) as markdown, one table per row."""
+    lines = [f"Profiles of one step, {record['device']}, torch {record['torch']}", ""]
+    for r in record["rows"]:
+        if "profile" not in r:
+            continue
+        prof = r["profile"]
+        lines += [f"### {r['op']}, {r['case']}, {r['impl']}", "",
+                  f"{prof['launches']} launches, {prof['host_ms']:.3f} ms profiled", "",
+                  "| kernel | calls | ms |", "| --- | ---: | ---: |"]  # fmt: skip
+        lines += [f"| `{name}` | {n} | {ms:.3f} |" for name, n, ms in prof["top"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def _graph_time(step: Callable[[], Any], device: torch.device, repeats: int) -> dict[str, Any]:
     """A CUDA graph of one step, replayed ``repeats`` times: the kernels' time alone."""
     try:
@@ -185,6 +236,7 @@ class Recorder:
             _add_ratios(self.record["rows"])
             (self.out / "gpu.json").write_text(json.dumps(self.record, indent=2))
             (self.out / "gpu.md").write_text(summary(self.record) + "\n")
+            (self.out / "gpu-profile.md").write_text(profile_summary(self.record) + "\n")
 
 
 #: The order the ops are timed in, what must be shown first: rmsnorm (the plainest target,
@@ -193,6 +245,8 @@ ORDER = ("rmsnorm_silu_gate", "moe_experts", "routed_experts", "causal_dot_produ
 #: The backends of each op in the order they are timed: Triton first (the row a GPU run must
 #: show), numba last (its matrix products run on FMA: slow).
 BACKEND_ORDER = ("triton", "torch")
+#: The backend whose rows are profiled too (:func:`profile_step`): the GPU's default.
+PROFILED = "triton"
 #: Seconds of timed steps a row aims at: a slow contender takes fewer repeats.
 ROW_SECONDS = 1.0
 #: Ops whose numba-cuda kernels are matrix products on FMA: one timed step there.
@@ -285,6 +339,8 @@ def _time_contender(contender: Contender, device, repeats, limits, recorder, dea
                         for k, v in timed.items()})  # fmt: skip
             # on a CPU the profiler it takes would cost more than these tiny steps
             row["peak_bytes"] = peak_memory(step, device) if device.type == "cuda" else None
+            if backend == PROFILED:
+                row["profile"] = profile_step(step, device)
     except Exception as exc:  # a peer's failure is a row, not the end of the run
         recorder.add({**row, "skipped": f"failed: {type(exc).__name__}: {exc}"[:300]})
         return
