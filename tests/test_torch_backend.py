@@ -361,15 +361,20 @@ def test_experts_of_few_rows_as_padded_batched_products(monkeypatch, op, spread)
             logits[:, 0] += 4.0  # every token's first choice
         call = lambda *t: cakeops.moe_experts(*t, top_k=2)  # noqa: E731
         tensors = (x, logits, *ws)
+    _check_against_reference(call, tensors, torch.randn(T, D, generator=gen))
+    assert len(outcomes) == 1 and (outcomes[0] is None) != spread
+
+
+def _check_against_reference(call, tensors, g) -> None:
+    """``call(*tensors)`` on the torch backend, forward and gradients for ``g``, within the
+    float32 tolerance of the float64 reference backend's."""
     leaves = [t.clone().requires_grad_() for t in tensors]
     with cakeops.use_backend("torch"):
         out = call(*leaves)
-    assert len(outcomes) == 1 and (outcomes[0] is None) != spread
     leaves64 = [t.detach().double().requires_grad_() for t in tensors]
     with cakeops.use_backend("reference"):
         want = call(*leaves64)
     assert cakeops.relative_error(out, want) <= cakeops.tolerance(torch.float32)
-    g = torch.randn(T, D, generator=gen)
     grads = torch.autograd.grad(out, leaves, g)
     wants = torch.autograd.grad(want, leaves64, g.double())
     for got, ref in zip(grads, wants, strict=True):
@@ -410,19 +415,8 @@ def test_experts_device_path_reads_no_routing_on_the_host(monkeypatch, op, T):
     with _Refusing(host_reads):  # the backend's kernel alone (the spec checks CPU ids' values)
         kernel()
     assert ran == [1]
-    leaves = [t.clone().requires_grad_() for t in tensors]
-    with cakeops.use_backend("torch"):
-        out = call(*leaves)
+    _check_against_reference(call, tensors, torch.randn(T, D, generator=gen))
     assert ran == [1, 1]
-    leaves64 = [t.detach().double().requires_grad_() for t in tensors]
-    with cakeops.use_backend("reference"):
-        want = call(*leaves64)
-    assert cakeops.relative_error(out, want) <= cakeops.tolerance(torch.float32)
-    g = torch.randn(T, D, generator=gen)
-    grads = torch.autograd.grad(out, leaves, g)
-    wants = torch.autograd.grad(want, leaves64, g.double())
-    for got, ref in zip(grads, wants, strict=True):
-        assert cakeops.relative_error(got, ref) <= cakeops.tolerance(torch.float32)
 
 
 class _Refusing:
