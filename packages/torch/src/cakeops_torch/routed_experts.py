@@ -181,6 +181,32 @@ def _drop(t: torch.Tensor, routing: Routing, dropped: int) -> None:
         t[routing.order[-dropped:]] = 0
 
 
+def _swiglu_products(rows, gate_up, ew: ExpertWeights, experts: slice, product, acc):
+    """The default experts' three projections of ``rows`` by experts ``experts``, each
+    ``product(a, w)``: ``a`` times every expert's ``w`` transposed (a grouped matmul over sorted
+    rows, or ``bmm`` over padded ones); gate and up in one product where they are the halves of
+    ``gate_up`` (:func:`packed_gate_up`), the SiLU gate in ``acc``, the down projection's input
+    and output in ``rows``' dtype."""
+    F_ = ew.w_up.shape[1]
+    if gate_up is not None:  # one product for both halves
+        hgu = product(rows, gate_up[experts]).to(acc)
+        hg, hu = hgu[..., :F_], hgu[..., F_:]
+    else:
+        hg = product(rows, ew.w_gate[experts]).to(acc)
+        hu = product(rows, ew.w_up[experts]).to(acc)
+    return product(F.silu(hg).mul_(hu).to(rows.dtype), ew.w_down[experts])
+
+
+def _grouped_product(offs: torch.Tensor):
+    """:func:`_swiglu_products`' ``product`` for rows sorted by expert, ``offs`` their ends."""
+    return lambda a, w: torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+
+
+def _batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """:func:`_swiglu_products`' ``product`` for rows padded per expert, ``(experts, m, D)``."""
+    return torch.bmm(a, w.transpose(1, 2))
+
+
 def _off_the_host(x: torch.Tensor) -> bool:
     """Whether a call's routing stays on the device (:func:`_device_forward`): not on a CPU,
     where reading the offsets costs nothing (a test runs the device's path there by patching
@@ -194,18 +220,11 @@ def _device_forward(x, routing: Routing, ew: ExpertWeights) -> torch.Tensor:
     projection, with the offsets on the device (empty experts included: a device pays little
     per group), so that the call queues without a synchronisation and a CUDA graph can capture
     it. Dropped rows (past ``offsets[E]``) are left out by the combine."""
-    acc, F_ = compute_dtype(x.dtype), ew.w_gate.shape[1]
-    offs = routing.offsets[1:].to(torch.int32)
-    xe = x.index_select(0, routing.token)
+    acc = compute_dtype(x.dtype)
+    product = _grouped_product(routing.offsets[1:].to(torch.int32))
     gate_up = packed_gate_up(ew.w_gate, ew.w_up)
-    if gate_up is not None:  # one product for both halves
-        hgu = torch._grouped_mm(xe, gate_up.transpose(1, 2), offs=offs).to(acc)
-        hg, hu = hgu[:, :F_], hgu[:, F_:]
-    else:
-        hg = torch._grouped_mm(xe, ew.w_gate.transpose(1, 2), offs=offs).to(acc)
-        hu = torch._grouped_mm(xe, ew.w_up.transpose(1, 2), offs=offs).to(acc)
-    h = F.silu(hg).mul_(hu).to(x.dtype)
-    out = torch._grouped_mm(h, ew.w_down.transpose(1, 2), offs=offs)
+    xe = x.index_select(0, routing.token)
+    out = _swiglu_products(xe, gate_up, ew, slice(None), product, acc)
     return combine(out.to(acc), routing).to(x.dtype)
 
 
@@ -254,16 +273,9 @@ def _padded_forward(x, ids: list[list[int]], weights: torch.Tensor, ew: ExpertWe
             places[place] = (e - e0) * m + j
     rows = torch.cat([x, x.new_zeros(1, D)]).index_select(0, torch.tensor(gather))
     rows = rows.view(e1 - e0, m, D)
-    F_ = ew.w_up.shape[1]
-    gate_up = packed_gate_up(ew.w_gate, ew.w_up)
-    if gate_up is not None:  # one product for both halves
-        hgu = torch.bmm(rows, gate_up[e0:e1].transpose(1, 2))
-        hg, hu = hgu[..., :F_], hgu[..., F_:]
-    else:
-        hg = torch.bmm(rows, ew.w_gate[e0:e1].transpose(1, 2))
-        hu = torch.bmm(rows, ew.w_up[e0:e1].transpose(1, 2))
-    y = torch.bmm(F.silu(hg).mul_(hu), ew.w_down[e0:e1].transpose(1, 2))
     acc = compute_dtype(x.dtype)
+    gate_up = packed_gate_up(ew.w_gate, ew.w_up)
+    y = _swiglu_products(rows, gate_up, ew, slice(e0, e1), _batched_product, acc)
     slots = y.view(-1, D).index_select(0, torch.tensor(places)).to(acc).view(T, k, D)
     w = weights.to(acc)
     if dropped:  # zero slot and weight: a NaN weight there must reach nothing
@@ -284,39 +296,36 @@ def _padded_fits(x, ew: ExpertWeights, rows: int) -> bool:
     return mm == x.dtype and all(w.dtype == mm for w in (ew.w_gate, ew.w_up, ew.w_down))
 
 
-def experts_forward(x, routing: Routing, ew: ExpertWeights, padded: bool = True):
-    """The experts and the combine for a routing: ``(T, D)`` in ``x.dtype`` (``padded``: may
-    try :func:`_padded_forward`; False when the caller tried it already)."""
+def experts_forward(x, routing: Routing, ew: ExpertWeights):
+    """The experts and the combine for a routing: ``(T, D)`` in ``x.dtype``."""
     T, D = x.shape
-    width = max(ew.w_up.shape[1], D)
-    one_run = T * routing.experts.shape[1] * width <= GROUP_ELEMENTS
+    rows = T * routing.experts.shape[1]
     grouped = ew.is_swiglu and _grouped(x, ew.w_gate, ew.w_up, ew.w_down)
-    if grouped and one_run and _off_the_host(x):
+    if grouped and rows * max(ew.w_up.shape[1], D) <= GROUP_ELEMENTS and _off_the_host(x):
         return _device_forward(x, routing, ew)
+    if _padded_fits(x, ew, rows):
+        out = _padded_forward(x, routing.experts.tolist(), routing.weights, ew)
+        if out is not None:
+            return out
+    return _sorted_forward(x, routing, ew)
+
+
+def _sorted_forward(x, routing: Routing, ew: ExpertWeights):
+    """:func:`experts_forward` through the rows sorted by expert: runs of grouped matmuls where
+    they apply, else one product per expert."""
+    T, D = x.shape
     top_k = routing.experts.shape[1]
     bounds = routing.bounds
     w_gate, w_up, w_down = ew.w_gate, ew.w_up, ew.w_down
     mm = _mm_dtype(x, w_up)
     acc = compute_dtype(x.dtype)
-    if padded and _padded_fits(x, ew, T * top_k):
-        out = _padded_forward(x, routing.experts.tolist(), routing.weights, ew)
-        if out is not None:
-            return out
     # Each block's outputs go straight to their (token, slot) places.
     slots = torch.empty((T * top_k, D), dtype=acc, device=x.device)
     gate_up = packed_gate_up(w_gate, w_up) if ew.is_swiglu else None
     if ew.is_swiglu and _grouped(x, w_gate, w_up, w_down):
-        F_ = w_gate.shape[1]
-        for e0, e1, s, t, offs in _runs(routing, bounds, max(F_, D)):
+        for e0, e1, s, t, offs in _runs(routing, bounds, max(w_gate.shape[1], D)):
             xe = _rows(x, routing, s, t)
-            if gate_up is not None:  # one product for both halves
-                hgu = torch._grouped_mm(xe, gate_up[e0:e1].transpose(1, 2), offs=offs).to(acc)
-                hg, hu = hgu[:, :F_], hgu[:, F_:]
-            else:
-                hg = torch._grouped_mm(xe, w_gate[e0:e1].transpose(1, 2), offs=offs).to(acc)
-                hu = torch._grouped_mm(xe, w_up[e0:e1].transpose(1, 2), offs=offs).to(acc)
-            h = F.silu(hg).mul_(hu).to(x.dtype)
-            out = torch._grouped_mm(h, w_down[e0:e1].transpose(1, 2), offs=offs)
+            out = _swiglu_products(xe, gate_up, ew, slice(e0, e1), _grouped_product(offs), acc)
             slots[routing.order[s:t]] = out.to(acc)
     elif ew.is_swiglu:
         for e, s, t in _experts(bounds):
@@ -474,13 +483,12 @@ def forward(x, top_k_index, top_k_weights, *weights):
     ew = ExpertWeights.of(*weights)
     if ew.is_swiglu and top_k_index.numel() <= FEW_ROWS and not _off_the_host(x):
         return _few_rows_forward(x, top_k_index, top_k_weights, ew)
-    tried = _padded_fits(x, ew, top_k_index.numel())
-    if tried:
+    routing = functools.partial(given_routing, top_k_index, top_k_weights, ew.w_up.shape[0])
+    if _padded_fits(x, ew, top_k_index.numel()):  # (on a CPU: the device's path never runs)
+        # from the ids themselves: no routing sort unless the padding declines
         out = _padded_forward(x, top_k_index.tolist(), top_k_weights, ew)
-        if out is not None:
-            return out
-    routing = given_routing(top_k_index, top_k_weights, ew.w_up.shape[0])
-    return experts_forward(x, routing, ew, padded=not tried)
+        return out if out is not None else _sorted_forward(x, routing(), ew)
+    return experts_forward(x, routing(), ew)
 
 
 def backward(g, x, top_k_index, top_k_weights, *weights):
