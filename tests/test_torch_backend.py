@@ -313,6 +313,44 @@ def test_routed_experts_of_a_few_rows_run_slot_by_slot(monkeypatch, T, dtype):
     assert cakeops.relative_error(outs[0], outs[1]) <= cakeops.tolerance(dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_experts_of_a_few_rows_skip_the_sort_by_expert(monkeypatch, dtype):
+    """A decode-sized ``moe_experts`` call chooses its experts (softmax, top-k, weights) and
+    runs them slot by slot, without the routing's sort by expert that a bigger call needs (most
+    of a decode step's routing cost); the result and gradients are the sorted path's within
+    the tolerance."""
+    routed = []
+    original = moe_kernel.route
+
+    def spy(*args):
+        routed.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(moe_kernel, "route", spy)
+    monkeypatch.setattr(moe_kernels, "PADDED_ROWS", 0)  # (the sorted path, not the padded one)
+    gen = torch.Generator().manual_seed(1)
+    E, D, F, T, k = 6, 16, 24, 3, 2
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    logits = torch.randn(T, E, generator=gen).to(dtype)
+    w_gate, w_up = (torch.randn(E, F, D, generator=gen).to(dtype) * 0.2 for _ in "gu")
+    w_down = torch.randn(E, D, F, generator=gen).to(dtype) * 0.2
+    outs, grads = [], []
+    for few in (moe_kernels.FEW_ROWS, 0):
+        monkeypatch.setattr(moe_kernels, "FEW_ROWS", few)
+        routed.clear()
+        with cakeops.use_backend("torch"):
+            with torch.no_grad():
+                outs.append(cakeops.moe_experts(x, logits, w_gate, w_up, w_down, top_k=k))
+            assert routed == ([] if few else [1])
+            leaves = [t.detach().requires_grad_() for t in (x, logits, w_gate, w_up, w_down)]
+            out = cakeops.moe_experts(*leaves, top_k=k)
+            grads.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
+    assert outs[0].dtype == dtype
+    assert cakeops.relative_error(outs[0], outs[1]) <= cakeops.tolerance(dtype)
+    for a, b in zip(*grads, strict=True):
+        assert cakeops.relative_error(a, b) <= cakeops.tolerance(dtype)
+
+
 def test_padded_experts_read_few_weights_of_experts_without_rows(monkeypatch):
     """An expert without rows between two with rows has its weights read by the padded
     products: the path declines beyond ``PADDED_SPARE_BYTES`` of them (big experts: one product

@@ -57,6 +57,7 @@ __all__ = [
     "split_log_grads",
     "swiglu_backward",
     "swiglu_rows",
+    "top_k_choice",
     "weighted_slot_sum",
 ]
 
@@ -481,15 +482,24 @@ def down_bias_dots(g: torch.Tensor, b_down: torch.Tensor, routing: Routing) -> t
     return dots.masked_fill(~kept_rows(routing).squeeze(-1), 0)
 
 
-def route(router_logits, top_k, renormalize, scale, dtype=torch.float32) -> Routing:
-    """Experts chosen on the float32 softmax (ties to the lower id); probabilities and weights
-    in ``dtype`` (float64 for float64 inputs)."""
+def top_k_choice(router_logits, top_k, renormalize, scale, dtype=torch.float32):
+    """``(probs, experts, r, weights)`` of the routing rules, without the sort by expert that
+    :func:`route` adds: experts chosen on the float32 softmax (ties to the lower id),
+    probabilities and weights in ``dtype`` (float64 for float64 inputs). A decode step's few
+    rows need no more."""
     probs32 = torch.softmax(router_logits.float(), dim=-1)
     experts = torch.sort(probs32, dim=-1, descending=True, stable=True).indices[:, :top_k]
     probs = probs32 if dtype == torch.float32 else torch.softmax(router_logits.to(dtype), dim=-1)
     r = probs.gather(1, experts)
     weights = r / r.sum(-1, keepdim=True) if renormalize else r
-    return given_routing(experts, weights * scale, probs.shape[1])._replace(probs=probs, r=r)
+    return probs, experts, r, weights * scale
+
+
+def route(router_logits, top_k, renormalize, scale, dtype=torch.float32) -> Routing:
+    """The :class:`Routing` of the routing rules (:func:`top_k_choice`), rows sorted by
+    expert."""
+    probs, experts, r, weights = top_k_choice(router_logits, top_k, renormalize, scale, dtype)
+    return given_routing(experts, weights, probs.shape[1])._replace(probs=probs, r=r)
 
 
 def given_routing(experts: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Routing:

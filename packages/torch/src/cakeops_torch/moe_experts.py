@@ -5,12 +5,21 @@ where they apply); the backward recomputes the routing and adds its backward."""
 from __future__ import annotations
 
 from cakeops import compute_dtype
-from cakeops.helpers import ExpertWeights, cast_grads, route, routing_backward
-from cakeops_torch.routed_experts import experts_backward, experts_forward
+from cakeops.helpers import ExpertWeights, cast_grads, route, routing_backward, top_k_choice
+from cakeops_torch.routed_experts import (
+    experts_backward,
+    experts_forward,
+    few_rows,
+    few_rows_forward,
+)
 
 
 def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale, *options):
     ew = ExpertWeights.of(w_gate, w_up, w_down, *options)
+    if few_rows(x, ew, x.shape[0] * top_k):  # a decode step: no sort by expert
+        _, experts, _, weights = top_k_choice(router_logits, top_k, renormalize, scale,
+                                              compute_dtype(x.dtype))  # fmt: skip
+        return few_rows_forward(x, experts, weights, ew)
     routing = route(router_logits, top_k, renormalize, scale, compute_dtype(x.dtype))
     return experts_forward(x, routing, ew)
 

@@ -454,7 +454,13 @@ def _grouped_backward(routing, bounds, x, g, slot_w, ew, dx_slots, dw_flat, grad
 FEW_ROWS = 8
 
 
-def _few_rows_forward(x, top_k_index, top_k_weights, ew: ExpertWeights):
+def few_rows(x: torch.Tensor, ew: ExpertWeights, rows: int) -> bool:
+    """Whether :func:`few_rows_forward` serves a call of ``rows`` (token, slot) rows: the
+    default experts, at most ``FEW_ROWS`` rows, on the host."""
+    return ew.is_swiglu and rows <= FEW_ROWS and not _off_the_host(x)
+
+
+def few_rows_forward(x, top_k_index, top_k_weights, ew: ExpertWeights):
     """:func:`experts_forward` of a few rows, slot by slot (the default experts only): the same
     sums in the same order (each token's slots in slot order), a dropped slot adding nothing."""
     T, E = top_k_index.shape[0], ew.w_up.shape[0]
@@ -481,8 +487,8 @@ def _few_rows_forward(x, top_k_index, top_k_weights, ew: ExpertWeights):
 
 def forward(x, top_k_index, top_k_weights, *weights):
     ew = ExpertWeights.of(*weights)
-    if ew.is_swiglu and top_k_index.numel() <= FEW_ROWS and not _off_the_host(x):
-        return _few_rows_forward(x, top_k_index, top_k_weights, ew)
+    if few_rows(x, ew, top_k_index.numel()):
+        return few_rows_forward(x, top_k_index, top_k_weights, ew)
     routing = functools.partial(given_routing, top_k_index, top_k_weights, ew.w_up.shape[0])
     if _padded_fits(x, ew, top_k_index.numel()):  # (on a CPU: the device's path never runs)
         # from the ids themselves: no routing sort unless the padding declines
