@@ -120,9 +120,10 @@ def test_env_var_turns_compiling_off(compiled_path, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group_size, norm_before_gate", [(None, True), (8, False), (1, True)])
-def test_blocked_eager_forward_beyond_one_block(monkeypatch, dtype, group_size, norm_before_gate):
-    """Inputs larger than one block (as on a GPU, or with compiling off) take the blocked forward;
-    a block or less the short one: both against float64, and the same values."""
+def test_blocked_eager_kernels_beyond_one_block(monkeypatch, dtype, group_size, norm_before_gate):
+    """Inputs larger than one block (as on a GPU, or with compiling off) take the blocked
+    forward and backward; a block or less the short ones: both against float64, and the same
+    values."""
     monkeypatch.setenv(compile_.COMPILE_ENV, "0")
     monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", 64)
     x, z, w, g = make_inputs((7, 32), dtype, "cpu")
@@ -130,9 +131,10 @@ def test_blocked_eager_forward_beyond_one_block(monkeypatch, dtype, group_size, 
         got = run(x, z, w, g, group_size, norm_before_gate)
         check_against_reference(x, z, w, g, group_size, norm_before_gate, got)
         monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", 1 << 18)
-        short = cakeops.rmsnorm_silu_gate(x, z, w, group_size=group_size,
-                                          norm_before_gate=norm_before_gate)  # fmt: skip
-    torch.testing.assert_close(short, got[0])
+        short = run(x, z, w, g, group_size, norm_before_gate)
+        check_against_reference(x, z, w, g, group_size, norm_before_gate, short)
+    for a, b in zip(short, got, strict=True):
+        torch.testing.assert_close(a, b)
 
 
 def test_failing_compiler_falls_back_with_a_warning(compiled_path, broken_compiler):

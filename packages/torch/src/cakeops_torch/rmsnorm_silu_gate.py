@@ -41,9 +41,16 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _grouped(t: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``t`` as ``(..., groups, group_size)``; itself when the row is one group (a view costs a
+    decode step's call a microsecond a time)."""
+    return t if group_size == t.shape[-1] else t.unflatten(-1, (-1, group_size))
+
+
 def _rstd(v: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
-    """``rsqrt(mean(v^2) + eps)`` per group, shape ``(rows, groups, 1)``."""
-    groups = v.unflatten(-1, (-1, group_size))
+    """``rsqrt(mean(v^2) + eps)`` per group, shape ``(rows, groups, 1)`` (``(rows, 1)`` for one
+    group a row: :func:`_grouped`)."""
+    groups = _grouped(v, group_size)
     return (
         torch.linalg.vector_norm(groups, dim=-1, keepdim=True)
         .square_()
@@ -55,7 +62,7 @@ def _rstd(v: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
 
 def _scale_groups(t: torch.Tensor, r: torch.Tensor, group_size: int) -> torch.Tensor:
     """``t * r`` broadcasting ``r`` over each group, in place."""
-    t.unflatten(-1, (-1, group_size)).mul_(r)
+    _grouped(t, group_size).mul_(r)
     return t
 
 
@@ -172,14 +179,45 @@ def _norm_backward(gn, n, r, group_size, eps):
     its exact form ``gn * eps * r^3`` is used instead.
     """
     if group_size == 1:
-        return gn.mul_(r.flatten(-2).pow(3).mul_(eps))
-    gn_g, n_g = gn.unflatten(-1, (-1, group_size)), n.unflatten(-1, (-1, group_size))
+        return gn.mul_(r.reshape(gn.shape[:-1] + (-1,)).pow(3).mul_(eps))
+    gn_g, n_g = _grouped(gn, group_size), _grouped(n, group_size)
     mean = (gn_g * n_g).mean(-1, keepdim=True)
-    gn_g.sub_(n_g * mean)
+    gn_g.addcmul_(n_g, mean, value=-1)
     return _scale_groups(gn, r, group_size)
 
 
+def _small_backward(g, x, z, weight, eps, group_size, norm_before_gate):
+    """The backward of one block's worth of rows as the blocked loop computes one block, without
+    its output buffers, copies and running sum (a decode step's call: a third of its ops)."""
+    ct = compute_dtype(x.dtype)
+    gb, xb, zb, w = g.to(ct), x.to(ct), z.to(ct), weight.to(ct)  # (no copies: read only)
+    sig = torch.sigmoid(zb)
+    gate = zb * sig
+    dsilu = torch.addcmul(sig, gate, torch.rsub(sig, 1))  # silu'(z) = sigma + silu (1 - sigma)
+    if norm_before_gate:
+        r = _rstd(xb, group_size, eps)
+        n = _scale_groups(xb.clone(), r, group_size)
+        gn = gb * gate
+        dweight = (gn * n).reshape(-1, x.shape[-1]).sum(0)
+        dz = dsilu.mul_(gb).mul_(n).mul_(w)
+        dx = _norm_backward(gn.mul_(w), n, r, group_size, eps)
+    else:
+        v = xb * gate
+        r = _rstd(v, group_size, eps)
+        n = _scale_groups(v, r, group_size)
+        dweight = (gb * n).reshape(-1, x.shape[-1]).sum(0)
+        dv = _norm_backward(gb * w, n, r, group_size, eps)
+        dz = dsilu.mul_(xb).mul_(dv)
+        dx = dv.mul_(gate)
+    return dx.to(x.dtype), dz.to(z.dtype), dweight.to(weight.dtype)
+
+
 def backward(g, x, z, weight, eps, group_size, norm_before_gate):
+    n = x.numel()
+    if n <= BLOCK_ELEMENTS and (
+        n < COMPILE_MIN_ELEMENTS or not use_compiled(x, COMPILE_MIN_ELEMENTS)
+    ):
+        return _small_backward(g, x, z, weight, eps, group_size, norm_before_gate)
     ct = compute_dtype(x.dtype)
     D = x.shape[-1]
     gr, xr, zr = _rows(g), _rows(x), _rows(z)
