@@ -228,36 +228,51 @@ def _step_state(k, v, lm, initial_state):
 def causal_step_backward(g, g_final, q, k, v, scale, log_decay, log_gates, initial_state):
     """The six gradients of a ``causal_dot_product`` kernel's backward (None for an option not
     given) for one position (:func:`causal_step`; ``g_final`` None for none): with ``R = s q
-    g^T + g_final``, the gradient reaching the state, ``dq = s S g``, ``dk = R v``, ``dv = R^T
-    k``, the initial state's ``a R`` and the log multiplier's ``a <R, S_0>`` (``a`` its exp;
-    exactly 0 where ``a`` is)."""
+    g^T + G``, the gradient reaching the state (``G``: ``g_final``), ``dq = s S g``, ``dk = R
+    v``, ``dv = R^T k``, the initial state's ``a R`` and the log multiplier's ``a <R, S_0>``
+    (``a`` its exp; exactly 0 where ``a`` is). Expanded so that no state-sized product is made
+    but the initial state's gradient: ``S g = a S_0 g + k (v . g)``, ``R v = s q (g . v) + G
+    v``, ``R^T k = s g (q . k) + G^T k``, ``<R, S_0> = s q . S_0 g + <G, S_0>`` (a decode step's
+    backward reads each state-sized tensor once or twice instead of rebuilding ``S`` and
+    ``R``)."""
     ct = compute_dtype(q.dtype)
     lm = log_multipliers(q, log_decay, log_gates, ct)
     s = 1.0 if scale is None else scale
     key_heads, H = q.shape[1], v.shape[1]
     given_q, given_k = q, k
     q, k = value_heads(q, H), value_heads(k, H)
-    state = _step_state(k, v, lm, initial_state)
-    qt, kt, vt, gt = (x[:, :, 0].to(ct) for x in (q, k, v, g))
-    reach = (qt * s)[..., :, None] * gt[..., None, :]  # (N, H, E, M)
-    if g_final is not None:
-        reach = reach + g_final.to(ct)
-    dq = (state @ gt[..., None]).mul_(s)
-    dk = reach @ vt[..., None]
-    dv = reach.transpose(-1, -2) @ kt[..., None]
+    qt, kt, vt, gt = (x[:, :, 0].to(ct) for x in (q, k, v, g))  # (N, H, E) and (N, H, M)
+    sq = qt * s
     a = None if lm is None else torch.exp(lm[:, :, 0])  # (N, H)
+    s0 = None if initial_state is None else initial_state.to(ct)
+    gf = None if g_final is None else g_final.to(ct)
+    dq = kt * torch.linalg.vecdot(vt, gt)[..., None]
+    s0g = None
+    if s0 is not None:
+        s0g = (s0 @ gt[..., None])[..., 0]  # S_0 g, (N, H, E)
+        dq = dq + (s0g if a is None else s0g * a[..., None])
+    dq = dq * s
+    dk = sq * torch.linalg.vecdot(gt, vt)[..., None]
+    dv = gt * torch.linalg.vecdot(sq, kt)[..., None]
+    if gf is not None:
+        dk = dk + (gf @ vt[..., None])[..., 0]
+        dv = dv + (kt[..., None, :] @ gf)[..., 0, :]
     d_init = d_decay = d_gates = None
-    if initial_state is not None:
-        d_init = (reach if a is None else reach * a[..., None, None]).to(initial_state.dtype)
+    if s0 is not None:
+        outer = (sq[..., :, None], gt[..., None, :])  # R: (N, H, E, M)
+        reach = outer[0] * outer[1] if gf is None else torch.addcmul(gf, *outer)
+        d_init = (reach if a is None else reach.mul_(a[..., None, None])).to(initial_state.dtype)
     if a is not None:
-        if initial_state is None:
+        if s0 is None:
             d_lm = torch.zeros_like(a)
         else:
-            d_lm = (reach * initial_state.to(ct)).sum((-1, -2)) * a
-            d_lm = d_lm.masked_fill(a == 0, 0.0)
+            dot = torch.linalg.vecdot(sq, s0g)
+            if gf is not None:
+                dot = dot + torch.linalg.vecdot(gf.flatten(-2), s0.flatten(-2))
+            d_lm = (dot * a).masked_fill(a == 0, 0.0)
         d_decay = None if log_decay is None else d_lm.sum(0).to(log_decay.dtype)
         d_gates = None if log_gates is None else d_lm[..., None].to(log_gates.dtype)
-    dq, dk, dv = (t.transpose(-1, -2) for t in (dq, dk, dv))  # (N, H, 1, E) and (N, H, 1, M)
+    dq, dk, dv = (t.unsqueeze(2) for t in (dq, dk, dv))  # (N, H, 1, E) and (N, H, 1, M)
     dq, dk = key_head_sums(dq, key_heads), key_head_sums(dk, key_heads)
     dq, dk, dv = cast_grads((dq, dk, dv), (given_q, given_k, v))
     return dq, dk, dv, d_decay, d_gates, d_init

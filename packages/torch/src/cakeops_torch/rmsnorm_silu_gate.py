@@ -179,7 +179,7 @@ def _norm_backward(gn, n, r, group_size, eps):
     its exact form ``gn * eps * r^3`` is used instead.
     """
     if group_size == 1:
-        return gn.mul_(r.reshape(gn.shape[:-1] + (-1,)).pow(3).mul_(eps))
+        return gn.mul_(r.reshape(gn.shape).pow(3).mul_(eps))
     gn_g, n_g = _grouped(gn, group_size), _grouped(n, group_size)
     mean = (gn_g * n_g).mean(-1, keepdim=True)
     gn_g.addcmul_(n_g, mean, value=-1)
