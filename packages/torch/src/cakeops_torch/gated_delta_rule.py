@@ -464,35 +464,50 @@ def _step_backward(g_out, g_final, q, k, v, g, beta, scale, initial_state, use_q
     if use_qk_l2norm:
         rq, rk = _inverse_norms(qn), _inverse_norms(kn)
         qn, kn = qn * rq, kn * rk
-    a = torch.exp(g[:, :, 0].to(ct)).reshape(N, H, G, -1, 1)  # (N, H, G, 1 or K, 1)
+    a = torch.exp(g[:, :, 0].to(ct)).reshape(N, H, G, -1)  # (N, H, G, 1 or K)
     vt = v[:, :, 0].to(ct).reshape(N, H, G, V)
     bt = beta[:, :, 0].to(ct).reshape(N, H, G, 1)
     go = g_out[:, :, 0].to(ct).reshape(N, H, G, V)
-    qc, kc = qn[:, :, None, :, None], kn[:, :, None, :, None]  # (N, H, 1, K, 1)
+    qg, kg = qn[:, :, None, :], kn[:, :, None, :]  # (N, H, 1, K)
+    sq = qg * scale
     S0 = None if initial_state is None else initial_state.to(ct).reshape(N, H, G, K, V)
-    Sd = torch.zeros(N, H, G, K, V, dtype=ct, device=q.device) if S0 is None else S0 * a
-    r = vt - (kc * Sd).sum(-2)  # v - S'^T k: (N, H, G, V)
+    gf = None if g_final is None else g_final.to(ct).reshape(N, H, G, K, V)
+    # S'^T k = S_0^T (a k): one read of S_0 (S' is never made)
+    r = vt if S0 is None else vt - ((a * kg)[..., None, :] @ S0)[..., 0, :]  # (N, H, G, V)
     u = bt * r
-    S = Sd + kc * u[..., None, :]
-    R = (qc * scale) * go[..., None, :]  # (N, H, G, K, V)
-    if g_final is not None:
-        R = R + g_final.to(ct).reshape(N, H, G, K, V)
-    du = (R * kc).sum(-2)  # (N, H, G, V)
+    du = go * torch.linalg.vecdot(sq, kg)[..., None]  # R^T k = s g_o (q . k) + G^T k
+    if gf is not None:
+        du = du + (kg[..., None, :] @ gf)[..., 0, :]
     bdu = bt * du
-    dqn = (S @ go[..., None])[..., 0].mul_(scale)  # (N, H, G, K)
-    dkn = (R @ u[..., None])[..., 0] - (Sd @ bdu[..., None])[..., 0]
-    dSd = R - kc * bdu[..., None, :]
+    ug = torch.linalg.vecdot(u, go)[..., None]  # (N, H, G, 1)
+    dqn = kg * ug  # s S g_o = s (a S_0 g_o + k (u . g_o))
+    dkn = sq * ug  # R u - S' bdu = s q (g_o . u) + G u - a S_0 bdu
+    if gf is not None:
+        dkn = dkn + (gf @ u[..., None])[..., 0]
+    if S0 is not None:
+        S0go, S0bdu = (S0 @ torch.stack([go, bdu], -1)).unbind(-1)  # one more read of S_0
+        dqn = dqn + a * S0go
+        dkn = dkn - a * S0bdu
+    dqn = dqn * scale
     dq, dk = dqn.sum(2), dkn.sum(2)  # the value heads of a key head summed: (N, H, K)
     if use_qk_l2norm:  # through x / sqrt(|x|^2 + eps)
         dq = rq * (dq - qn * (qn * dq).sum(-1, keepdim=True))
         dk = rk * (dk - kn * (kn * dk).sum(-1, keepdim=True))
     if S0 is None:
-        dg = torch.zeros(N, H, G, a.shape[-2], dtype=ct, device=q.device)
+        dg = torch.zeros(N, H, G, a.shape[-1], dtype=ct, device=q.device)
         d_init = None
     else:
-        dg = (dSd * S0).sum(-1)  # (N, H, G, K)
-        dg = (dg if g.dim() == 4 else dg.sum(-1, keepdim=True)) * a[..., 0]
-        d_init = (dSd * a).reshape(initial_state.shape).to(initial_state.dtype)
+        # dS' = R - k bdu^T = G + (s q) g_o^T - k bdu^T: the two outer products as one
+        # product of rank 2 (a folded in), G added once; a <dS', S_0> per key row from vectors
+        sides = torch.stack([sq.expand_as(kg), -kg], -1) * a[..., None]  # (N, H, G, K, 2)
+        d_init = sides @ torch.stack([go, bdu], -2)  # (N, H, G, K, V)
+        if gf is not None:
+            d_init = d_init.addcmul_(gf, a[..., None])
+        d_init = d_init.reshape(initial_state.shape).to(initial_state.dtype)
+        rows = sq * S0go - kg * S0bdu  # <dS', S_0> per key row: (N, H, G, K)
+        if gf is not None:
+            rows = rows + torch.linalg.vecdot(gf, S0)
+        dg = rows * a if g.dim() == 4 else rows.sum(-1, keepdim=True) * a
     dg = dg.reshape(N, Hv, 1, -1) if g.dim() == 4 else dg.reshape(N, Hv, 1)
     grads = (dq[:, :, None], dk[:, :, None], bdu.reshape(N, Hv, 1, V),
              dg, (du * r).sum(-1).reshape(N, Hv, 1))  # fmt: skip
