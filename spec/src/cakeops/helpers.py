@@ -217,12 +217,15 @@ def _step_state(k, v, lm, initial_state):
     """``S = exp(lm) S_0 + k^T v`` of one position, in the compute dtype: ``(N, H, E, M)``."""
     ct = compute_dtype(k.dtype)
     kt, vt = k[:, :, 0].to(ct), v[:, :, 0].to(ct)  # (N, H, E) and (N, H, M)
+    outer = (kt[..., :, None], vt[..., None, :])
     if initial_state is None:
-        return kt[..., :, None] * vt[..., None, :]
+        return outer[0] * outer[1]
     s0 = initial_state.to(ct)
-    if lm is not None:
-        s0 = s0 * torch.exp(lm[:, :, 0].to(ct))[..., None, None]
-    return torch.addcmul(s0, kt[..., :, None], vt[..., None, :])
+    if lm is None:
+        return torch.addcmul(s0, *outer)
+    # k v^T added in place to the decayed state just written (in cache): a second state-sized
+    # allocation and pass cost a decode step as much as the rest of it
+    return (s0 * torch.exp(lm[:, :, 0].to(ct))[..., None, None]).addcmul_(*outer)
 
 
 def causal_step_backward(g, g_final, q, k, v, scale, log_decay, log_gates, initial_state):
