@@ -90,8 +90,8 @@ def _wire_worker(rank: int, world: int, init: str, out: str) -> None:
     exchange = cd._all_to_all
 
     def recorded(rows, split_in, split_out, group):
-        if rows.dim() == 2 and rows.shape[1] == D:
-            sent.append(sum(split_in) - split_in[rank])  # rows leaving this rank
+        # rows leaving this rank, and the bytes of one
+        sent.append((sum(split_in) - split_in[rank], rows[0].numel() * rows.element_size()))
         return exchange(rows, split_in, split_out, group)
 
     cd._all_to_all = recorded
@@ -110,7 +110,8 @@ def test_a_token_crosses_once_per_rank(tmp_path):
     """A token goes once to each other rank that holds one of its experts, whatever how many
     of its slots are there (it went once per slot): the four exchanges of rows (tokens out,
     partial sums back, then in the backward the partial sums' gradients out and the tokens'
-    back) each carry exactly those pairs."""
+    back) each carry exactly those pairs, and there is no other (a token's slots' ids and
+    weights travel in its row's exchange, their gradients too)."""
     world = 2
     out = str(tmp_path / "rank")
     mp.spawn(_wire_worker, args=(world, str(tmp_path / "init"), out), nprocs=world, join=True)
@@ -124,7 +125,9 @@ def test_a_token_crosses_once_per_rank(tmp_path):
         received = int((others & (owner == rank).any(1)).sum())
         slots_away = int(((owner[home == rank] != rank) & (owner[home == rank] >= 0)).sum())
         sent = torch.load(f"{out}.{rank}")
-        assert sent == [away, received, away, received], sent
+        assert [n for n, _ in sent] == [away, received, away, received], sent
+        row, token = D * 4, D * 4 + K * (4 + 4)  # float32 rows; int32 ids, float32 weights
+        assert [b for _, b in sent] == [token, row, row, D * 4 + K * 4], sent
         assert away < slots_away  # the problem has tokens with two slots on one rank
 
 

@@ -67,6 +67,43 @@ def _exchange(rows: torch.Tensor, split_in: list[int], split_out: list[int], gro
     return _all_to_all(rows, split_in, split_out, group)
 
 
+def _packed(*parts: torch.Tensor) -> torch.Tensor:
+    """``(n, c_i)`` tensors of any dtypes side by side as one ``(n, bytes)`` uint8 tensor."""
+    return torch.cat([p.contiguous().view(torch.uint8) for p in parts], 1)
+
+
+def _unpacked(packed: torch.Tensor, layout: list[tuple[torch.dtype, int]]):
+    """The tensors :func:`_packed` put side by side, from their ``(dtype, columns)``."""
+    parts, start = [], 0
+    for dtype, columns in layout:
+        width = columns * dtype.itemsize
+        parts.append(packed[:, start : start + width].contiguous().view(dtype))
+        start += width
+    return parts
+
+
+class _Dispatch(torch.autograd.Function):
+    """Each pair's row, its slots' local ids and weights to its rank in one exchange of bytes
+    (one all-to-all where three would each pay a collective's latency); the backward sends the
+    rows' and weights' gradients home in one too."""
+
+    @staticmethod
+    def forward(ctx, rows, ids, weights, split_in: list[int], split_out: list[int], group):
+        layout = [(t.dtype, t.shape[1]) for t in (rows, ids, weights)]
+        ctx.splits, ctx.group, ctx.layout = (split_in, split_out), group, layout[::2]
+        got = _all_to_all(_packed(rows, ids, weights), split_in, split_out, group)
+        rows_in, ids_in, weights_in = _unpacked(got, layout)
+        ctx.mark_non_differentiable(ids_in)
+        return rows_in, ids_in, weights_in
+
+    @staticmethod
+    def backward(ctx, d_rows, _, d_weights):
+        split_in, split_out = ctx.splits
+        home = _all_to_all(_packed(d_rows, d_weights), split_out, split_in, ctx.group)
+        d_rows, d_weights = _unpacked(home, ctx.layout)
+        return d_rows, None, d_weights, None, None, None
+
+
 def _check(x, top_k_index, top_k_weights, w_up, group) -> int:
     """The world size, after the checks the single-process op does not make (it checks the
     rest when it runs)."""
@@ -135,12 +172,11 @@ def routed_experts(
     here = dest[token] == rank[:, None]
     local_ids = torch.where(here, ids[token] - rank[:, None] * local, local).to(torch.int32)
     pair_weights = torch.where(here, top_k_weights[token], 0)
-    rows = _exchange(_gather_rows(x, token), split_in, split_out, group)
-    ids_in = _exchange(local_ids, split_in, split_out, group)
-    # each slot's combine weight travels with it: the experts' op weighs its float32 slot
-    # outputs, sums a token's slots on that rank and computes the weights' gradient from them,
-    # as the single-process op does
-    weights_in = _exchange(pair_weights, split_in, split_out, group)
+    # each slot's local id and combine weight travel with its token's row, in one exchange:
+    # the experts' op weighs its float32 slot outputs, sums a token's slots on that rank and
+    # computes the weights' gradient from them, as the single-process op does
+    rows, ids_in, weights_in = _Dispatch.apply(_gather_rows(x, token), local_ids, pair_weights,
+                                               split_in, split_out, group)  # fmt: skip
     y = _routed_experts(rows, ids_in, weights_in, w_gate, w_up, w_down, **options)
     back = _exchange(y, split_out, split_in, group)  # each pair's partial sum, in `pairs` order
     # The partial sums at home in float32 (float64 for float64), rank by rank: within a rank
