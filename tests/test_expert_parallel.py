@@ -572,3 +572,30 @@ def test_the_2d_mesh_example_runs():
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "the same" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float64, torch.float64),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize("n", [0, 3])
+def test_rows_ids_and_weights_travel_packed(dtypes, n):
+    """A pair's row, ids and weights side by side in one buffer of bytes, each part aligned
+    (the widest dtype first, a row padded to 8 bytes) and read back as a view of it, whatever
+    the dtypes and an odd width."""
+    D, k = 7, 3
+    x = torch.randn(n, D).to(dtypes[0])
+    ids = torch.randint(0, 9, (n, k), dtype=torch.int32)
+    w = torch.rand(n, k).to(dtypes[1])
+    packed = cd._packed(x, ids, w)
+    assert packed.dtype == torch.uint8 and packed.shape[1] % 8 == 0
+    assert packed.shape[1] - (D * x.element_size() + k * (4 + w.element_size())) < 8
+    parts = cd._unpacked(packed, [(x.dtype, D), (ids.dtype, k), (w.dtype, k)])
+    for got, want in zip(parts, (x, ids, w), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert got.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()

@@ -67,17 +67,31 @@ def _exchange(rows: torch.Tensor, split_in: list[int], split_out: list[int], gro
     return _all_to_all(rows, split_in, split_out, group)
 
 
+def _widest_first(dtypes: list[torch.dtype]) -> list[int]:
+    return sorted(range(len(dtypes)), key=lambda i: -dtypes[i].itemsize)
+
+
 def _packed(*parts: torch.Tensor) -> torch.Tensor:
-    """``(n, c_i)`` tensors of any dtypes side by side as one ``(n, bytes)`` uint8 tensor."""
-    return torch.cat([p.contiguous().view(torch.uint8) for p in parts], 1)
+    """``(n, c_i)`` tensors of any dtypes side by side as one ``(n, bytes)`` uint8 tensor: the
+    widest dtype first and the row padded to 8 bytes, so that each part is aligned and comes
+    back as a view (:func:`_unpacked`)."""
+    columns = [parts[i].contiguous().view(torch.uint8)
+               for i in _widest_first([p.dtype for p in parts])]  # fmt: skip
+    pad = -sum(c.shape[1] for c in columns) % 8
+    if pad:
+        columns.append(columns[0].new_zeros((columns[0].shape[0], pad)))
+    return torch.cat(columns, 1)
 
 
-def _unpacked(packed: torch.Tensor, layout: list[tuple[torch.dtype, int]]):
-    """The tensors :func:`_packed` put side by side, from their ``(dtype, columns)``."""
-    parts, start = [], 0
-    for dtype, columns in layout:
+def _unpacked(packed: torch.Tensor, layout: list[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
+    """The tensors :func:`_packed` put side by side, from their ``(dtype, columns)``: views of
+    ``packed`` (no copy: the rows a rank receives stay in the buffer they arrived in)."""
+    parts: list[torch.Tensor] = [packed] * len(layout)
+    start = 0
+    for i in _widest_first([dtype for dtype, _ in layout]):
+        dtype, columns = layout[i]
         width = columns * dtype.itemsize
-        parts.append(packed[:, start : start + width].contiguous().view(dtype))
+        parts[i] = packed[:, start : start + width].view(dtype)
         start += width
     return parts
 
