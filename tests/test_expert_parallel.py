@@ -95,12 +95,35 @@ def _wire_worker(rank: int, world: int, init: str, out: str) -> None:
         return exchange(rows, split_in, split_out, group)
 
     cd._all_to_all = recorded
+    # the counts' exchange: started, the rows gathered meanwhile, then waited for
+    events = []
+    counts_exchange, gather = dist.all_to_all_single, cd._gather_rows
+
+    def counts(*args, async_op=False, **kwargs):
+        work = counts_exchange(*args, async_op=async_op, **kwargs)
+        events.append(("counts", async_op))
+        if not async_op:
+            return work
+
+        class Recorded:  # (a Work's wait cannot be replaced)
+            def wait(self, *a):
+                events.append("wait")
+                return work.wait(*a)
+
+        return Recorded()
+
+    def gathered(*args):
+        events.append("gather")
+        return gather(*args)
+
+    cd.dist.all_to_all_single, cd._gather_rows = counts, gathered
     x, index, weights, experts, g = problem(world, False)
     mine, block = slice(rank * T, (rank + 1) * T), E // world
     leaves = [t.clone().requires_grad_() for t in (x[mine], weights[mine])]
     local = [t[rank * block : (rank + 1) * block] for t in experts]
     cd.routed_experts(leaves[0], index[mine], leaves[1], *local).backward(g[mine])
-    torch.save(sent, f"{out}.{rank}")
+    cd.dist.all_to_all_single = counts_exchange
+    torch.save((sent, events), f"{out}.{rank}")
     dist.destroy_process_group()
     _leave()
 
@@ -111,7 +134,8 @@ def test_a_token_crosses_once_per_rank(tmp_path):
     of its slots are there (it went once per slot): the four exchanges of rows (tokens out,
     partial sums back, then in the backward the partial sums' gradients out and the tokens'
     back) each carry exactly those pairs, and there is no other (a token's slots' ids and
-    weights travel in its row's exchange, their gradients too)."""
+    weights travel in its row's exchange, their gradients too). The counts' exchange runs while
+    the rank gathers its rows."""
     world = 2
     out = str(tmp_path / "rank")
     mp.spawn(_wire_worker, args=(world, str(tmp_path / "init"), out), nprocs=world, join=True)
@@ -124,7 +148,8 @@ def test_a_token_crosses_once_per_rank(tmp_path):
         away = sum(int((owner[home == rank] == r).any(1).sum()) for r in range(world) if r != rank)
         received = int((others & (owner == rank).any(1)).sum())
         slots_away = int(((owner[home == rank] != rank) & (owner[home == rank] >= 0)).sum())
-        sent = torch.load(f"{out}.{rank}")
+        sent, events = torch.load(f"{out}.{rank}")
+        assert events[:3] == [("counts", True), "gather", "wait"], events
         assert [n for n, _ in sent] == [away, received, away, received], sent
         row, token = D * 4, D * 4 + K * (4 + 4)  # float32 rows; int32 ids, float32 weights
         assert [b for _, b in sent] == [token, row, row, D * 4 + K * 4], sent

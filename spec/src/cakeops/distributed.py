@@ -8,7 +8,7 @@ single-process op).
 
 A call makes two all-to-all exchanges of token rows: a token goes once to each rank that owns
 one of its experts (sorted by destination, with its ``k`` slots' local expert ids there and
-combine weights, the slots on other ranks dropped), runs through that rank's
+combine weights packed beside it, the slots on other ranks dropped), runs through that rank's
 :func:`cakeops.routed_experts`, which weighs its float32 slot outputs, sums the token's slots
 there (and computes the weights' gradient from them) as the single-process op does, and each
 rank's partial sum comes back in a second all-to-all, summed at home in float32, rank by rank.
@@ -18,7 +18,7 @@ Every rank must hold the same number of experts (checked within the exchange of 
 ranks raise alike); a rank may have no tokens. Autograd
 flows back through both exchanges (each the reverse all-to-all of the other): ``x``, the local
 experts' weights and biases, and ``top_k_weights``. Only the split sizes cross to the host
-(one small all-to-all of counts); rows never do.
+(one small all-to-all of counts, run while the rank prepares its rows); rows never do.
 
 Gradients: each rank's expert weights receive the gradients of every rank's tokens, the sum of
 all the ranks' losses. A data-parallel setup that averages the other parameters' gradients
@@ -168,29 +168,33 @@ def routed_experts(
     # the flags puts the pairs first
     order = torch.sort((~wanted).reshape(-1).to(torch.uint8), stable=True).indices
     # the counts and this rank's number of experts to every rank, in one exchange: each rank
-    # then knows every block's size and refuses uneven ones, all ranks alike (no hang)
+    # then knows every block's size and refuses uneven ones, all ranks alike (no hang). It runs
+    # while this rank prepares what it sends, which needs only its own counts.
     mine = torch.stack([counts, torch.full_like(counts, local)], 1)
     theirs = torch.empty_like(mine)
-    dist.all_to_all_single(theirs, mine, group=group)
-    host = torch.cat([counts, theirs.reshape(-1)]).tolist()  # the only host transfer
-    split_in, split_out, blocks = host[:world], host[world::2], host[world + 1 :: 2]
-    if any(b != local for b in blocks):
-        raise ValueError(
-            f"{OP}: argument 'w_up' expected the same number of experts on every rank (a "
-            f"contiguous block of E / W each), got blocks of {blocks} experts on ranks "
-            f"0..{world - 1}"
-        )
+    work = dist.all_to_all_single(theirs, mine, group=group, async_op=True)
+    split_in = counts.tolist()
     pairs = order[: sum(split_in)]
     rank, token = pairs // max(T, 1), pairs % max(T, 1)
     # each pair's slots: those on its rank, with their local ids; the others dropped there
     here = dest[token] == rank[:, None]
     local_ids = torch.where(here, ids[token] - rank[:, None] * local, local).to(torch.int32)
     pair_weights = torch.where(here, top_k_weights[token], 0)
+    rows = _gather_rows(x, token)
+    work.wait()
+    host = theirs.reshape(-1).tolist()
+    split_out, blocks = host[::2], host[1::2]
+    if any(b != local for b in blocks):
+        raise ValueError(
+            f"{OP}: argument 'w_up' expected the same number of experts on every rank (a "
+            f"contiguous block of E / W each), got blocks of {blocks} experts on ranks "
+            f"0..{world - 1}"
+        )
     # each slot's local id and combine weight travel with its token's row, in one exchange:
     # the experts' op weighs its float32 slot outputs, sums a token's slots on that rank and
     # computes the weights' gradient from them, as the single-process op does
-    rows, ids_in, weights_in = _Dispatch.apply(_gather_rows(x, token), local_ids, pair_weights,
-                                               split_in, split_out, group)  # fmt: skip
+    rows, ids_in, weights_in = _Dispatch.apply(rows, local_ids, pair_weights, split_in,
+                                               split_out, group)  # fmt: skip
     y = _routed_experts(rows, ids_in, weights_in, w_gate, w_up, w_down, **options)
     back = _exchange(y, split_out, split_in, group)  # each pair's partial sum, in `pairs` order
     # The partial sums at home in float32 (float64 for float64), rank by rank: within a rank
