@@ -128,6 +128,10 @@ def _wire_worker(rank: int, world: int, init: str, out: str) -> None:
     _leave()
 
 
+def _whole(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
 @pytest.mark.timeout(300)
 def test_a_token_crosses_once_per_rank(tmp_path):
     """A token goes once to each other rank that holds one of its experts, whatever how many
@@ -151,8 +155,10 @@ def test_a_token_crosses_once_per_rank(tmp_path):
         sent, events = torch.load(f"{out}.{rank}")
         assert events[:3] == [("counts", True), "gather", "wait"], events
         assert [n for n, _ in sent] == [away, received, away, received], sent
-        row, token = D * 4, D * 4 + K * (4 + 4)  # float32 rows; int32 ids, float32 weights
-        assert [b for _, b in sent] == [token, row, row, D * 4 + K * 4], sent
+        # float32 rows; int32 ids and float32 weights packed beside a token's, a row's
+        # gradient beside its weights' (a packed row padded to 64 bytes)
+        row, token, grads = D * 4, _whole(D * 4 + K * (4 + 4), 64), _whole(D * 4 + K * 4, 64)
+        assert [b for _, b in sent] == [token, row, row, grads], sent
         assert away < slots_away  # the problem has tokens with two slots on one rank
 
 
@@ -560,8 +566,9 @@ def test_benchmark_reports_both_configurations(tmp_path):
     """``python -m cakeops.bench.expert_parallel --quick``: one process, and the two layouts
     (a token once per rank, a row per slot before #38); bytes sent by the expert-parallel ranks
     only, counted at the exchanges, equal to the count from the routing (rows of float32 D out
-    and back, forward and backward; int32 ids and float32 weights per slot with the token
-    layout, an int64 id and a weight per row with the slot layout, the weights' gradients back);
+    and back, forward and backward; int32 ids and float32 weights per slot packed beside a token
+    row, in rows padded to 64 bytes, with the token layout; an int64 id and a weight per row
+    with the slot layout; the weights' gradients back);
     at top-4 of 16 experts over 2 ranks the token layout sends at most 0.55x the bytes."""
     from cakeops.bench import expert_parallel as bench
 
@@ -580,7 +587,10 @@ def test_benchmark_reports_both_configurations(tmp_path):
         received_pairs = int((owner[others] == rank).any(1).sum())
         away_slots = int((owner[mine] != rank).sum())
         received_slots = int((owner[others] == rank).sum())
-        want["tokens"].append(away_pairs * (8 * D + 8 * k) + received_pairs * (8 * D + 4 * k))
+        # a token's row with its ids and weights packed (64-byte rows), its partial sum's
+        # gradient back; a partial sum out, its row's and weights' gradients packed back
+        token, grads = _whole(4 * D + 8 * k, 64), _whole(4 * D + 4 * k, 64)
+        want["tokens"].append(away_pairs * (token + 4 * D) + received_pairs * (4 * D + grads))
         want["slots"].append(away_slots * (8 * D + 12) + received_slots * (8 * D + 4))
     assert tokens["sent"] == max(want["tokens"]) and slots["sent"] == max(want["slots"])
     assert tokens["sent"] <= 0.55 * slots["sent"]
@@ -611,16 +621,18 @@ def test_the_2d_mesh_example_runs():
 @pytest.mark.parametrize("n", [0, 3])
 def test_rows_ids_and_weights_travel_packed(dtypes, n):
     """A pair's row, ids and weights side by side in one buffer of bytes, each part aligned
-    (the widest dtype first, a row padded to 8 bytes) and read back as a view of it, whatever
-    the dtypes and an odd width."""
+    (the token's row first, padded to 16 bytes, then the widest dtype first; a row padded to 64
+    bytes, so the token rows read back have a stride of whole 16-element tiles) and read back
+    as a view of it, whatever the dtypes and an odd width."""
     D, k = 7, 3
     x = torch.randn(n, D).to(dtypes[0])
     ids = torch.randint(0, 9, (n, k), dtype=torch.int32)
     w = torch.rand(n, k).to(dtypes[1])
     packed = cd._packed(x, ids, w)
-    assert packed.dtype == torch.uint8 and packed.shape[1] % 8 == 0
-    assert packed.shape[1] - (D * x.element_size() + k * (4 + w.element_size())) < 8
+    assert packed.dtype == torch.uint8 and packed.shape[1] % 64 == 0
+    assert packed.shape[1] - (D * x.element_size() + k * (4 + w.element_size())) < 16 + 64
     parts = cd._unpacked(packed, [(x.dtype, D), (ids.dtype, k), (w.dtype, k)])
+    assert parts[0].stride(0) * x.element_size() == packed.shape[1]
     for got, want in zip(parts, (x, ids, w), strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
         assert got.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()

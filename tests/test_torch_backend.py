@@ -279,6 +279,24 @@ def test_gated_delta_rule_compiled_step(monkeypatch, compiled_path, given):
     assert "_recurrent" in ran
 
 
+def _calls(monkeypatch, module, name: str) -> list[int]:
+    """A list that grows by one at each call of ``module.name`` (which still runs)."""
+    calls, original = [], getattr(module, name)
+
+    def spy(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def _small_experts(gen, E: int, D: int, F: int, dtype) -> list[torch.Tensor]:
+    """``w_gate``, ``w_up`` ``(E, F, D)`` and ``w_down`` ``(E, D, F)``, small values."""
+    shapes = ((E, F, D), (E, F, D), (E, D, F))
+    return [torch.randn(s, generator=gen).to(dtype) * 0.2 for s in shapes]
+
+
 @pytest.mark.parametrize("T", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_routed_experts_of_a_few_rows_run_slot_by_slot(monkeypatch, T, dtype):
@@ -286,19 +304,11 @@ def test_routed_experts_of_a_few_rows_run_slot_by_slot(monkeypatch, T, dtype):
     directly: no routing sort and no runs of grouped matmuls, whose fixed cost is most of such
     a call; a dropped slot (id >= E, or -1) adds nothing; the result is the sorted path's within the
     tolerance."""
-    sorted_calls = []
-    original = moe_kernels.given_routing
-
-    def spy(*args):
-        sorted_calls.append(1)
-        return original(*args)
-
-    monkeypatch.setattr(moe_kernels, "given_routing", spy)
+    sorted_calls = _calls(monkeypatch, moe_kernels, "given_routing")
     gen = torch.Generator().manual_seed(0)
     E, D, F = 6, 16, 24
     x = torch.randn(T, D, generator=gen).to(dtype)
-    w_gate, w_up = (torch.randn(E, F, D, generator=gen).to(dtype) * 0.2 for _ in "gu")
-    w_down = torch.randn(E, D, F, generator=gen).to(dtype) * 0.2
+    w_gate, w_up, w_down = _small_experts(gen, E, D, F, dtype)
     idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)])
     idx[0, 1] = E  # dropped
     idx[-1, 0] = -1  # dropped (DeepEP's "not on this rank")
@@ -321,21 +331,13 @@ def test_moe_experts_of_a_few_rows_skip_the_sort_by_expert(monkeypatch, dtype):
     runs them slot by slot, without the routing's sort by expert that a bigger call needs (most
     of a decode step's routing cost); the result and gradients are the sorted path's within
     the tolerance."""
-    routed = []
-    original = moe_kernel.route
-
-    def spy(*args):
-        routed.append(1)
-        return original(*args)
-
-    monkeypatch.setattr(moe_kernel, "route", spy)
+    routed = _calls(monkeypatch, moe_kernel, "route")
     monkeypatch.setattr(moe_kernels, "PADDED_ROWS", 0)  # (the sorted path, not the padded one)
     gen = torch.Generator().manual_seed(1)
     E, D, F, T, k = 6, 16, 24, 3, 2
     x = torch.randn(T, D, generator=gen).to(dtype)
     logits = torch.randn(T, E, generator=gen).to(dtype)
-    w_gate, w_up = (torch.randn(E, F, D, generator=gen).to(dtype) * 0.2 for _ in "gu")
-    w_down = torch.randn(E, D, F, generator=gen).to(dtype) * 0.2
+    w_gate, w_up, w_down = _small_experts(gen, E, D, F, dtype)
     outs, grads = [], []
     for few in (moe_kernels.FEW_ROWS, 0):
         monkeypatch.setattr(moe_kernels, "FEW_ROWS", few)

@@ -67,33 +67,37 @@ def _exchange(rows: torch.Tensor, split_in: list[int], split_out: list[int], gro
     return _all_to_all(rows, split_in, split_out, group)
 
 
-def _widest_first(dtypes: list[torch.dtype]) -> list[int]:
-    return sorted(range(len(dtypes)), key=lambda i: -dtypes[i].itemsize)
+def _places(layout: list[tuple[torch.dtype, int]]) -> tuple[list[int], int]:
+    """Where :func:`_packed` puts each part of a row, in bytes, and the row's width: the first
+    part (the token's row) at 0, padded to 16 bytes; the others widest dtype first, so that
+    each starts aligned for its dtype; the row padded to 64 bytes, so that the token rows read
+    back have a stride of whole 16-element tiles (the Triton experts' wide tiles ask for it)."""
+    widths = [columns * dtype.itemsize for dtype, columns in layout]
+    places, cursor = [0] * len(layout), -(-widths[0] // 16) * 16
+    for i in sorted(range(1, len(layout)), key=lambda i: -layout[i][0].itemsize):
+        places[i], cursor = cursor, cursor + widths[i]
+    return places, -(-cursor // 64) * 64
 
 
 def _packed(*parts: torch.Tensor) -> torch.Tensor:
-    """``(n, c_i)`` tensors of any dtypes side by side as one ``(n, bytes)`` uint8 tensor: the
-    widest dtype first and the row padded to 8 bytes, so that each part is aligned and comes
-    back as a view (:func:`_unpacked`)."""
-    columns = [parts[i].contiguous().view(torch.uint8)
-               for i in _widest_first([p.dtype for p in parts])]  # fmt: skip
-    pad = -sum(c.shape[1] for c in columns) % 8
-    if pad:
-        columns.append(columns[0].new_zeros((columns[0].shape[0], pad)))
-    return torch.cat(columns, 1)
+    """``(n, c_i)`` tensors of any dtypes side by side as one ``(n, bytes)`` uint8 tensor, laid
+    out by :func:`_places` (the padding zero), each part read back as a view
+    (:func:`_unpacked`)."""
+    layout = [(p.dtype, p.shape[1]) for p in parts]
+    places, width = _places(layout)
+    packed = torch.zeros((parts[0].shape[0], width), dtype=torch.uint8, device=parts[0].device)
+    for part, start in zip(parts, places, strict=True):
+        columns = part.contiguous().view(torch.uint8)
+        packed[:, start : start + columns.shape[1]] = columns
+    return packed
 
 
 def _unpacked(packed: torch.Tensor, layout: list[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
     """The tensors :func:`_packed` put side by side, from their ``(dtype, columns)``: views of
     ``packed`` (no copy: the rows a rank receives stay in the buffer they arrived in)."""
-    parts: list[torch.Tensor] = [packed] * len(layout)
-    start = 0
-    for i in _widest_first([dtype for dtype, _ in layout]):
-        dtype, columns = layout[i]
-        width = columns * dtype.itemsize
-        parts[i] = packed[:, start : start + width].view(dtype)
-        start += width
-    return parts
+    places, _ = _places(layout)
+    return [packed[:, start : start + columns * dtype.itemsize].view(dtype)
+            for (dtype, columns), start in zip(layout, places, strict=True)]  # fmt: skip
 
 
 class _Dispatch(torch.autograd.Function):
