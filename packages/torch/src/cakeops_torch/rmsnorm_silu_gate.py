@@ -140,12 +140,18 @@ def _small_forward(x, z, weight, eps, group_size, norm_before_gate):
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
-def forward(x, z, weight, eps, group_size, norm_before_gate):
+def _small(x: torch.Tensor) -> bool:
+    """Whether ``x`` is one block or less that the compiled kernels do not take: the short
+    forward and backward (below the compile threshold, use_compiled's reading of the
+    environment is skipped)."""
     n = x.numel()
-    # (below the compile threshold, use_compiled's reading of the environment is skipped)
-    if n <= BLOCK_ELEMENTS and (
+    return n <= BLOCK_ELEMENTS and (
         n < COMPILE_MIN_ELEMENTS or not use_compiled(x, COMPILE_MIN_ELEMENTS)
-    ):
+    )
+
+
+def forward(x, z, weight, eps, group_size, norm_before_gate):
+    if _small(x):
         return _small_forward(x, z, weight, eps, group_size, norm_before_gate)
     xr, zr = _rows(x), _rows(z)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -186,39 +192,34 @@ def _norm_backward(gn, n, r, group_size, eps):
     return _scale_groups(gn, r, group_size)
 
 
-def _small_backward(g, x, z, weight, eps, group_size, norm_before_gate):
-    """The backward of one block's worth of rows as the blocked loop computes one block, without
-    its output buffers, copies and running sum (a decode step's call: a third of its ops)."""
-    ct = compute_dtype(x.dtype)
-    gb, xb, zb, w = g.to(ct), x.to(ct), z.to(ct), weight.to(ct)  # (no copies: read only)
+def _block_backward(gb, xb, zb, w, eps, group_size, norm_before_gate):
+    """``(dx, dz, dweight)`` of rows in the compute dtype (read, never written), in it: the
+    gradients of the rows and their sum for ``weight``."""
     sig = torch.sigmoid(zb)
     gate = zb * sig
     dsilu = torch.addcmul(sig, gate, torch.rsub(sig, 1))  # silu'(z) = sigma + silu (1 - sigma)
     if norm_before_gate:
         r = _rstd(xb, group_size, eps)
         n = _scale_groups(xb.clone(), r, group_size)
-        gn = gb * gate
-        dweight = (gn * n).reshape(-1, x.shape[-1]).sum(0)
-        dz = dsilu.mul_(gb).mul_(n).mul_(w)
-        dx = _norm_backward(gn.mul_(w), n, r, group_size, eps)
-    else:
-        v = xb * gate
-        r = _rstd(v, group_size, eps)
-        n = _scale_groups(v, r, group_size)
-        dweight = (gb * n).reshape(-1, x.shape[-1]).sum(0)
-        dv = _norm_backward(gb * w, n, r, group_size, eps)
-        dz = dsilu.mul_(xb).mul_(dv)
-        dx = dv.mul_(gate)
-    return dx.to(x.dtype), dz.to(z.dtype), dweight.to(weight.dtype)
+        gn = gb * gate  # dL/d(n * weight)
+        dweight = (gn * n).reshape(-1, xb.shape[-1]).sum(0)
+        dz = dsilu.mul_(gb).mul_(n).mul_(w)  # g * n * weight * silu'(z), in the dsilu buffer
+        return _norm_backward(gn.mul_(w), n, r, group_size, eps), dz, dweight
+    v = xb * gate
+    r = _rstd(v, group_size, eps)
+    n = _scale_groups(v, r, group_size)
+    dweight = (gb * n).reshape(-1, xb.shape[-1]).sum(0)
+    dv = _norm_backward(gb * w, n, r, group_size, eps)
+    dz = dsilu.mul_(xb).mul_(dv)
+    return dv.mul_(gate), dz, dweight
 
 
 def backward(g, x, z, weight, eps, group_size, norm_before_gate):
-    n = x.numel()
-    if n <= BLOCK_ELEMENTS and (
-        n < COMPILE_MIN_ELEMENTS or not use_compiled(x, COMPILE_MIN_ELEMENTS)
-    ):
-        return _small_backward(g, x, z, weight, eps, group_size, norm_before_gate)
     ct = compute_dtype(x.dtype)
+    if _small(x):  # one block: no output buffers, copies or running sum (a decode step's call)
+        dx, dz, dweight = _block_backward(g.to(ct), x.to(ct), z.to(ct), weight.to(ct), eps,
+                                          group_size, norm_before_gate)  # fmt: skip
+        return dx.to(x.dtype), dz.to(z.dtype), dweight.to(weight.dtype)
     D = x.shape[-1]
     gr, xr, zr = _rows(g), _rows(x), _rows(z)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -239,25 +240,9 @@ def backward(g, x, z, weight, eps, group_size, norm_before_gate):
             return dx, dz, dweight.to(weight.dtype)
     w = weight.to(ct)
     for b in _blocks(xr.shape[0], D):
-        gb, xb, zb = gr[b].to(ct), xr[b].to(ct), zr[b].to(ct)
-        sig = torch.sigmoid(zb)
-        gate = zb * sig
-        # silu'(z) = sigma(z) * (1 + z * (1 - sigma(z)))
-        dsilu = torch.rsub(sig, 1).mul_(zb).add_(1).mul_(sig)
-        if norm_before_gate:
-            r = _rstd(xb, group_size, eps)
-            n = _scale_groups(xb.clone(), r, group_size)
-            gn = gb * gate  # dL/d(n * weight)
-            dweight.add_((gn * n).sum(0))
-            # dz = g * n * weight * silu'(z), built in the dsilu buffer
-            dzr[b].copy_(dsilu.mul_(gb).mul_(n).mul_(w))
-            dxr[b].copy_(_norm_backward(gn.mul_(w), n, r, group_size, eps))
-        else:
-            v = xb * gate
-            r = _rstd(v, group_size, eps)
-            n = _scale_groups(v, r, group_size)
-            dweight.add_((gb * n).sum(0))
-            dv = _norm_backward(gb * w, n, r, group_size, eps)
-            dzr[b].copy_(dsilu.mul_(xb).mul_(dv))
-            dxr[b].copy_(dv.mul_(gate))
+        dxb, dzb, dwb = _block_backward(gr[b].to(ct), xr[b].to(ct), zr[b].to(ct), w, eps,
+                                        group_size, norm_before_gate)  # fmt: skip
+        dxr[b].copy_(dxb)
+        dzr[b].copy_(dzb)
+        dweight.add_(dwb)
     return dx, dz, dweight.to(weight.dtype)
