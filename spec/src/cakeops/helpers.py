@@ -249,13 +249,14 @@ def causal_step_backward(g, g_final, q, k, v, scale, log_decay, log_gates, initi
     a = None if lm is None else torch.exp(lm[:, :, 0])  # (N, H)
     s0 = None if initial_state is None else initial_state.to(ct)
     gf = None if g_final is None else g_final.to(ct)
-    dq = kt * torch.linalg.vecdot(vt, gt)[..., None]
+    vg = torch.linalg.vecdot(vt, gt)[..., None]  # (N, H, 1): in dq and dk
+    dq = kt * vg
     s0g = None
     if s0 is not None:
         s0g = (s0 @ gt[..., None])[..., 0]  # S_0 g, (N, H, E)
         dq = dq + (s0g if a is None else s0g * a[..., None])
     dq = dq * s
-    dk = sq * torch.linalg.vecdot(gt, vt)[..., None]
+    dk = sq * vg
     dv = gt * torch.linalg.vecdot(sq, kt)[..., None]
     if gf is not None:
         dk = dk + (gf @ vt[..., None])[..., 0]

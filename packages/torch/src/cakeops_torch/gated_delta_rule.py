@@ -499,7 +499,7 @@ def _step_backward(g_out, g_final, q, k, v, g, beta, scale, initial_state, use_q
     else:
         # dS' = R - k bdu^T = G + (s q) g_o^T - k bdu^T: the two outer products as one
         # product of rank 2 (a folded in), G added once; a <dS', S_0> per key row from vectors
-        sides = torch.stack([sq.expand_as(kg), -kg], -1) * a[..., None]  # (N, H, G, K, 2)
+        sides = torch.stack([sq, -kg], -1) * a[..., None]  # (N, H, G, K, 2)
         d_init = sides @ torch.stack([go, bdu], -2)  # (N, H, G, K, V)
         if gf is not None:
             d_init = d_init.addcmul_(gf, a[..., None])
