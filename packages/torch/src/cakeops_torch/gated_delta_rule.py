@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from cakeops import compute_dtype
-from cakeops.helpers import cast_grads, drop_tiny_, gate_factors
+from cakeops.helpers import cast_grads, drop_tiny_, gate_factors, state_times
 from cakeops.ops.gated_delta_rule import L2NORM_EPS
 
 from ._causal import causal_mm as _causal_mm
@@ -483,9 +483,10 @@ def _step_backward(g_out, g_final, q, k, v, g, beta, scale, initial_state, use_q
     dqn = kg * ug  # s S g_o = s (a S_0 g_o + k (u . g_o))
     dkn = sq * ug  # R u - S' bdu = s q (g_o . u) + G u - a S_0 bdu
     if gf is not None:
-        dkn = dkn + (gf @ u[..., None])[..., 0]
+        dkn = dkn + state_times(gf, u)
     if S0 is not None:
-        S0go, S0bdu = (S0 @ torch.stack([go, bdu], -1)).unbind(-1)  # one more read of S_0
+        # one more read of S_0, the two vectors as rows (see state_times)
+        S0go, S0bdu = (torch.stack([go, bdu], -2) @ S0.mT).unbind(-2)
         dqn = dqn + a * S0go
         dkn = dkn - a * S0bdu
     dqn = dqn * scale
