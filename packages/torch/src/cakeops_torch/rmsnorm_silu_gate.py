@@ -187,36 +187,51 @@ def _norm_backward(gn, n, r, group_size, eps):
     if group_size == 1:
         return gn.mul_(r.reshape(gn.shape).pow(3).mul_(eps))
     gn_g, n_g = _grouped(gn, group_size), _grouped(n, group_size)
-    mean = (gn_g * n_g).mean(-1, keepdim=True)
-    gn_g.addcmul_(n_g, mean, value=-1)
+    dots = torch.linalg.vecdot(gn_g, n_g).unsqueeze_(-1)  # group_size * mean(gn * n)
+    gn_g.addcmul_(n_g, dots, value=-1 / group_size)
     return _scale_groups(gn, r, group_size)
+
+
+def _scaled(t: torch.Tensor, r: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``t * r`` broadcasting ``r`` over each group, a new tensor."""
+    if group_size == t.shape[-1]:
+        return t * r
+    return (t.unflatten(-1, (-1, group_size)) * r).flatten(-2)
+
+
+def _row_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over its rows: ``(D,)`` (a view of ``t`` when it is one row)."""
+    D = t.shape[-1]
+    return t.reshape(D) if t.numel() == D else t.reshape(-1, D).sum(0)
 
 
 def _block_backward(gb, xb, zb, w, eps, group_size, norm_before_gate):
     """``(dx, dz, dweight)`` of rows in the compute dtype (read, never written), in it: the
-    gradients of the rows and their sum for ``weight``."""
-    sig = torch.sigmoid(zb)
-    gate = zb * sig
-    dsilu = torch.addcmul(sig, gate, torch.rsub(sig, 1))  # silu'(z) = sigma + silu (1 - sigma)
+    gradients of the rows and their sum for ``weight`` (the gate's through ``silu_backward``,
+    one op where its formula took five)."""
+    gate = torch.nn.functional.silu(zb)
     if norm_before_gate:
         r = _rstd(xb, group_size, eps)
-        n = _scale_groups(xb.clone(), r, group_size)
+        n = _scaled(xb, r, group_size)
         gn = gb * gate  # dL/d(n * weight)
-        dweight = (gn * n).reshape(-1, xb.shape[-1]).sum(0)
-        dz = dsilu.mul_(gb).mul_(n).mul_(w)  # g * n * weight * silu'(z), in the dsilu buffer
+        dweight = _row_sum(gn * n)
+        dz = torch.ops.aten.silu_backward(gb.mul(n).mul_(w), zb)  # g * n * weight * silu'(z)
         return _norm_backward(gn.mul_(w), n, r, group_size, eps), dz, dweight
     v = xb * gate
     r = _rstd(v, group_size, eps)
     n = _scale_groups(v, r, group_size)
-    dweight = (gb * n).reshape(-1, xb.shape[-1]).sum(0)
+    dweight = _row_sum(gb * n)
     dv = _norm_backward(gb * w, n, r, group_size, eps)
-    dz = dsilu.mul_(xb).mul_(dv)
+    dz = torch.ops.aten.silu_backward(dv * xb, zb)
     return dv.mul_(gate), dz, dweight
 
 
 def backward(g, x, z, weight, eps, group_size, norm_before_gate):
     ct = compute_dtype(x.dtype)
     if _small(x):  # one block: no output buffers, copies or running sum (a decode step's call)
+        if x.dtype == ct and z.dtype == ct and g.dtype == ct and weight.dtype == ct:
+            # (no-op .to calls, seven of them, cost a decode step's backward a tenth)
+            return _block_backward(g, x, z, weight, eps, group_size, norm_before_gate)
         dx, dz, dweight = _block_backward(g.to(ct), x.to(ct), z.to(ct), weight.to(ct), eps,
                                           group_size, norm_before_gate)  # fmt: skip
         return dx.to(x.dtype), dz.to(z.dtype), dweight.to(weight.dtype)
