@@ -192,6 +192,42 @@ def test_a_call_autograd_records_runs_the_kernels_without_the_custom_op(monkeypa
     assert mode.seen == ["test_scaled_square", "test_scaled_square_backward"]
 
 
+def test_a_final_state_no_gradient_reached_gets_an_empty_gradient(monkeypatch):
+    """A final state asked for and left out of the loss: the kernel's backward gets an empty
+    ``g_final`` (no state of zeros made and read), and zeros for an output left out when the
+    final state is used; the gradients are those of the zeros given explicitly."""
+    from cakeops.reference import causal_dot_product as kernels
+
+    backward, seen = kernels.backward, []
+
+    def spy(g, g_final, *arguments):
+        seen.append((g, g_final))
+        return backward(g, g_final, *arguments)
+
+    monkeypatch.setattr(kernels, "backward", spy)
+    q, k, v = (torch.randn(1, 2, 3, 4, requires_grad=True) for _ in range(3))
+    state = torch.randn(1, 2, 4, 4, requires_grad=True)
+    tensors = (q, k, v, state)
+
+    def call():
+        return cakeops.causal_dot_product(q, k, v, initial_state=state, output_final_state=True)
+
+    with cakeops.use_backend("reference"):
+        out, final = call()
+        g, g_final = torch.randn_like(out), torch.randn_like(final)
+        unused = torch.autograd.grad(out, tensors, g)
+        ((got_g, got_final),) = seen
+        assert got_g is g and got_final.numel() == 0
+        out, final = call()
+        zeros = torch.autograd.grad((out, final), tensors, (g, torch.zeros_like(final)))
+        for a, b in zip(unused, zeros, strict=True):
+            torch.testing.assert_close(a, b)
+        seen.clear()
+        torch.autograd.grad(call()[1], tensors, g_final)
+        ((got_g, got_final),) = seen
+        assert got_final is g_final and got_g.shape == out.shape and not got_g.any()
+
+
 def _with(name, value):
     return lambda kwargs: {**kwargs, name: value(kwargs)}
 

@@ -912,6 +912,20 @@ class OpSpec:
         )
 
 
+def _filled(
+    grads: tuple[torch.Tensor | None, ...], outputs: tuple[tuple[Shape, torch.dtype, Any], ...]
+) -> tuple[torch.Tensor, ...]:
+    """The upstream gradients of an op with a final state, where None (no gradient reached
+    that output) becomes zeros of the output's shape, dtype and device, or for the final state
+    an empty tensor: the kernel contract's "no gradient", whose terms the kernel skips."""
+    filled = []
+    for i, (grad, (shape, dtype, device)) in enumerate(zip(grads, outputs, strict=True)):
+        if grad is None:
+            grad = torch.zeros((0,) if i else shape, dtype=dtype, device=device)
+        filled.append(grad)
+    return tuple(filled)
+
+
 class _LeanFunction(torch.autograd.Function):
     """An eager call that autograd records, in a plain context (``OpSpec._lean``): the chosen
     backend's forward and backward kernels called directly, without the custom op's dispatch
@@ -929,11 +943,18 @@ class _LeanFunction(torch.autograd.Function):
         # (ctx.backend: the name, as the custom op's context keeps it for OpSpec._backward)
         ctx.spec, ctx.kernels, ctx.devices = spec, plan.backend, plan.devices
         ctx.backend = plan.backend.name
+        if spec.second is not None:
+            # an output no gradient reached arrives as None (autograd's zeros: a state-sized
+            # tensor a decode step's backward then reads for nothing); _filled makes it
+            ctx.set_materialize_grads(False)
+            ctx.outputs = (plan.out, plan.second)
         return out
 
     @staticmethod
-    def backward(ctx: Any, *grads_out: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads_out: torch.Tensor | None) -> Any:  # type: ignore[override]
         spec: OpSpec = ctx.spec
+        if spec.second is not None:
+            grads_out = _filled(grads_out, ctx.outputs)
         if _may_differentiate_backward():  # the custom op's backward, through the backward op
             return (None, None, *spec._backward(spec._full, ctx, *grads_out))
         saved = iter(ctx.saved_tensors)

@@ -50,7 +50,8 @@ class Inputs(OpInputs):
 #: What a backend's ``causal_dot_product`` kernel module defines: ``forward(q, k, v, scale,
 #: log_decay, log_gates, initial_state, output_final_state, cu_seqlens) -> (out, final_state)``
 #: (an empty tensor when not asked for) and ``backward(g, g_final, ...same...) -> (dq, dk, dv,
-#: dlog_decay, dlog_gates, dinitial_state)`` (None for an option not given).
+#: dlog_decay, dlog_gates, dinitial_state)`` (None for an option not given; ``g_final`` empty
+#: when the final state has no gradient: not asked for, or asked for and no gradient reached it).
 Kernels = opspec.Kernels[
     Callable[..., tuple[Tensor, Tensor]], Callable[..., tuple[Tensor | None, ...]]
 ]

@@ -20,6 +20,7 @@ from cakeops.testing import (
     assert_bad_input_raises,
     assert_compiled_matches,
     assert_func_grad_matches_autograd,
+    assert_matches,
     assert_saves_exactly,
     run_with_grads,
 )
@@ -171,6 +172,25 @@ def _bad_arguments(spec: OpSpec, inputs, kind: str) -> list[tuple[str, Any, type
     ]
 
 
-for _name in SPECS:
+class FinalStateContract(Contract):
+    """What an op with a final state promises besides."""
+
+    def test_final_state_without_gradient(self, backend, device):
+        """A final state asked for that the loss leaves out: the gradients are those of a zero
+        gradient for it given explicitly (the kernel's backward gets an empty ``g_final``, the
+        kernel contract's "no gradient", instead of a state of zeros)."""
+        _, _, _, inputs = example(self.spec, device)
+        asked = self.spec.inputs(**{**inputs, self.spec.second_flag: True})
+        tensors, g, op, _ = _as_function(self.spec, asked)
+        unused = torch.autograd.grad(op(*tensors)[0], tensors, g)
+        out, final = op(*tensors)
+        explicit = torch.autograd.grad((out, final), tensors, (g, torch.zeros_like(final)))
+        for name, a, b in zip(self.spec.differentiable_given(asked), unused, explicit,
+                              strict=True):  # fmt: skip
+            assert_matches(a, b, f"d{name}")
+
+
+for _name, _spec in SPECS.items():
     _cls = f"TestContract_{_name}"
-    globals()[_cls] = type(_cls, (Contract,), {"op": _name})
+    _base = Contract if _spec.second is None else FinalStateContract
+    globals()[_cls] = type(_cls, (_base,), {"op": _name})
