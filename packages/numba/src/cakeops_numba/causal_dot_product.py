@@ -23,8 +23,6 @@ from numba import cuda, float32
 
 from cakeops.helpers import (
     backward_by_scans,
-    causal_step,
-    causal_step_backward,
     key_head_sums,
     log_multiplier_grads,
     log_multipliers,
@@ -205,8 +203,8 @@ def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=N
     # the CPU's plain kernels read one key head per value head; its others, any
     plain = _plain(scale, lm, initial_state, output_final_state, cu_seqlens)
     if _on_cpu_kernels(q) and q.shape[2] == 1 and cu_seqlens is None:
-        # a decode step: a few PyTorch ops beat the kernels' host code for one position
-        out, final = causal_step(q, k, v, lm, initial_state, scale)
+        # a decode step: one pass over the state, where PyTorch's ops take four or five
+        out, final = cpu.step(q, k, v, lm, initial_state, scale)
     elif plain and q.shape[1] == v.shape[1]:
         if _on_cpu_kernels(q):
             return cpu.forward(q, k, v), q.new_empty(0)
@@ -220,12 +218,23 @@ def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=N
     return out, final.to(torch.float32 if initial_state is None else initial_state.dtype)
 
 
+def _step_backward(g, g_final, q, k, v, scale, log_decay, log_gates, initial_state):
+    """The gradients of a decode step in the CPU's one pass (:func:`cpu.step_backward`)."""
+    lm = log_multipliers(q, log_decay, log_gates)
+    dq, dk, dv, d_init, dlm = cpu.step_backward(g, g_final, q, k, v, lm, initial_state, scale)
+    d_decay = d_gates = None
+    if lm is not None:
+        d_decay, d_gates = split_log_grads(dlm, lm, log_decay, log_gates)
+    dq, dk = key_head_sums(dq, q.shape[1]), key_head_sums(dk, k.shape[1])
+    d_init = None if initial_state is None else d_init.to(initial_state.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_decay, d_gates, d_init
+
+
 def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
              initial_state=None, output_final_state=False, cu_seqlens=None):  # fmt: skip
     g_final = g_final if output_final_state and g_final.numel() else None
     if _on_cpu_kernels(q) and q.shape[2] == 1 and cu_seqlens is None:  # a decode step
-        return causal_step_backward(g, g_final, q, k, v, scale, log_decay, log_gates,
-                                    initial_state)  # fmt: skip
+        return _step_backward(g, g_final, q, k, v, scale, log_decay, log_gates, initial_state)
     key_heads, dtype = q.shape[1], q.dtype
     grouped = key_heads != v.shape[1]  # the CPU kernels sum a group's dq, dk themselves
     lm = log_multipliers(q, log_decay, log_gates)

@@ -8,7 +8,8 @@ whose update and reads are rank-4 products in registers, see :func:`_forward_hea
 backward runs two scans per head: the forward's on ``(g, v, k)`` gives ``dq`` (``dq_i =
 sum_{j<=i} (g_i . v_j) k_j``), a reverse-time scan ``dk_j = R_j v_j`` and ``dv_j = R_j^T k_j``
 with ``R_j = sum_{i>=j} q_i g_i^T``, also four positions per pass (:func:`_reverse_head`). Every
-sum runs in a fixed order: deterministic.
+sum runs in a fixed order: deterministic. A decode step (one position from a state) reads and
+writes each head's state once, forward and backward (:func:`step`, :func:`step_backward`).
 
 The kernels take ``(heads, L, E)`` arrays of float32, or of bfloat16 as the ``int16`` view of its
 bits (numpy has no bfloat16): each element is widened to float32 as it loads and each result
@@ -749,4 +750,137 @@ def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
         lead = lm.view(N, H, L)[:, :, starts].transpose(1, 2)  # (N, S, H)
         first = torch.where((cu[1:] > cu[:-1])[None, :, None], lead, 0.0)
     d_init = grads.view(N * S, H, E, M) * torch.exp(first).view(N * S, H, 1, 1)
+    return dq, dk, dv, d_init, dlm
+
+
+# --------------------------------------------------------------------------------------------
+# A decode step (one position, one sequence per row): each value head's state read once and
+# written once, where PyTorch's ops pass over it four or five times (the step is memory-bound).
+
+
+@_compiled(parallel=True)
+def _step(q, k, v, a, s0, has_s0, G, scale, state, out):  # pragma: no cover - compiled
+    """Value head ``i`` (key head ``i // G``): ``S = a_i S_0 + k v^T`` into ``state[i]`` and
+    ``out[i] = scale q^T S``."""
+    E, M = state.shape[1], state.shape[2]
+    for i in prange(state.shape[0]):
+        j = i // G
+        for m in range(M):
+            out[i, 0, m] = 0.0
+        for e in range(E):
+            ke, qe = k[j, 0, e], q[j, 0, e] * scale
+            for m in range(M):
+                s = ke * v[i, 0, m]
+                if has_s0:
+                    s += a[i] * s0[i, e, m]
+                state[i, e, m] = s
+                out[i, 0, m] += qe * s
+
+
+@_compiled(parallel=True)
+def _step_backward(g, q, k, v, a, s0, has_s0, gf, has_gf, G, scale,
+                   dq, dk, dv, d_init, dlm):  # fmt: skip  # pragma: no cover - compiled
+    """Value head ``i``'s gradients, with ``R = scale q g^T + G_f`` (the gradient reaching its
+    state): ``dq = scale (a S_0 g + k (v . g))``, ``dk = R v``, ``dv = R^T k``, the initial
+    state's ``a R`` and the log multiplier's ``a <R, S_0>`` (0 where ``a`` is); ``dq``, ``dk``
+    per value head (a key head's group summed after)."""
+    E, M = q.shape[2], v.shape[2]
+    for i in prange(v.shape[0]):
+        j = i // G
+        ai = a[i]
+        vg = np.float32(0.0)
+        for m in range(M):
+            vg += v[i, 0, m] * g[i, 0, m]
+        qk = np.float32(0.0)
+        for e in range(E):
+            qk += q[j, 0, e] * k[j, 0, e]
+        for m in range(M):
+            dv[i, 0, m] = scale * qk * g[i, 0, m]
+        dot = np.float32(0.0)
+        for e in range(E):
+            sqe, ke = scale * q[j, 0, e], k[j, 0, e]
+            s0g = np.float32(0.0)
+            fv = np.float32(0.0)
+            for m in range(M):
+                r = sqe * g[i, 0, m]
+                if has_gf:
+                    f = gf[i, e, m]
+                    r += f
+                    fv += f * v[i, 0, m]
+                    dv[i, 0, m] += f * ke
+                if has_s0:
+                    x = s0[i, e, m]
+                    s0g += x * g[i, 0, m]
+                    dot += r * x
+                    d_init[i, e, m] = ai * r
+            dq[i, 0, e] = scale * (ai * s0g + ke * vg)
+            dk[i, 0, e] = sqe * vg + fv
+        dlm[i] = 0.0 if ai == 0.0 else ai * dot
+
+
+def _rows(t: torch.Tensor, rows: int) -> np.ndarray:
+    """A float32 ``(rows, 1, d)`` numpy view of a step's ``(N, h, 1, d)`` vectors (a copy only
+    when they are not contiguous float32: a few hundred elements)."""
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        t = t.float().contiguous()
+    return t.view(rows, 1, -1).numpy()
+
+
+def _states(x: torch.Tensor | None, heads: int) -> tuple[np.ndarray, bool]:
+    """``(float32 (heads, E, M) numpy view of the states x, given)``: a copy only when ``x`` is
+    not contiguous float32; a placeholder when None."""
+    if x is None:
+        return _NO_STATE, False
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    return x.view(heads, *x.shape[-2:]).numpy(), True
+
+
+_NO_STATE = np.zeros((1, 1, 1), np.float32)
+
+
+def _multipliers(lm: torch.Tensor | None, heads: int) -> np.ndarray:
+    """``exp`` of the position's float32 log multipliers per value head (ones without any)."""
+    if lm is None:
+        return np.ones(heads, np.float32)
+    return torch.exp(lm).view(heads).numpy()
+
+
+def step(q, k, v, lm, initial_state, scale):
+    """``(out, final state float32)`` of one position (``L = 1``, no packing; ``lm``: the
+    float32 log multipliers ``(N, H, 1)`` or None)."""
+    N, Hk, _, E = q.shape
+    H, M = v.shape[1], v.shape[-1]
+    NH = N * H
+    state = torch.empty((N, H, E, M))
+    out = torch.empty((N, H, 1, M))
+    if NH:
+        s0, has_s0 = _states(initial_state, NH)
+        _launch(_step, NH * E * M, _rows(q, N * Hk), _rows(k, N * Hk), _rows(v, NH),
+                _multipliers(lm, NH), s0, has_s0, H // Hk,
+                np.float32(1.0 if scale is None else scale), state.view(NH, E, M).numpy(),
+                out.view(NH, 1, M).numpy())  # fmt: skip
+    return out if q.dtype == torch.float32 else out.to(q.dtype), state
+
+
+def step_backward(g, g_final, q, k, v, lm, initial_state, scale):
+    """``(dq, dk, dv per value head, float32; the initial state's gradient float32, or None;
+    the log multipliers' gradient (N, H, 1) float32)`` of one position (:func:`step`;
+    ``g_final`` None for none)."""
+    N, Hk, _, E = q.shape
+    H, M = v.shape[1], v.shape[-1]
+    NH = N * H
+    dq, dk = torch.empty((N, H, 1, E)), torch.empty((N, H, 1, E))
+    dv = torch.empty((N, H, 1, M))
+    d_init = None if initial_state is None else torch.empty((N, H, E, M))
+    dlm = torch.empty((N, H, 1))
+    if NH:
+        s0, has_s0 = _states(initial_state, NH)
+        gf, has_gf = _states(g_final, NH)
+        _launch(_step_backward, NH * E * M, _rows(g, NH), _rows(q, N * Hk), _rows(k, N * Hk),
+                _rows(v, NH), _multipliers(lm, NH), s0, has_s0, gf, has_gf, H // Hk,
+                np.float32(1.0 if scale is None else scale), dq.view(NH, 1, E).numpy(),
+                dk.view(NH, 1, E).numpy(), dv.view(NH, 1, M).numpy(),
+                s0 if d_init is None else d_init.view(NH, E, M).numpy(),
+                dlm.view(NH).numpy())  # fmt: skip
     return dq, dk, dv, d_init, dlm
