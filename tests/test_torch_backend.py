@@ -262,10 +262,12 @@ def test_gated_delta_rule_paths_agree(monkeypatch, kda, path):
         gdr.check_against_reference(*gdr.make_inputs(given, torch.float64, "cpu", L=L))
 
 
+@pytest.mark.parametrize("L", [1, 3])
 @pytest.mark.parametrize("given", [("l2norm",), ("initial_state", "final", "kda")])
-def test_gated_delta_rule_compiled_step(monkeypatch, compiled_path, given):
+def test_gated_delta_rule_compiled_step(monkeypatch, compiled_path, given, L):
     """The step-by-step path of short calls compiled (as decode-sized states take it on the
-    CPU), against the float64 recurrence (float32 inputs: the path's dtype)."""
+    CPU), and one position's backward, against the float64 recurrence (float32 inputs: the
+    path's dtype)."""
     from cakeops.testing import test_gated_delta_rule as gdr
     from cakeops_torch import gated_delta_rule as kernel
 
@@ -275,8 +277,8 @@ def test_gated_delta_rule_compiled_step(monkeypatch, compiled_path, given):
     monkeypatch.setattr(
         kernel, "run_compiled", lambda *a: ran.append(a[1].__name__) or run_compiled(*a)
     )
-    gdr.check_against_reference(*gdr.make_inputs(given, torch.float32, "cpu", L=3))
-    assert "_recurrent" in ran
+    gdr.check_against_reference(*gdr.make_inputs(given, torch.float32, "cpu", L=L))
+    assert "_recurrent" in ran and ("_step_backward" in ran) == (L == 1)
 
 
 def _calls(monkeypatch, module, name: str) -> list[int]:
