@@ -197,15 +197,18 @@ def _plain(scale, lm, initial_state, output_final_state, cu_seqlens) -> bool:
 
 def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=None,
             output_final_state=False, cu_seqlens=None):  # fmt: skip
+    if _on_cpu_kernels(q) and q.shape[2] == 1 and cu_seqlens is None:
+        # a decode step: one pass over the state, where PyTorch's ops take four or five
+        out, final = cpu.step(q, k, v, log_decay, log_gates, initial_state, scale)
+        if not output_final_state:
+            return out, q.new_empty(0)
+        return out, final if initial_state is None else final.to(initial_state.dtype)
     lm = log_multipliers(q, log_decay, log_gates)
     if not _on_cpu_kernels(q):  # the CUDA kernel reads one key head per value head
         q, k = value_heads(q, v.shape[1]), value_heads(k, v.shape[1])
     # the CPU's plain kernels read one key head per value head; its others, any
     plain = _plain(scale, lm, initial_state, output_final_state, cu_seqlens)
-    if _on_cpu_kernels(q) and q.shape[2] == 1 and cu_seqlens is None:
-        # a decode step: one pass over the state, where PyTorch's ops take four or five
-        out, final = cpu.step(q, k, v, lm, initial_state, scale)
-    elif plain and q.shape[1] == v.shape[1]:
+    if plain and q.shape[1] == v.shape[1]:
         if _on_cpu_kernels(q):
             return cpu.forward(q, k, v), q.new_empty(0)
         return _run(q, k, v, reverse=False), q.new_empty(0)
@@ -220,11 +223,10 @@ def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=N
 
 def _step_backward(g, g_final, q, k, v, scale, log_decay, log_gates, initial_state):
     """The gradients of a decode step in the CPU's one pass (:func:`cpu.step_backward`)."""
-    lm = log_multipliers(q, log_decay, log_gates)
-    dq, dk, dv, d_init, dlm = cpu.step_backward(g, g_final, q, k, v, lm, initial_state, scale)
-    d_decay = d_gates = None
-    if lm is not None:
-        d_decay, d_gates = split_log_grads(dlm, lm, log_decay, log_gates)
+    dq, dk, dv, d_init, dlm = cpu.step_backward(g, g_final, q, k, v, log_decay, log_gates,
+                                                initial_state, scale)  # fmt: skip
+    d_decay = None if log_decay is None else dlm.sum((0, 2)).to(log_decay.dtype)
+    d_gates = None if log_gates is None else dlm.to(log_gates.dtype)
     dq, dk = key_head_sums(dq, q.shape[1]), key_head_sums(dk, k.shape[1])
     d_init = None if initial_state is None else d_init.to(initial_state.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_decay, d_gates, d_init

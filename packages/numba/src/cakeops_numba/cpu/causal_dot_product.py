@@ -672,11 +672,11 @@ def _heads(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(-1, *t.shape[-2:]).numpy()
 
 
-def _launch(kernel, work: int, *args) -> None:
-    """``kernel`` on numba's threads, or one of them below ``SERIAL_BELOW`` units of ``work``."""
+def _launch(kernel, work: int, *args, serial_below: int = SERIAL_BELOW) -> None:
+    """``kernel`` on numba's threads, or one of them below ``serial_below`` units of ``work``."""
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     with _LAUNCH:
-        numba.set_num_threads(1 if work < SERIAL_BELOW else threads)
+        numba.set_num_threads(1 if work < serial_below else threads)
         kernel(*args)
 
 
@@ -758,13 +758,27 @@ def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
 # written once, where PyTorch's ops pass over it four or five times (the step is memory-bound).
 
 
+@njit(inline="always")
+def _multiplier(ld, lg, has_ld, has_lg, H, i):  # pragma: no cover - compiled
+    """What multiplies value head ``i``'s state: ``exp`` of its log decay (head ``i % H``)
+    plus its log gate, summed in float32 (1 without either)."""
+    x = np.float32(0.0)
+    if has_ld:
+        x += ld[i % H]
+    if has_lg:
+        x += lg[i]
+    return np.exp(x)
+
+
 @_compiled(parallel=True)
-def _step(q, k, v, a, s0, has_s0, G, scale, state, out):  # pragma: no cover - compiled
+def _step(q, k, v, ld, lg, has_ld, has_lg, H, s0, has_s0, G, scale,
+          state, out):  # fmt: skip  # pragma: no cover - compiled
     """Value head ``i`` (key head ``i // G``): ``S = a_i S_0 + k v^T`` into ``state[i]`` and
-    ``out[i] = scale q^T S``."""
+    ``out[i] = scale q^T S`` (``a_i``: :func:`_multiplier`)."""
     E, M = state.shape[1], state.shape[2]
     for i in prange(state.shape[0]):
         j = i // G
+        a = _multiplier(ld, lg, has_ld, has_lg, H, i)
         for m in range(M):
             out[i, 0, m] = 0.0
         for e in range(E):
@@ -772,13 +786,13 @@ def _step(q, k, v, a, s0, has_s0, G, scale, state, out):  # pragma: no cover - c
             for m in range(M):
                 s = ke * v[i, 0, m]
                 if has_s0:
-                    s += a[i] * s0[i, e, m]
+                    s += a * s0[i, e, m]
                 state[i, e, m] = s
                 out[i, 0, m] += qe * s
 
 
 @_compiled(parallel=True)
-def _step_backward(g, q, k, v, a, s0, has_s0, gf, has_gf, G, scale,
+def _step_backward(g, q, k, v, ld, lg, has_ld, has_lg, H, s0, has_s0, gf, has_gf, G, scale,
                    dq, dk, dv, d_init, dlm):  # fmt: skip  # pragma: no cover - compiled
     """Value head ``i``'s gradients, with ``R = scale q g^T + G_f`` (the gradient reaching its
     state): ``dq = scale (a S_0 g + k (v . g))``, ``dk = R v``, ``dv = R^T k``, the initial
@@ -787,7 +801,7 @@ def _step_backward(g, q, k, v, a, s0, has_s0, gf, has_gf, G, scale,
     E, M = q.shape[2], v.shape[2]
     for i in prange(v.shape[0]):
         j = i // G
-        ai = a[i]
+        ai = _multiplier(ld, lg, has_ld, has_lg, H, i)
         vg = np.float32(0.0)
         for m in range(M):
             vg += v[i, 0, m] * g[i, 0, m]
@@ -839,16 +853,24 @@ def _states(x: torch.Tensor | None, heads: int) -> tuple[np.ndarray, bool]:
 _NO_STATE = np.zeros((1, 1, 1), np.float32)
 
 
-def _multipliers(lm: torch.Tensor | None, heads: int) -> np.ndarray:
-    """``exp`` of the position's float32 log multipliers per value head (ones without any)."""
-    if lm is None:
-        return np.ones(heads, np.float32)
-    return torch.exp(lm).view(heads).numpy()
+def _logs(t: torch.Tensor | None, n: int) -> tuple[np.ndarray, bool]:
+    """``(float32 numpy view of n log multipliers, given)``; a placeholder when None."""
+    if t is None:
+        return _NO_LOGS, False
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        t = t.float().contiguous()
+    return t.view(n).numpy(), True
 
 
-def step(q, k, v, lm, initial_state, scale):
-    """``(out, final state float32)`` of one position (``L = 1``, no packing; ``lm``: the
-    float32 log multipliers ``(N, H, 1)`` or None)."""
+_NO_LOGS = np.zeros(1, np.float32)
+#: A step below this many state elements runs on one thread: its numba threads, asleep after
+#: the model's matrix products between two steps, took longer to wake than the step (a
+#: MiniMax layer's decode, 8 heads of 128: ~60 us a token slower in parallel).
+STEP_SERIAL_BELOW = 1 << 21
+
+
+def step(q, k, v, log_decay, log_gates, initial_state, scale):
+    """``(out, final state float32)`` of one position (``L = 1``, no packing)."""
     N, Hk, _, E = q.shape
     H, M = v.shape[1], v.shape[-1]
     NH = N * H
@@ -856,17 +878,19 @@ def step(q, k, v, lm, initial_state, scale):
     out = torch.empty((N, H, 1, M))
     if NH:
         s0, has_s0 = _states(initial_state, NH)
-        _launch(_step, NH * E * M, _rows(q, N * Hk), _rows(k, N * Hk), _rows(v, NH),
-                _multipliers(lm, NH), s0, has_s0, H // Hk,
+        ld, has_ld = _logs(log_decay, H)
+        lg, has_lg = _logs(log_gates, NH)
+        _launch(_step, NH * E * M, _rows(q, N * Hk), _rows(k, N * Hk), _rows(v, NH), ld, lg,
+                has_ld, has_lg, H, s0, has_s0, H // Hk,
                 np.float32(1.0 if scale is None else scale), state.view(NH, E, M).numpy(),
-                out.view(NH, 1, M).numpy())  # fmt: skip
+                out.view(NH, 1, M).numpy(), serial_below=STEP_SERIAL_BELOW)  # fmt: skip
     return out if q.dtype == torch.float32 else out.to(q.dtype), state
 
 
-def step_backward(g, g_final, q, k, v, lm, initial_state, scale):
+def step_backward(g, g_final, q, k, v, log_decay, log_gates, initial_state, scale):
     """``(dq, dk, dv per value head, float32; the initial state's gradient float32, or None;
-    the log multipliers' gradient (N, H, 1) float32)`` of one position (:func:`step`;
-    ``g_final`` None for none)."""
+    the log multipliers' gradient (N, H, 1) float32, 0 where a multiplier is)`` of one
+    position (:func:`step`; ``g_final`` None for none)."""
     N, Hk, _, E = q.shape
     H, M = v.shape[1], v.shape[-1]
     NH = N * H
@@ -877,10 +901,12 @@ def step_backward(g, g_final, q, k, v, lm, initial_state, scale):
     if NH:
         s0, has_s0 = _states(initial_state, NH)
         gf, has_gf = _states(g_final, NH)
+        ld, has_ld = _logs(log_decay, H)
+        lg, has_lg = _logs(log_gates, NH)
         _launch(_step_backward, NH * E * M, _rows(g, NH), _rows(q, N * Hk), _rows(k, N * Hk),
-                _rows(v, NH), _multipliers(lm, NH), s0, has_s0, gf, has_gf, H // Hk,
+                _rows(v, NH), ld, lg, has_ld, has_lg, H, s0, has_s0, gf, has_gf, H // Hk,
                 np.float32(1.0 if scale is None else scale), dq.view(NH, 1, E).numpy(),
                 dk.view(NH, 1, E).numpy(), dv.view(NH, 1, M).numpy(),
-                s0 if d_init is None else d_init.view(NH, E, M).numpy(),
-                dlm.view(NH).numpy())  # fmt: skip
+                s0 if d_init is None else d_init.view(NH, E, M).numpy(), dlm.view(NH).numpy(),
+                serial_below=STEP_SERIAL_BELOW)  # fmt: skip
     return dq, dk, dv, d_init, dlm
