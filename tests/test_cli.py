@@ -226,6 +226,27 @@ def test_timed_steps_count_the_page_faults_of_fresh_memory():
     assert min(faults["fresh"]) > max(faults["none"])
 
 
+def test_timed_steps_run_what_comes_before_each_untimed():
+    """``before`` runs before every timed call of every step (not the warm-up's), and its time
+    is not the step's."""
+    import time
+
+    import torch
+
+    from cakeops.measure import alternating_times
+
+    events: list[str] = []
+
+    def before():
+        events.append("before")
+        time.sleep(0.02)
+
+    steps = {"a": lambda: events.append("a"), "b": lambda: events.append("b")}
+    times = alternating_times(steps, torch.device("cpu"), 3, 1, before=before)
+    assert events == ["a", "b"] + ["before", "a", "before", "b"] * 3
+    assert max(max(t) for t in times.values()) < 0.02
+
+
 def test_help_answers_without_importing_torch():
     """``cakeops --help``, ``cakeops bench --help`` and an argument error answer before torch
     is imported (it took 1.5-9 s before); ``--op``'s names are the specs'."""

@@ -8,7 +8,10 @@ Two tables, medians of the contenders timed in alternation:
 
 - **calls**: forward under ``no_grad`` and forward+backward, for the op, its kernels alone and
   the composite; the op's ratio to the composite (#37's goal: 1.0x or less) and its fixed cost,
-  the op's time less its kernels' (the goal: at most 50 us).
+  the op's time less its kernels' (the goal: at most 50 us). The forward twice: on a hot loop,
+  and with caches cold, each call after a matrix product of 32 MiB of weights (what a model
+  runs between two of a decode step's calls: there, a call's Python and small tensors come
+  from memory, and a path of many small steps costs several times its hot figure).
 - **phases** of the forward: the lean call (a signature checked before; what a decode step
   runs), every check of a first call, the backend's selection, the custom op's dispatch (the
   dispatcher's boxing and redispatch, the difference between ``cakeops::<op>`` and the Python
@@ -181,6 +184,13 @@ def _no_grad(fn: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
+def between_products(quick: bool) -> Callable[[], Any]:
+    """A model's projections between two calls of an op in a decode step: one matrix product
+    whose weights (32 MiB; 4 MiB with ``quick``) push what the call uses out of the caches."""
+    weight, x = torch.randn((1 if quick else 8) << 10, 1024), torch.randn(1, 1024)
+    return lambda: F.linear(x, weight)
+
+
 def measure(name: str, quick: bool) -> tuple[str, dict[str, float]]:
     """The chosen backend's name and the median microseconds of the op, its kernels and the
     composite, forward without autograd and forward+backward, at decode size."""
@@ -207,8 +217,10 @@ def measure(name: str, quick: bool) -> tuple[str, dict[str, float]]:
     # two groups, each in alternation: a forward timed right after a forward+backward would
     # start with the caches the backward's weight gradients emptied
     repeats = 20 if quick else 300
+    cold = alternating_medians(forward, CPU, repeats, warmup=3, before=between_products(quick))
     times = {
         **alternating_medians(forward, CPU, repeats, warmup=3),
+        **{f"{label}, cold": t for label, t in cold.items()},
         **alternating_medians(step, CPU, repeats, warmup=3),
     }
     return backend.name, {label: t * 1e6 for label, t in times.items()}
@@ -246,6 +258,7 @@ def tables(
     for name, (backend, us) in results.items():
         for part, op, kernel, composite in (
             ("forward", "op fwd", "kernel fwd", "composite fwd"),
+            ("forward, caches cold", "op fwd, cold", "kernel fwd, cold", "composite fwd, cold"),
             ("forward+backward", "op fwd+bwd", "kernels fwd+bwd", "composite fwd+bwd"),
         ):
             lines.append(

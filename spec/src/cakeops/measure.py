@@ -21,12 +21,16 @@ def sync(device: torch.device) -> None:
 
 
 def alternating_medians(
-    steps: Mapping[str, Callable[[], Any]], device: torch.device, repeats: int, warmup: int = 0
+    steps: Mapping[str, Callable[[], Any]],
+    device: torch.device,
+    repeats: int,
+    warmup: int = 0,
+    before: Callable[[], Any] | None = None,
 ) -> dict[str, float]:
     """Median seconds of each step after ``warmup`` untimed calls of each, the timed calls
     alternating between the steps (round-robin) so that a shared machine's drifting speed slows
-    every step alike and the ratios stay fair."""
-    times = alternating_times(steps, device, repeats, warmup)
+    every step alike and the ratios stay fair; ``before``, untimed, before each timed call."""
+    times = alternating_times(steps, device, repeats, warmup, before=before)
     return {label: statistics.median(t) for label, t in times.items()}
 
 
@@ -36,9 +40,12 @@ def alternating_times(
     repeats: int,
     warmup: int = 0,
     faults: dict[str, list[int]] | None = None,
+    before: Callable[[], Any] | None = None,
 ) -> dict[str, list[float]]:
     """Every timed call's seconds of each step, timed as :func:`alternating_medians` does;
-    given ``faults`` (on a CPU whose OS counts them), each timed call's page faults go there."""
+    given ``faults`` (on a CPU whose OS counts them), each timed call's page faults go there;
+    ``before``, untimed, before each timed call (what a model runs between two calls of an op,
+    say)."""
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -46,14 +53,16 @@ def alternating_times(
     times: dict[str, list[float]] = {label: [] for label in steps}
     for _ in range(repeats):
         for label, step in steps.items():
+            if before is not None:
+                before()
             sync(device)
-            before = counter() if counter else 0
+            faulted = counter() if counter else 0
             start = time.perf_counter()
             step()
             sync(device)
             times[label].append(time.perf_counter() - start)
             if counter and faults is not None:  # (counter implies faults; mypy cannot tell)
-                faults.setdefault(label, []).append(counter() - before)
+                faults.setdefault(label, []).append(counter() - faulted)
     return times
 
 
