@@ -11,7 +11,8 @@ written once here (the conformance guide names this module).
   per-position log multipliers (:func:`log_multipliers`) and their gradients
   (:func:`log_multiplier_grads`, or :func:`split_log_grads` for a kernel that sums them
   itself), one decode step
-  (:func:`causal_step`, :func:`causal_step_backward`);
+  (:func:`causal_step`, :func:`causal_step_backward`) and a state times a vector the way a
+  CPU computes it fast (:func:`state_times`);
 - ``causal_conv1d``: each sequence's place (:func:`conv_sequences`), the final state gathered
   from the inputs (:func:`conv_final_state`) and the initial state's gradient
   (:func:`conv_initial_state_grad`), for kernels that compute the positions only;
