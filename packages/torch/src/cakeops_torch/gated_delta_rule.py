@@ -324,6 +324,18 @@ RECURRENT_UP_TO = 4
 RECURRENT_COMPILE_MIN_STATE = 1 << 15
 
 
+def _run_step(fn, v, K, *args):
+    """``fn(*args)``, inductor-compiled where the step's state (``v``'s heads times ``K`` by
+    ``V``) is large enough to repay it (about half the eager ops' time), eagerly otherwise or
+    when compiling failed."""
+    N, Hv, _, V = v.shape
+    if use_compiled(v, 0) and N * Hv * K * V >= RECURRENT_COMPILE_MIN_STATE:
+        result = run_compiled(OP, fn, *args)
+        if result is not FAILED:
+            return result
+    return fn(*args)
+
+
 def _recurrent(q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
     """``(out (N, Hv, L, V), final (N, H, G, K, V))`` one step at a time (no packing), in as few
     ops as the recurrence allows: a decode step's cost is the ops' count, not their size."""
@@ -361,11 +373,8 @@ def forward(q, k, v, g, beta, scale, initial_state=None, output_final_state=Fals
     N, H, L, K = q.shape
     Hv, V = v.shape[1], v.shape[3]
     if 0 < L <= RECURRENT_UP_TO and cu_seqlens is None:
-        args = (q, k, v, g, beta, scale, initial_state, use_qk_l2norm)
-        result = FAILED
-        if use_compiled(v, 0) and N * Hv * K * V >= RECURRENT_COMPILE_MIN_STATE:
-            result = run_compiled(OP, _recurrent, *args)
-        out, S = _recurrent(*args) if result is FAILED else result
+        out, S = _run_step(_recurrent, v, K, q, k, v, g, beta, scale, initial_state,
+                           use_qk_l2norm)  # fmt: skip
         if not output_final_state:
             return out.to(q.dtype), q.new_empty(0)
         dtype = initial_state.dtype if initial_state is not None else S.dtype
@@ -524,10 +533,7 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
     if L == 1 and cu_seqlens is None:
         args = (g_out, g_final if has_final else None, q, k, v, g, beta, scale, initial_state,
                 use_qk_l2norm)  # fmt: skip
-        result = FAILED
-        if use_compiled(v, 0) and v.shape[0] * v.shape[1] * K * V >= RECURRENT_COMPILE_MIN_STATE:
-            result = run_compiled(OP, _step_backward, *args)  # about half the eager ops' time
-        return _step_backward(*args) if result is FAILED else result
+        return _run_step(_step_backward, v, K, *args)
     layout, norms, chunks = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
     _, _, vc, gc, bc = chunks
     ct = vc.dtype
