@@ -243,8 +243,27 @@ def test_timed_steps_run_what_comes_before_each_untimed():
 
     steps = {"a": lambda: events.append("a"), "b": lambda: events.append("b")}
     times = alternating_times(steps, torch.device("cpu"), 3, 1, before=before)
-    assert events == ["a", "b"] + ["before", "a", "before", "b"] * 3
+    assert events[:2] == ["a", "b"]  # the warm-up
+    rounds = [events[i : i + 4] for i in range(2, len(events), 4)]
+    assert len(rounds) == 3 and all(r[::2] == ["before"] * 2 and {*r[1::2]} == {"a", "b"}
+                                    for r in rounds)  # fmt: skip
     assert max(max(t) for t in times.values()) < 0.02
+
+
+def test_timed_steps_take_turns_in_changing_orders():
+    """Every round times each step once, in a new order: no step always runs first or after
+    the same one (what a step leaves in the caches slows the next)."""
+    import torch
+
+    from cakeops.measure import alternating_times
+
+    events: list[str] = []
+    steps = {name: lambda name=name: events.append(name) for name in "abc"}
+    alternating_times(steps, torch.device("cpu"), 12, 0)
+    rounds = [events[i : i + 3] for i in range(0, len(events), 3)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert {r[0] for r in rounds} == {"a", "b", "c"}
+    assert len({tuple(r) for r in rounds}) > 3
 
 
 def test_help_answers_without_importing_torch():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import statistics
 import sys
 import time
@@ -28,8 +29,9 @@ def alternating_medians(
     before: Callable[[], Any] | None = None,
 ) -> dict[str, float]:
     """Median seconds of each step after ``warmup`` untimed calls of each, the timed calls
-    alternating between the steps (round-robin) so that a shared machine's drifting speed slows
-    every step alike and the ratios stay fair; ``before``, untimed, before each timed call."""
+    alternating between the steps (rounds of one call of each, in a new order each round) so
+    that a shared machine's drifting speed slows every step alike and the ratios stay fair;
+    ``before``, untimed, before each timed call."""
     times = alternating_times(steps, device, repeats, warmup, before=before)
     return {label: statistics.median(t) for label, t in times.items()}
 
@@ -51,8 +53,12 @@ def alternating_times(
             step()
     counter = fault_counter() if faults is not None and device.type == "cpu" else None
     times: dict[str, list[float]] = {label: [] for label in steps}
+    order, shuffle = list(steps.items()), random.Random(0).shuffle
     for _ in range(repeats):
-        for label, step in steps.items():
+        # each round in a new order: what one step leaves behind (caches, freed memory) slows
+        # the next, and no step should always follow the same one
+        shuffle(order)
+        for label, step in order:
             if before is not None:
                 before()
             sync(device)
