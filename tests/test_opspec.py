@@ -54,6 +54,45 @@ def toy_backend():
     sys.modules.pop(module.__name__)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Copied(OpInputs):
+    op = "test_contiguous_double"
+    x: torch.Tensor
+
+
+COPIED = OpSpec(
+    inputs=Copied,
+    check=lambda a: a if a.x.is_contiguous() else dataclasses.replace(a, x=a.x.contiguous()),
+    example=lambda device="cpu", dtype=torch.float32: Copied(torch.randn(3, device=device)),
+)
+
+
+def test_a_check_that_replaces_a_tensor_runs_on_every_call():
+    """A signature is remembered without its tensors: when ``check`` replaced one (here a
+    contiguous copy of a transposed input), every later call of the signature runs it again and
+    the kernel gets the replacement, with autograd or without."""
+    seen = []
+    module = types.ModuleType("_cakeops_copied_kernels")
+    module.forward = lambda x: seen.append(x.is_contiguous()) or 2 * x
+    module.backward = lambda g, x: (2 * g,)
+    sys.modules[module.__name__] = module
+    kernels = cakeops.OpKernels(module=module.__name__, devices={"cpu": 1}, dtypes=(torch.float32,))
+    cakeops.register_backend(cakeops.Backend("copied", "cakeops-copied", ops={Copied.op: kernels}))
+    try:
+        x = torch.randn(3, 4).t()
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(COPIED(x=x), 2 * x)
+        leaf = x.detach().requires_grad_()
+        for _ in range(2):
+            (grad,) = torch.autograd.grad(COPIED(x=leaf).sum(), leaf)
+            torch.testing.assert_close(grad, torch.full_like(x, 2.0))
+        assert seen == [True] * 5
+    finally:
+        cakeops.unregister_backend("copied")
+        sys.modules.pop(module.__name__)
+
+
 def test_forward_backward_and_the_contract():
     x = torch.randn(6, requires_grad=True)
     y = SPEC(x=x, scale=1.5)
@@ -249,21 +288,71 @@ _CDP_GATES = _with("log_gates", lambda a: -torch.rand(a["q"].shape[:3]))
         ("routed_experts", "top_k_index", None, lambda a: a["top_k_index"] - 100),
     ],
 )  # fmt: skip
-def test_a_signature_checked_before_still_checks_its_values(op, name, good, bad):
+@pytest.mark.parametrize("entry", ["public", "spec"])
+def test_a_signature_checked_before_still_checks_its_values(op, name, good, bad, entry):
     """A call without autograd skips the checks its signature passed before (types, shapes,
-    dtypes): not those that read values (log gates <= 0, sorted offsets, ids >= 0)."""
-    from cakeops.ops import SPECS
-
+    dtypes): not those that read values (log gates <= 0, sorted offsets, ids >= 0), whether
+    through the public function (``OpSpec.call``) or the spec by name (``OpSpec.__call__``)."""
     spec = SPECS[op]
+    call = getattr(cakeops, op) if entry == "public" else spec
     kwargs = dict(spec.example())
     if good is not None:
         kwargs = good(kwargs)
     wrong = {**kwargs, name: bad(kwargs)}
     with torch.no_grad():
-        spec(**kwargs)
-        spec(**kwargs)
+        call(**kwargs)
+        call(**kwargs)
         with pytest.raises(ValueError, match=f"^{op}: argument '{name}' expected"):
-            spec(**wrong)
+            call(**wrong)
+    leaf = spec.differentiable[0]  # the same signatures, recording gradients
+    call(**{**kwargs, leaf: kwargs[leaf].detach().requires_grad_()})
+    with pytest.raises(ValueError, match=f"^{op}: argument '{name}' expected"):
+        call(**{**wrong, leaf: wrong[leaf].detach().requires_grad_()})
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_public_functions_take_the_arguments_in_declaration_order(name):
+    """The public function passes its arguments to ``OpSpec.call`` by position: its parameters
+    are the inputs' fields, in order, with their defaults and keyword-only marks."""
+    import inspect
+
+    empty = inspect.Parameter.empty
+    public = inspect.signature(getattr(cakeops, name)).parameters.values()
+    got = [(p.name, p.default, p.kind == p.KEYWORD_ONLY) for p in public]
+    expected = [(n, empty if d is dataclasses.MISSING else d, kw)
+                for n, _, d, kw in SPECS[name].arguments]  # fmt: skip
+    assert got == expected
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_a_known_signature_runs_in_one_function(name, monkeypatch):
+    """A known signature's call (a decode step, a training step's op) runs in
+    ``OpSpec._quick`` alone, with the result of the full path, through the lean autograd
+    Function when it records gradients; a call of a new signature takes the full path."""
+    spec = SPECS[name]
+    op = getattr(cakeops, name)
+    kwargs = dict(spec.example())
+    with torch.no_grad():
+        first = op(**kwargs)  # the full path: makes the signature's plan
+    full, taken = OpSpec._call, []
+
+    def spy(self, arguments):
+        taken.append(self is spec)
+        return full(self, arguments)
+
+    monkeypatch.setattr(OpSpec, "_call", spy)
+    with torch.no_grad():
+        again = op(**kwargs)
+    tensor = next(n for n in spec.differentiable if kwargs[n] is not None)
+    recorded = op(**{**kwargs, tensor: kwargs[tensor].detach().requires_grad_()})
+    assert not taken
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    torch.testing.assert_close(recorded.detach(), first, rtol=0, atol=0)
+    assert type(recorded.grad_fn).__name__ == "_LeanFunctionBackward"
+    spec._plans.clear()
+    with torch.no_grad():
+        op(**kwargs)  # a signature not seen (since the plans were forgotten)
+    assert taken == [True]
 
 
 def test_a_remembered_signature_still_follows_the_backend_choice(monkeypatch):

@@ -216,15 +216,18 @@ def _autocast_on(device: str) -> bool:
 class _Plan:
     """What one signature of an op decided (see ``OpSpec._lean``): the non-tensor arguments as
     ``check`` resolved them (None in a tensor's place) and whether it resolved any, whether
-    there is work, the outputs' ``(shape, dtype, device)``, the tensors' device types, and the
-    backend chosen under the selection state ``token``."""
+    there is work, the outputs' ``(shape, dtype, device)``, the tensors' device types (and
+    those autocast knows), and the backend chosen under the selection state ``token``."""
 
-    __slots__ = ("backend", "devices", "no_work", "out", "resolved", "resolves", "second", "token")
+    __slots__ = ("autocast", "backend", "devices", "no_work", "out", "resolved", "resolves",
+                 "second", "token")  # fmt: skip
 
     def __init__(self, resolved, resolves, no_work, out, second, devices):
         self.resolved, self.resolves = resolved, resolves
         self.no_work, self.out, self.second = no_work, out, second
         self.devices = devices
+        #: those of the devices autocast knows (each asked per call whether it is on)
+        self.autocast = tuple(sorted(devices & _AUTOCAST_DEVICES))
         self.backend: Backend | None = None
         self.token: tuple[Any, ...] | None = None
 
@@ -285,6 +288,19 @@ _PLAIN_VALUES = frozenset({*_PLAIN_TENSORS, type(None), bool, int, float, str})
 _NOT_LEAN = object()
 #: signatures remembered per op (then forgotten all at once: a bound, not an eviction policy)
 _PLANS = 512
+
+
+# Bound once for :meth:`OpSpec._quick`: a decode step's call runs between a model's projections,
+# with caches cold, where each module attribute chain (``torch._C.x``) costs microseconds.
+_compiling = torch.compiler.is_compiling
+_functorch_active = torch._C._are_functorch_transforms_active
+_function_mode_on = torch._C._is_torch_function_mode_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_tracing = torch._C._get_tracing_state
+_grad_enabled = torch.is_grad_enabled
+_forward_ad = torch.autograd.forward_ad
+_Tensor, _Parameter = _PLAIN_TENSORS
+_SCALARS = _PLAIN_VALUES - set(_PLAIN_TENSORS)
 
 
 def _signature(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -519,6 +535,59 @@ class OpSpec:
         wanted = arguments.get(self.second_flag, False)
         return result if wanted else result[0]
 
+    def call(self, *values: Any) -> Any:
+        """The public function's body with every argument passed in declaration order (the
+        public functions' own order, defaults filled): :meth:`__call__` without building and
+        reading a dict, and a known signature's call without autograd in one function
+        (:meth:`_quick`)."""
+        result = self._quick(values)
+        if result is _NOT_LEAN:
+            result = self._call(dict(zip(self.names, values, strict=True)))
+        if self.second is None:
+            return result
+        return result if values[self._second_index] else result[0]
+
+    def _quick(self, values: tuple[Any, ...]) -> Any:
+        """What :meth:`_lean` does for a call of a signature whose plan is made and whose
+        backend the selection state still gives, written out in one function (a decode step
+        pays each Python frame and attribute lookup with caches cold: this halves the op's cold
+        fixed cost); :data:`_NOT_LEAN` for any other call, which :meth:`_call` then takes. The
+        key is :func:`_signature`'s."""
+        if (
+            _compiling()
+            or _functorch_active()
+            or _forward_ad._current_level >= 0
+            or _function_mode_on()
+            or _dispatch_modes()
+            or _tracing()
+        ):
+            return _NOT_LEAN
+        grad, records = _grad_enabled(), False
+        key = []
+        for v in values:
+            kind = type(v)
+            if kind is _Tensor or kind is _Parameter:
+                records = records or (grad and v.requires_grad)
+                key.append((v.dtype, v.device, v.shape, v.stride()))
+            elif kind in _SCALARS:
+                key.append((kind, v))
+            else:
+                return _NOT_LEAN
+        plan = self._plans.get(tuple(key))
+        if plan is None or plan.no_work or plan.token != selection_token(self.name):
+            return _NOT_LEAN
+        if plan.resolves:
+            given = zip(values, plan.resolved, strict=True)
+            values = tuple([v if r is None else r for v, r in given])
+        if not records:
+            if self.check_data is not None:
+                self.check_data(self._make(values))
+            return self._lean_forward(plan, values)
+        if self.check_data is not None:
+            with torch.no_grad():  # nothing of the checks in the autograd graph
+                self.check_data(self._make(values))
+        return _LeanFunction.apply(self, plan, *values)
+
     def _call(self, arguments: dict[str, Any]) -> Any:
         if torch.compiler.is_compiling():
             # One graph node, with the op's registered autograd; the op validates its arguments
@@ -598,8 +667,12 @@ class OpSpec:
             plan = self._plan(values, inputs)
             if len(self._plans) >= _PLANS:
                 self._plans.clear()
-            self._plans[key] = plan
-            values = inputs.values()
+            checked = inputs.values()
+            if all(b is a for a, b in zip(values, checked, strict=True)
+                   if isinstance(a, torch.Tensor)):  # fmt: skip
+                # (a plan keeps no tensors: a check that replaced one runs on every call)
+                self._plans[key] = plan
+            values = checked
         else:
             if plan.resolves:
                 given = zip(values, plan.resolved, strict=True)
@@ -614,18 +687,21 @@ class OpSpec:
         return plan, values, inputs
 
     def _lean_forward(self, plan: _Plan, values: tuple[Any, ...]) -> Any:
-        """The chosen backend's forward of checked ``values``, its outputs checked."""
+        """The chosen backend's forward of checked ``values``, its outputs checked (the common
+        case, no autocast to turn off and the output as expected, without further calls)."""
         backend = plan.backend
         assert backend is not None
-        result = _run_kernel(backend, self.name, "forward", *values, devices=plan.devices)
+        if plan.autocast and any(map(_autocast_on, plan.autocast)):
+            result = _run_kernel(backend, self.name, "forward", *values, devices=plan.devices)
+        else:
+            result = backend.kernels(self.name).forward(*values)
+        out = result if self.second is None else result[0]
+        if not isinstance(out, torch.Tensor) or (out.shape, out.dtype, out.device) != plan.out:
+            _checked(self.name, backend, "the output", out, plan.out)  # raises
+        out = self._laid_out(out, values)
         if self.second is None:
-            out = _checked(self.name, backend, "the output", result, plan.out, False)
-            return self._laid_out(out, values)
-        out = _checked(self.name, backend, "the output", result[0], plan.out, False)
-        return (
-            self._laid_out(out, values),
-            _checked(self.name, backend, "the second output", result[1], plan.second),
-        )
+            return out
+        return out, _checked(self.name, backend, "the second output", result[1], plan.second)
 
     def _plan(self, given: tuple[Any, ...], inputs: OpInputs) -> _Plan:
         """What a checked call's signature decides (``given`` its values as passed, ``inputs``
@@ -681,6 +757,8 @@ class OpSpec:
             ("_defaults", tuple((name, default) for name, _, default, _ in self.arguments)),
             # the position of output_layout_of among the arguments (unread when it is "")
             ("_layout_index", self.names.index(self.output_layout_of or self.names[0])),
+            # the position of second_flag (unread without a second output)
+            ("_second_index", self.names.index(self.second_flag) if self.second else 0),
         ):
             object.__setattr__(self, name, value)
 

@@ -159,12 +159,4 @@ def causal_conv1d(
     ``cu_seqlens`` packs sequences in ``N = 1``. Computes in float32 (float64 for float64) and
     returns ``x.dtype``. Saves only its tensor inputs.
     """
-    return SPEC(
-        x=x,
-        weight=weight,
-        bias=bias,
-        activation=activation,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-    )
+    return SPEC.call(x, weight, bias, activation, initial_state, output_final_state, cu_seqlens)

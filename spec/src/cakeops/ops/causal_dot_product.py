@@ -177,16 +177,8 @@ def causal_dot_product(
     (#27): with the options, ``S_t = exp(log_decay + log_gates_t) S_{t-1} + k_t v_t^T`` and
     ``out_t = scale q_t^T S_t``; ``(out, final_state)`` with ``output_final_state``.
     """
-    return SPEC(
-        q=q,
-        k=k,
-        v=v,
-        scale=scale,
-        log_decay=log_decay,
-        log_gates=log_gates,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
+    return SPEC.call(
+        q, k, v, scale, log_decay, log_gates, initial_state, output_final_state, cu_seqlens
     )
 
 

@@ -173,15 +173,6 @@ def gated_delta_rule(
     ``q.dtype``, and ``(out, final_state)`` with ``output_final_state``. ``use_qk_l2norm``
     normalises q and k inside the op (float32, eps 1e-6). Saves only its tensor inputs.
     """
-    return SPEC(
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        use_qk_l2norm=use_qk_l2norm,
+    return SPEC.call(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm
     )

@@ -124,22 +124,22 @@ def moe_experts(
     float32 while ``x`` is 16-bit. The biases and the activation's options are those of
     :func:`cakeops.routed_experts`. Saves only its tensor inputs; gradients flow to all of them.
     """
-    return SPEC(
-        x=x,
-        router_logits=router_logits,
-        w_gate=w_gate,
-        w_up=w_up,
-        w_down=w_down,
-        top_k=top_k,
-        renormalize=renormalize,
-        scale=scale,
-        b_gate=b_gate,
-        b_up=b_up,
-        b_down=b_down,
-        activation=activation,
-        alpha=alpha,
-        limit=limit,
-        up_offset=up_offset,
+    return SPEC.call(
+        x,
+        router_logits,
+        w_gate,
+        w_up,
+        w_down,
+        top_k,
+        renormalize,
+        scale,
+        b_gate,
+        b_up,
+        b_down,
+        activation,
+        alpha,
+        limit,
+        up_offset,
     )
 
 

@@ -106,14 +106,7 @@ def rmsnorm_silu_gate(
     ``group_size`` features (default D). Computes in float32 (float64 for float64 inputs) and
     returns ``x.dtype``. Saves only ``x``, ``z`` and ``weight`` for the backward.
     """
-    return SPEC(
-        x=x,
-        z=z,
-        weight=weight,
-        eps=eps,
-        group_size=group_size,
-        norm_before_gate=norm_before_gate,
-    )
+    return SPEC.call(x, z, weight, eps, group_size, norm_before_gate)
 
 
 class RMSNormSiLUGateFunction:
