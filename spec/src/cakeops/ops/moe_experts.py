@@ -124,23 +124,8 @@ def moe_experts(
     float32 while ``x`` is 16-bit. The biases and the activation's options are those of
     :func:`cakeops.routed_experts`. Saves only its tensor inputs; gradients flow to all of them.
     """
-    return SPEC.call(
-        x,
-        router_logits,
-        w_gate,
-        w_up,
-        w_down,
-        top_k,
-        renormalize,
-        scale,
-        b_gate,
-        b_up,
-        b_down,
-        activation,
-        alpha,
-        limit,
-        up_offset,
-    )
+    return SPEC.call(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale, b_gate,
+                     b_up, b_down, activation, alpha, limit, up_offset)  # fmt: skip
 
 
 __getattr__ = moved_to_helpers(__name__)  # route, combine, ...: now in cakeops.helpers

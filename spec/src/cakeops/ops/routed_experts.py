@@ -264,18 +264,5 @@ def routed_experts(
     up_offset)`` with ``act`` in :data:`ACTIVATIONS` (``silu``: ``g * sigmoid(alpha g)``) ->
     ``(T, D)`` in ``x.dtype``. Saves only its inputs; gradients for all but ``top_k_index``.
     """
-    return SPEC.call(
-        x,
-        top_k_index,
-        top_k_weights,
-        w_gate,
-        w_up,
-        w_down,
-        b_gate,
-        b_up,
-        b_down,
-        activation,
-        alpha,
-        limit,
-        up_offset,
-    )
+    return SPEC.call(x, top_k_index, top_k_weights, w_gate, w_up, w_down, b_gate, b_up, b_down,
+                     activation, alpha, limit, up_offset)  # fmt: skip
