@@ -538,8 +538,7 @@ class OpSpec:
     def call(self, *values: Any) -> Any:
         """The public function's body with every argument passed in declaration order (the
         public functions' own order, defaults filled): :meth:`__call__` without building and
-        reading a dict, and a known signature's call without autograd in one function
-        (:meth:`_quick`)."""
+        reading a dict, and a known signature's call in one function (:meth:`_quick`)."""
         result = self._quick(values)
         if result is _NOT_LEAN:
             result = self._call(dict(zip(self.names, values, strict=True)))
