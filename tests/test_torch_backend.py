@@ -299,13 +299,23 @@ def _small_experts(gen, E: int, D: int, F: int, dtype) -> list[torch.Tensor]:
     return [torch.randn(s, generator=gen).to(dtype) * 0.2 for s in shapes]
 
 
+#: expert forms besides the default: gpt-oss's (biases, alpha, limit, up offset), an ungated one
+_FORMS = {
+    "swiglu": {},
+    "gpt-oss": {"biases": True, "activation": "silu", "alpha": 1.702, "limit": 0.3,
+                "up_offset": 1.0},
+    "ungated": {"ungated": True, "activation": "relu2"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("form", sorted(_FORMS))
 @pytest.mark.parametrize("T", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_routed_experts_of_a_few_rows_run_slot_by_slot(monkeypatch, T, dtype):
-    """A decode-sized call (at most ``FEW_ROWS`` (token, slot) rows) runs each slot's expert
-    directly: no routing sort and no runs of grouped matmuls, whose fixed cost is most of such
-    a call; a dropped slot (id >= E, or -1) adds nothing; the result is the sorted path's within the
-    tolerance."""
+def test_routed_experts_of_a_few_rows_run_slot_by_slot(monkeypatch, T, dtype, form):
+    """A decode-sized call (at most ``FEW_ROWS`` (token, slot) rows) of any expert form runs
+    each slot's expert directly: no routing sort and no runs of grouped matmuls, whose fixed
+    cost is most of such a call; a dropped slot (id >= E, or -1) adds nothing; the result is
+    the sorted path's within the tolerance."""
     sorted_calls = _calls(monkeypatch, moe_kernels, "given_routing")
     gen = torch.Generator().manual_seed(0)
     E, D, F = 6, 16, 24
@@ -315,13 +325,19 @@ def test_routed_experts_of_a_few_rows_run_slot_by_slot(monkeypatch, T, dtype):
     idx[0, 1] = E  # dropped
     idx[-1, 0] = -1  # dropped (DeepEP's "not on this rank")
     weights = torch.rand(T, 2, generator=gen).to(dtype)
+    options = dict(_FORMS[form])
+    if options.pop("biases", False):
+        for name, n in (("b_gate", F), ("b_up", F), ("b_down", D)):
+            options[name] = torch.randn(E, n, generator=gen).to(dtype) * 0.2
+    if options.pop("ungated", False):
+        w_gate = None
     assert idx.numel() <= moe_kernels.FEW_ROWS
     outs = []
     monkeypatch.setattr(moe_kernels, "PADDED_ROWS", 0)  # (the sorted path, not the padded one)
     for few in (moe_kernels.FEW_ROWS, 0):
         monkeypatch.setattr(moe_kernels, "FEW_ROWS", few)
         with cakeops.use_backend("torch"):
-            outs.append(cakeops.routed_experts(x, idx, weights, w_gate, w_up, w_down))
+            outs.append(cakeops.routed_experts(x, idx, weights, w_gate, w_up, w_down, **options))
         assert len(sorted_calls) == (0 if few else 1)
     assert outs[0].dtype == dtype
     assert cakeops.relative_error(outs[0], outs[1]) <= cakeops.tolerance(dtype)
@@ -372,13 +388,15 @@ def test_padded_experts_read_few_weights_of_experts_without_rows(monkeypatch):
     assert moe_kernels._padded_forward(x, [[0, 1], [1, 0]], w, ew) is not None
 
 
+@pytest.mark.parametrize("form", sorted(_FORMS))
 @pytest.mark.parametrize("spread", [True, False], ids=["padded", "too-skewed"])
 @pytest.mark.parametrize("op", ["routed_experts", "moe_experts"])
-def test_experts_of_few_rows_as_padded_batched_products(monkeypatch, op, spread):
-    """A CPU call of at most ``PADDED_ROWS`` (token, slot) rows runs two ``bmm`` over its
-    experts' rows padded to the busiest expert's count, from ids read on the host; where that
-    would more than double the rows (every token on one expert), the sorted path. Dropped slots
-    (id ``E``, ``-1``, a NaN weight) add nothing; forward and gradients are the reference's."""
+def test_experts_of_few_rows_as_padded_batched_products(monkeypatch, op, spread, form):
+    """A CPU call of at most ``PADDED_ROWS`` (token, slot) rows, of any expert form, runs two
+    ``bmm`` over its experts' rows padded to the busiest expert's count, from ids read on the
+    host; where that would more than double the rows (every token on one expert), the sorted
+    path. Dropped slots (id ``E``, ``-1``, a NaN weight) add nothing; forward and gradients are
+    the reference's."""
     outcomes = []
     original = moe_kernels._padded_forward
     monkeypatch.setattr(moe_kernels, "_padded_forward",
@@ -388,6 +406,18 @@ def test_experts_of_few_rows_as_padded_batched_products(monkeypatch, op, spread)
     x = torch.randn(T, D, generator=gen)
     ws = [torch.randn(E, F, D, generator=gen) * 0.2 for _ in "gu"]
     ws.append(torch.randn(E, D, F, generator=gen) * 0.2)
+    options = dict(_FORMS[form])
+    biases = {}
+    if options.pop("biases", False):
+        biases = {name: torch.randn(E, n, generator=gen) * 0.2
+                  for name, n in (("b_gate", F), ("b_up", F), ("b_down", D))}  # fmt: skip
+    gated = not options.pop("ungated", False)
+    ws = [*ws[not gated :], *biases.values()]  # the tensors checked (float64 in the reference)
+
+    def experts(t):  # (w_gate, w_up, w_down) and the options from the checked tensors
+        w = [*t[: 3 - (not gated)]]
+        return [None] * (not gated) + w, {**options, **dict(zip(biases, t[len(w) :], strict=True))}
+
     if op == "routed_experts":
         if spread:
             idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)])
@@ -397,13 +427,21 @@ def test_experts_of_few_rows_as_padded_batched_products(monkeypatch, op, spread)
         weights = torch.rand(T, 2, generator=gen)
         if spread:
             weights[0, 1] = float("nan")  # on a dropped slot: reaches nothing
-        call = lambda *t: cakeops.routed_experts(t[0], idx, t[1], *t[2:])  # noqa: E731
+
+        def call(*t):
+            w, kwargs = experts(t[2:])
+            return cakeops.routed_experts(t[0], idx, t[1], *w, **kwargs)
+
         tensors = (x, weights, *ws)
     else:
         logits = torch.randn(T, E, generator=gen)
         if not spread:
             logits[:, 0] += 4.0  # every token's first choice
-        call = lambda *t: cakeops.moe_experts(*t, top_k=2)  # noqa: E731
+
+        def call(*t):
+            w, kwargs = experts(t[2:])
+            return cakeops.moe_experts(t[0], t[1], *w, top_k=2, **kwargs)
+
         tensors = (x, logits, *ws)
     _check_against_reference(call, tensors, torch.randn(T, D, generator=gen))
     assert len(outcomes) == 1 and (outcomes[0] is None) != spread

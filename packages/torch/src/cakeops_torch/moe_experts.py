@@ -16,7 +16,7 @@ from cakeops_torch.routed_experts import (
 
 def forward(x, router_logits, w_gate, w_up, w_down, top_k, renormalize, scale, *options):
     ew = ExpertWeights.of(w_gate, w_up, w_down, *options)
-    if few_rows(x, ew, x.shape[0] * top_k):  # a decode step: no sort by expert
+    if few_rows(x, x.shape[0] * top_k):  # a decode step: no sort by expert
         _, experts, _, weights = top_k_choice(router_logits, top_k, renormalize, scale,
                                               compute_dtype(x.dtype))  # fmt: skip
         return few_rows_forward(x, experts, weights, ew)

@@ -197,6 +197,20 @@ def _swiglu_products(rows, gate_up, ew: ExpertWeights, experts: slice, product, 
     return product(F.silu(hg).mul_(hu).to(rows.dtype), ew.w_down[experts])
 
 
+def _general_products(rows, ew: ExpertWeights, experts: slice, product, acc):
+    """:func:`_swiglu_products` for any expert form (biases, the activations, the limit), the
+    projections in ``acc`` past each product, as :func:`_sorted_forward`'s general experts."""
+
+    def bias(b):
+        return 0 if b is None else b[experts].unsqueeze(-2).to(acc)
+
+    act = ew.activation
+    hu = product(rows, ew.w_up[experts]).to(acc) + bias(ew.b_up)
+    hg = product(rows, ew.w_gate[experts]).to(acc) + bias(ew.b_gate) if act.gated else None
+    h = act.forward(hg, hu).to(rows.dtype)
+    return product(h, ew.w_down[experts]).to(acc) + bias(ew.b_down)
+
+
 def _grouped_product(offs: torch.Tensor):
     """:func:`_swiglu_products`' ``product`` for rows sorted by expert, ``offs`` their ends."""
     return lambda a, w: torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
@@ -244,8 +258,9 @@ def _padded_forward(x, ids: list[list[int]], weights: torch.Tensor, ew: ExpertWe
     or three rows) and no routing sort: the bookkeeping of a batch-8 decode step's 16 rows is a
     few host lists. ``None`` where the padding would more than double the rows, or read more
     than ``PADDED_SPARE_BYTES`` of experts without rows. A zero row gives an exact zero through
-    SwiGLU: the padding adds nothing. A token's slots are summed in slot order, as
-    :func:`experts_forward` sums them."""
+    SwiGLU, and a padding row (biased or not) is never gathered: the padding adds nothing. Any
+    expert form. A token's slots are summed in slot order, as :func:`experts_forward` sums
+    them."""
     T, D = x.shape
     E, k = ew.w_up.shape[0], weights.shape[1]
     rows_of: list[list[int]] = [[] for _ in range(E)]  # each expert's (token, slot) places
@@ -262,7 +277,8 @@ def _padded_forward(x, ids: list[list[int]], weights: torch.Tensor, ew: ExpertWe
     # without rows (read all the same: a batch-1 call of experts 1 and 3 of 8 at hidden 1024
     # read 1.5 times the weights, 1.35x slower than one product per expert)
     unused = e1 - e0 - len(used)
-    spare = unused * sum(w[0].numel() * w.element_size() for w in (ew.w_gate, ew.w_up, ew.w_down))
+    spare = unused * sum(w[0].numel() * w.element_size() for w in (ew.w_gate, ew.w_up, ew.w_down)
+                         if w is not None)  # fmt: skip
     if (e1 - e0) * m > 2 * (T * k - len(dropped)) or spare > PADDED_SPARE_BYTES:
         return None
     gather = [T] * ((e1 - e0) * m)  # row T: the zero row appended to x
@@ -274,8 +290,11 @@ def _padded_forward(x, ids: list[list[int]], weights: torch.Tensor, ew: ExpertWe
     rows = torch.cat([x, x.new_zeros(1, D)]).index_select(0, torch.tensor(gather))
     rows = rows.view(e1 - e0, m, D)
     acc = compute_dtype(x.dtype)
-    gate_up = packed_gate_up(ew.w_gate, ew.w_up)
-    y = _swiglu_products(rows, gate_up, ew, slice(e0, e1), _batched_product, acc)
+    if ew.is_swiglu:
+        gate_up = packed_gate_up(ew.w_gate, ew.w_up)
+        y = _swiglu_products(rows, gate_up, ew, slice(e0, e1), _batched_product, acc)
+    else:
+        y = _general_products(rows, ew, slice(e0, e1), _batched_product, acc)
     slots = y.view(-1, D).index_select(0, torch.tensor(places)).to(acc).view(T, k, D)
     w = weights.to(acc)
     if dropped:  # zero slot and weight: a NaN weight there must reach nothing
@@ -288,12 +307,13 @@ def _padded_forward(x, ids: list[list[int]], weights: torch.Tensor, ew: ExpertWe
 
 
 def _padded_fits(x, ew: ExpertWeights, rows: int) -> bool:
-    """Whether :func:`_padded_forward` may serve a call: the default experts, few rows, the
-    weights in ``x``'s dtype and that the products' dtype, on a CPU."""
-    if not ew.is_swiglu or rows > PADDED_ROWS or _off_the_host(x):
+    """Whether :func:`_padded_forward` may serve a call: few rows, the weights in ``x``'s dtype
+    and that the products' dtype, on a CPU."""
+    if rows > PADDED_ROWS or _off_the_host(x):
         return False
     mm = _mm_dtype(x, ew.w_up)
-    return mm == x.dtype and all(w.dtype == mm for w in (ew.w_gate, ew.w_up, ew.w_down))
+    weights = (ew.w_gate, ew.w_up, ew.w_down)
+    return mm == x.dtype and all(w is None or w.dtype == mm for w in weights)
 
 
 def experts_forward(x, routing: Routing, ew: ExpertWeights):
@@ -454,20 +474,23 @@ def _grouped_backward(routing, bounds, x, g, slot_w, ew, dx_slots, dw_flat, grad
 FEW_ROWS = 8
 
 
-def few_rows(x: torch.Tensor, ew: ExpertWeights, rows: int) -> bool:
-    """Whether :func:`few_rows_forward` serves a call of ``rows`` (token, slot) rows: the
-    default experts, at most ``FEW_ROWS`` rows, on the host."""
-    return ew.is_swiglu and rows <= FEW_ROWS and not _off_the_host(x)
+def few_rows(x: torch.Tensor, rows: int) -> bool:
+    """Whether :func:`few_rows_forward` serves a call of ``rows`` (token, slot) rows: at most
+    ``FEW_ROWS`` rows, on the host."""
+    return rows <= FEW_ROWS and not _off_the_host(x)
 
 
 def few_rows_forward(x, top_k_index, top_k_weights, ew: ExpertWeights):
-    """:func:`experts_forward` of a few rows, slot by slot (the default experts only): the same
-    sums in the same order (each token's slots in slot order), a dropped slot adding nothing."""
+    """:func:`experts_forward` of a few rows, slot by slot, for every expert form (biases, the
+    activations, the limit): the same sums in the same order (each token's slots in slot order),
+    a dropped slot adding nothing."""
     T, E = top_k_index.shape[0], ew.w_up.shape[0]
     acc, mm = compute_dtype(x.dtype), _mm_dtype(x, ew.w_up)
     ids = top_k_index.tolist()
     weights = top_k_weights.to(acc)
-    gate_up, F_ = packed_gate_up(ew.w_gate, ew.w_up), ew.w_up.shape[1]
+    swiglu, act = ew.is_swiglu, ew.activation
+    gate_up = packed_gate_up(ew.w_gate, ew.w_up) if swiglu else None
+    F_ = ew.w_up.shape[1]
     out = torch.zeros((T, x.shape[1]), dtype=acc, device=x.device)
     for t in range(T):
         row = x[t : t + 1].to(mm)
@@ -477,17 +500,23 @@ def few_rows_forward(x, top_k_index, top_k_weights, ew: ExpertWeights):
             if gate_up is not None:  # one product for both halves
                 hgu = F.linear(row, gate_up[e].to(mm)).to(acc)
                 h = F.silu(hgu[:, :F_]).mul_(hgu[:, F_:])
-            else:
+            elif swiglu:
                 hg = F.linear(row, ew.w_gate[e].to(mm)).to(acc)
                 h = F.silu(hg).mul_(F.linear(row, ew.w_up[e].to(mm)).to(acc))
-            y = F.linear(h.to(mm), ew.w_down[e].to(mm)).to(acc)
+            else:  # as _sorted_forward's general experts
+                hu = F.linear(row, ew.w_up[e].to(mm)).to(acc) + _bias(ew.b_up, e, acc)
+                hg = None
+                if act.gated:
+                    hg = F.linear(row, ew.w_gate[e].to(mm)).to(acc) + _bias(ew.b_gate, e, acc)
+                h = act.forward(hg, hu)
+            y = F.linear(h.to(mm), ew.w_down[e].to(mm)).to(acc) + _bias(ew.b_down, e, acc)
             out[t : t + 1].addcmul_(y, weights[t, j])
     return out.to(x.dtype)
 
 
 def forward(x, top_k_index, top_k_weights, *weights):
     ew = ExpertWeights.of(*weights)
-    if few_rows(x, ew, top_k_index.numel()):
+    if few_rows(x, top_k_index.numel()):
         return few_rows_forward(x, top_k_index, top_k_weights, ew)
     routing = functools.partial(given_routing, top_k_index, top_k_weights, ew.w_up.shape[0])
     if _padded_fits(x, ew, top_k_index.numel()):  # (on a CPU: the device's path never runs)
