@@ -54,7 +54,8 @@ def families(quick: bool) -> dict[str, Callable[[], torch.nn.Module]]:
     for name in mixers.BUILT[:1] if quick else mixers.BUILT:
         built[name] = lambda name=name: mixer(name)
         modules.add(mixers.MODULES[name])
-    moe = [f for f in experts.families() if f.name not in modules and f.causal is not None]
+    moe = [f for f in experts.families()
+           if f.name not in modules and experts.level(f.name) == "model"]  # fmt: skip
     for fam in moe[:1] if quick else moe:
         built[fam.name] = lambda fam=fam: experts.build_model(fam)
     return built
