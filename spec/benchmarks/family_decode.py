@@ -16,22 +16,15 @@ that does not build or run is a row saying why. ``--quick``: one family of each 
 
 from __future__ import annotations
 
-import argparse
 import copy
-import logging
-import statistics
 import sys
-import warnings
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
+from generation import decode_rows, markdown, run_script  # (this script's folder)
 
-from cakeops.measure import alternating_times
-
-CPU = torch.device("cpu")
 TESTS = Path(__file__).resolve().parents[2] / "tests"
 
 
@@ -75,78 +68,19 @@ def measure(quick: bool) -> list[dict[str, Any]]:
             print(f"{family}: not measured ({rows[-1]['error']})")
             continue
         vocab = min(model.config.vocab_size, 64)
-        for batch in (1, 8):
-            prompt = torch.randint(3, vocab, (batch, 9), generator=torch.Generator().manual_seed(1))
-
-            def generate(m, prompt=prompt):
-                def run():
-                    with torch.no_grad():
-                        return m.generate(prompt, max_new_tokens=new_tokens, do_sample=False,
-                                          min_new_tokens=new_tokens)  # fmt: skip
-
-                return run
-
-            same = torch.equal(generate(model)(), generate(patched)())
-            times = alternating_times({"transformers": generate(model),
-                                       "cakeops": generate(patched)}, CPU, repeats,
-                                      warmup=1)  # fmt: skip
-            hf, ours = (statistics.median(times[k]) for k in ("transformers", "cakeops"))
-            rows.append({"family": family, "batch": batch, "hf_ms": hf * 1e3,
-                         "cakeops_ms": ours * 1e3, "same": same})  # fmt: skip
-            print(f"{family}, batch {batch}: transformers {hf * 1e3:.1f} ms, cakeops "
-                  f"{ours * 1e3:.1f} ms ({hf / ours:.2f}x), same tokens: {same}")  # fmt: skip
+        rows += decode_rows(family, model, patched, lambda batch, vocab=vocab: torch.randint(
+            3, vocab, (batch, 9), generator=torch.Generator().manual_seed(1)),
+            new_tokens, repeats)  # fmt: skip
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], quick: bool) -> str:
-    command = "python spec/benchmarks/family_decode.py" + (" --quick" if quick else "")
-    timed = [r for r in rows if "error" not in r]
-    ratios = [r["hf_ms"] / r["cakeops_ms"] for r in timed]
-    lines = [
-        f"Measured {datetime.now(timezone.utc):%Y-%m-%d} on a CPU ({torch.get_num_threads()} "
-        f"threads), float32, torch {torch.__version__}, with `{command}`: greedy decode of the "
-        "tests' tiny models after a 9-token prompt, medians of the two models timed in "
-        "alternation.",
-        "",
-    ]
-    if ratios:
-        slower = sum(r < 1 for r in ratios)
-        lines += [f"{len(timed)} rows: speed-up {min(ratios):.2f}x to {max(ratios):.2f}x "
-                  f"(median {statistics.median(ratios):.2f}x), {slower} below 1.00x.",
-                  ""]  # fmt: skip
-    lines += [
-        "| family | batch | transformers (ms) | cakeops (ms) | speed-up | same tokens |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['family']} | - | - | - | not measured: {r['error']} | - |")
-            continue
-        lines.append(f"| {r['family']} | {r['batch']} | {r['hf_ms']:.1f} | "
-                     f"{r['cakeops_ms']:.1f} | {r['hf_ms'] / r['cakeops_ms']:.2f}x | "
-                     f"{'yes' if r['same'] else 'NO'} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one family per table, 4 tokens")
-    parser.add_argument("--markdown", metavar="PATH", help="write the table there")
-    args = parser.parse_args(argv)
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        print("family_decode.py: transformers is not installed (pip install cakeops[transformers])")
-        return 2
-    warnings.filterwarnings("ignore")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    rows = measure(args.quick)
-    table = markdown(rows, args.quick)
-    print(table)
-    if args.markdown:
-        Path(args.markdown).write_text(table)
-        print(f"wrote {args.markdown}")
-    return 0
+    def table(quick: bool) -> str:
+        command = "python spec/benchmarks/family_decode.py" + (" --quick" if quick else "")
+        what = "greedy decode of the tests' tiny models after a 9-token prompt"
+        return markdown(measure(quick), command, what, summary=True)
+
+    return run_script(argv, __doc__, "one family per table, 4 tokens", table)
 
 
 if __name__ == "__main__":

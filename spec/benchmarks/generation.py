@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import statistics
 import warnings
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -69,74 +71,104 @@ def _pair(config_name: str, sizes: dict[str, Any]):
     return model, apply_cakeops(copy.deepcopy(model)).eval()
 
 
+def decode_rows(family: str, model, patched, prompt_of: Callable[[int], torch.Tensor],
+                new_tokens: int, repeats: int) -> list[dict[str, Any]]:  # fmt: skip
+    """Batch 1 and 8 rows of ``family``: a greedy decode of ``new_tokens`` after
+    ``prompt_of(batch)`` by the model and the patched one, medians timed in alternation, and
+    whether both generated the same tokens."""
+    rows = []
+    for batch in (1, 8):
+        prompt = prompt_of(batch)
+
+        def generate(m, prompt=prompt):
+            def run():
+                with torch.no_grad():
+                    return m.generate(prompt, max_new_tokens=new_tokens, do_sample=False,
+                                      min_new_tokens=new_tokens)  # fmt: skip
+
+            return run
+
+        same = torch.equal(generate(model)(), generate(patched)())
+        times = alternating_times({"transformers": generate(model),
+                                   "cakeops": generate(patched)}, CPU, repeats,
+                                  warmup=1)  # fmt: skip
+        hf, ours = (statistics.median(times[k]) for k in ("transformers", "cakeops"))
+        rows.append({"family": family, "batch": batch, "hf_ms": hf * 1e3,
+                     "cakeops_ms": ours * 1e3, "same": same})  # fmt: skip
+        print(f"{family}, batch {batch}: transformers {hf * 1e3:.1f} ms, cakeops "
+              f"{ours * 1e3:.1f} ms ({hf / ours:.2f}x), same tokens: {same}")  # fmt: skip
+    return rows
+
+
 def measure(quick: bool) -> list[dict[str, Any]]:
     hidden, head = (64, 16) if quick else (256, 64)
     new_tokens, repeats = (4, 2) if quick else (32, 7)
     rows = []
     for family, (config_name, sizes) in _families(hidden, head).items():
         model, patched = _pair(config_name, sizes)
-        for batch in (1, 8):
-            prompt = torch.randint(3, 1000, (batch, 16),
-                                   generator=torch.Generator().manual_seed(1))  # fmt: skip
-
-            def generate(m, prompt=prompt):
-                def run():
-                    with torch.no_grad():
-                        return m.generate(prompt, max_new_tokens=new_tokens, do_sample=False,
-                                          min_new_tokens=new_tokens)  # fmt: skip
-
-                return run
-
-            same = torch.equal(generate(model)(), generate(patched)())
-            times = alternating_times({"transformers": generate(model),
-                                       "cakeops": generate(patched)}, CPU, repeats,
-                                      warmup=1)  # fmt: skip
-            hf, ours = (statistics.median(times[k]) for k in ("transformers", "cakeops"))
-            rows.append({"family": family, "batch": batch, "hf_ms": hf * 1e3,
-                         "cakeops_ms": ours * 1e3, "same": same})  # fmt: skip
-            print(f"{family}, batch {batch}: transformers {hf * 1e3:.1f} ms, cakeops "
-                  f"{ours * 1e3:.1f} ms ({hf / ours:.2f}x), same tokens: {same}")  # fmt: skip
+        rows += decode_rows(family, model, patched, lambda batch: torch.randint(
+            3, 1000, (batch, 16), generator=torch.Generator().manual_seed(1)),
+            new_tokens, repeats)  # fmt: skip
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], quick: bool) -> str:
-    command = "python spec/benchmarks/generation.py" + (" --quick" if quick else "")
+def markdown(rows: list[dict[str, Any]], command: str, what: str, summary: bool = False) -> str:
+    """The rows' table (a row with an ``error`` says why its family is not measured), after a
+    line saying when, where and ``what``; with ``summary``, the speed-ups' range first."""
     lines = [
         f"Measured {datetime.now(timezone.utc):%Y-%m-%d} on a CPU ({torch.get_num_threads()} "
-        f"threads), float32, torch {torch.__version__}, with `{command}`: greedy generation "
-        "after a 16-token prompt, medians of the two models timed in alternation.",
+        f"threads), float32, torch {torch.__version__}, with `{command}`: {what}, medians of "
+        "the two models timed in alternation.",
         "",
+    ]
+    ratios = [r["hf_ms"] / r["cakeops_ms"] for r in rows if "error" not in r]
+    if summary and ratios:
+        lines += [f"{len(ratios)} rows: speed-up {min(ratios):.2f}x to {max(ratios):.2f}x "
+                  f"(median {statistics.median(ratios):.2f}x), "
+                  f"{sum(r < 1 for r in ratios)} below 1.00x.", ""]  # fmt: skip
+    lines += [
         "| family | batch | transformers (ms) | cakeops (ms) | speed-up | same tokens |",
         "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['family']} | - | - | - | not measured: {r['error']} | - |")
+            continue
         lines.append(f"| {r['family']} | {r['batch']} | {r['hf_ms']:.1f} | "
                      f"{r['cakeops_ms']:.1f} | {r['hf_ms'] / r['cakeops_ms']:.2f}x | "
                      f"{'yes' if r['same'] else 'NO'} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny models, few tokens")
+def run_script(argv: list[str] | None, doc: str, quick_help: str,
+               table: Callable[[bool], str]) -> int:  # fmt: skip
+    """A decode benchmark's command line: ``--quick``, ``--markdown PATH``; ``table(quick)``
+    measures and gives the markdown. Exits 2 without transformers."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--markdown", metavar="PATH", help="write the table there")
     args = parser.parse_args(argv)
     try:
         import transformers  # noqa: F401
     except ImportError:
-        print("generation.py: transformers is not installed (pip install cakeops[transformers])")
+        print("transformers is not installed (pip install cakeops[transformers])")
         return 2
     warnings.filterwarnings("ignore")
-    import logging
-
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    rows = measure(args.quick)
-    table = markdown(rows, args.quick)
-    print(table)
+    text = table(args.quick)
+    print(text)
     if args.markdown:
-        Path(args.markdown).write_text(table)
+        Path(args.markdown).write_text(text)
         print(f"wrote {args.markdown}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    def table(quick: bool) -> str:
+        command = "python spec/benchmarks/generation.py" + (" --quick" if quick else "")
+        return markdown(measure(quick), command, "greedy generation after a 16-token prompt")
+
+    return run_script(argv, __doc__, "tiny models, few tokens", table)
 
 
 if __name__ == "__main__":
