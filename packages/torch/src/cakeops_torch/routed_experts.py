@@ -197,9 +197,10 @@ def _swiglu_products(rows, gate_up, ew: ExpertWeights, experts: slice, product, 
     return product(F.silu(hg).mul_(hu).to(rows.dtype), ew.w_down[experts])
 
 
-def _general_products(rows, ew: ExpertWeights, experts: slice, product, acc):
+def _general_products(rows, ew: ExpertWeights, experts: slice | int, product, acc):
     """:func:`_swiglu_products` for any expert form (biases, the activations, the limit), the
-    projections in ``acc`` past each product, as :func:`_sorted_forward`'s general experts."""
+    projections in ``acc`` past each product, the output in ``acc``: ``experts`` a slice
+    (padded rows, ``(experts, m, D)``) or one expert's index (its rows, ``(m, D)``)."""
 
     def bias(b):
         return 0 if b is None else b[experts].unsqueeze(-2).to(acc)
@@ -214,6 +215,11 @@ def _general_products(rows, ew: ExpertWeights, experts: slice, product, acc):
 def _grouped_product(offs: torch.Tensor):
     """:func:`_swiglu_products`' ``product`` for rows sorted by expert, ``offs`` their ends."""
     return lambda a, w: torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+
+
+def _linear_product(mm: torch.dtype):
+    """:func:`_general_products`' ``product`` for one expert's rows, its weights in ``mm``."""
+    return lambda a, w: F.linear(a, w.to(mm))
 
 
 def _batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -353,15 +359,10 @@ def _sorted_forward(x, routing: Routing, ew: ExpertWeights):
             h = F.silu((xe @ w_gate[e].to(mm).T).to(acc)).mul_((xe @ w_up[e].to(mm).T).to(acc))
             slots[routing.order[s:t]] = (h.to(mm) @ w_down[e].to(mm).T).to(acc)
     else:
-        act = ew.activation
+        product = _linear_product(mm)
         for e, s, t in _experts(bounds):
             xe = _rows(x, routing, s, t).to(mm)
-            hu = (xe @ w_up[e].to(mm).T).to(acc) + _bias(ew.b_up, e, acc)
-            hg = None
-            if act.gated:
-                hg = (xe @ w_gate[e].to(mm).T).to(acc) + _bias(ew.b_gate, e, acc)
-            y = (act.forward(hg, hu).to(mm) @ w_down[e].to(mm).T).to(acc)
-            slots[routing.order[s:t]] = y + _bias(ew.b_down, e, acc)
+            slots[routing.order[s:t]] = _general_products(xe, ew, e, product, acc)
     _drop(slots, routing, T * top_k - bounds[-1])
     return weighted_slot_sum(slots, routing).to(x.dtype)
 
@@ -488,7 +489,7 @@ def few_rows_forward(x, top_k_index, top_k_weights, ew: ExpertWeights):
     acc, mm = compute_dtype(x.dtype), _mm_dtype(x, ew.w_up)
     ids = top_k_index.tolist()
     weights = top_k_weights.to(acc)
-    swiglu, act = ew.is_swiglu, ew.activation
+    swiglu, product = ew.is_swiglu, _linear_product(mm)
     gate_up = packed_gate_up(ew.w_gate, ew.w_up) if swiglu else None
     F_ = ew.w_up.shape[1]
     out = torch.zeros((T, x.shape[1]), dtype=acc, device=x.device)
@@ -497,19 +498,16 @@ def few_rows_forward(x, top_k_index, top_k_weights, ew: ExpertWeights):
         for j, e in enumerate(ids[t]):
             if not 0 <= e < E:  # a dropped slot
                 continue
-            if gate_up is not None:  # one product for both halves
-                hgu = F.linear(row, gate_up[e].to(mm)).to(acc)
-                h = F.silu(hgu[:, :F_]).mul_(hgu[:, F_:])
-            elif swiglu:
-                hg = F.linear(row, ew.w_gate[e].to(mm)).to(acc)
-                h = F.silu(hg).mul_(F.linear(row, ew.w_up[e].to(mm)).to(acc))
-            else:  # as _sorted_forward's general experts
-                hu = F.linear(row, ew.w_up[e].to(mm)).to(acc) + _bias(ew.b_up, e, acc)
-                hg = None
-                if act.gated:
-                    hg = F.linear(row, ew.w_gate[e].to(mm)).to(acc) + _bias(ew.b_gate, e, acc)
-                h = act.forward(hg, hu)
-            y = F.linear(h.to(mm), ew.w_down[e].to(mm)).to(acc) + _bias(ew.b_down, e, acc)
+            if not swiglu:  # as _sorted_forward's general experts
+                y = _general_products(row, ew, e, product, acc)
+            else:
+                if gate_up is not None:  # one product for both halves
+                    hgu = F.linear(row, gate_up[e].to(mm)).to(acc)
+                    h = F.silu(hgu[:, :F_]).mul_(hgu[:, F_:])
+                else:
+                    hg = F.linear(row, ew.w_gate[e].to(mm)).to(acc)
+                    h = F.silu(hg).mul_(F.linear(row, ew.w_up[e].to(mm)).to(acc))
+                y = F.linear(h.to(mm), ew.w_down[e].to(mm)).to(acc)
             out[t : t + 1].addcmul_(y, weights[t, j])
     return out.to(x.dtype)
 
