@@ -25,9 +25,8 @@ from typing import Any
 
 import torch
 
-from cakeops.measure import alternating_times
+from cakeops.bench.hf_layers import time_decode
 
-CPU = torch.device("cpu")
 TOKENS = {"vocab_size": 1024, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
@@ -74,25 +73,14 @@ def _pair(config_name: str, sizes: dict[str, Any]):
 def decode_rows(family: str, model, patched, prompt_of: Callable[[int], torch.Tensor],
                 new_tokens: int, repeats: int) -> list[dict[str, Any]]:  # fmt: skip
     """Batch 1 and 8 rows of ``family``: a greedy decode of ``new_tokens`` after
-    ``prompt_of(batch)`` by the model and the patched one, medians timed in alternation, and
-    whether both generated the same tokens."""
+    ``prompt_of(batch)`` by the model and the patched one, medians timed in alternation
+    (:func:`cakeops.bench.hf_layers.time_decode`), and whether both generated the same
+    tokens."""
     rows = []
     for batch in (1, 8):
-        prompt = prompt_of(batch)
-
-        def generate(m, prompt=prompt):
-            def run():
-                with torch.no_grad():
-                    return m.generate(prompt, max_new_tokens=new_tokens, do_sample=False,
-                                      min_new_tokens=new_tokens)  # fmt: skip
-
-            return run
-
-        same = torch.equal(generate(model)(), generate(patched)())
-        times = alternating_times({"transformers": generate(model),
-                                   "cakeops": generate(patched)}, CPU, repeats,
-                                  warmup=1)  # fmt: skip
-        hf, ours = (statistics.median(times[k]) for k in ("transformers", "cakeops"))
+        seconds, same = time_decode(model, patched, prompt_of(batch), new_tokens, quick=False,
+                                    repeats=repeats)  # fmt: skip
+        hf, ours = seconds["Hugging Face model"], seconds["cakeops model"]
         rows.append({"family": family, "batch": batch, "hf_ms": hf * 1e3,
                      "cakeops_ms": ours * 1e3, "same": same})  # fmt: skip
         print(f"{family}, batch {batch}: transformers {hf * 1e3:.1f} ms, cakeops "

@@ -34,9 +34,11 @@ def layer_steps(layers: dict[str, torch.nn.Module], x: torch.Tensor, g: torch.Te
             for label, layer in layers.items()}  # fmt: skip
 
 
-def time_decode(model, patched, prompt: torch.Tensor, tokens: int, quick: bool):
+def time_decode(model, patched, prompt: torch.Tensor, tokens: int, quick: bool,
+                repeats: int | None = None):  # fmt: skip
     """``(median seconds per model, same tokens)`` of a greedy decode of ``tokens`` tokens
-    after ``prompt``, the two models in alternation."""
+    after ``prompt``, the two models in alternation (``repeats`` rounds; by default 3 with
+    ``quick``, else 15)."""
 
     def decode(m):
         def run_():
@@ -49,7 +51,8 @@ def time_decode(model, patched, prompt: torch.Tensor, tokens: int, quick: bool):
     same = torch.equal(decode(model)(), decode(patched)())
     times = alternating_times({"Hugging Face model": decode(model),
                                "cakeops model": decode(patched)}, torch.device("cpu"),
-                              repeats=3 if quick else 15, warmup=1 if quick else 2)  # fmt: skip
+                              repeats=repeats or (3 if quick else 15),
+                              warmup=1 if quick else 2)  # fmt: skip
     seconds = {label: statistics.median(t) for label, t in times.items()}
     print(f"  greedy decode of {tokens} tokens after a {prompt.shape[1]}-token prompt (same "
           f"tokens: {same}): " + ", ".join(f"{k} {v * 1e3:.1f} ms"
