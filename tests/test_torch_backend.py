@@ -381,11 +381,11 @@ def test_padded_experts_read_few_weights_of_experts_without_rows(monkeypatch):
 
     ew = ExpertWeights.of(torch.randn(3, 8, 4), torch.randn(3, 8, 4), torch.randn(3, 4, 8))
     x, w = torch.randn(2, 4), torch.rand(2, 2)
-    ids = [[0, 2], [2, 0]]  # expert 1 gets no row
+    ids = torch.tensor([[0, 2], [2, 0]])  # expert 1 gets no row
     assert moe_kernels._padded_forward(x, ids, w, ew) is not None
     monkeypatch.setattr(moe_kernels, "PADDED_SPARE_BYTES", 3 * 8 * 4 * 4 - 1)
     assert moe_kernels._padded_forward(x, ids, w, ew) is None
-    assert moe_kernels._padded_forward(x, [[0, 1], [1, 0]], w, ew) is not None
+    assert moe_kernels._padded_forward(x, torch.tensor([[0, 1], [1, 0]]), w, ew) is not None
 
 
 @pytest.mark.parametrize("form", sorted(_FORMS))

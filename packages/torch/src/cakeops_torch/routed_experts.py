@@ -256,55 +256,65 @@ PADDED_ROWS = 64
 PADDED_SPARE_BYTES = 1 << 20
 
 
-def _padded_forward(x, ids: list[list[int]], weights: torch.Tensor, ew: ExpertWeights):
-    """The experts of a few rows on a CPU, from their ids read on the host (``ids``, ``(T, k)``;
-    an id outside ``[0, E)`` is a dropped slot): two ``bmm`` over experts ``e0..e1-1`` (the
-    first and last with rows), each expert's rows padded with zero rows to the busiest one's
-    count. Two products instead of two per expert (each about 9 us on a CPU whatever its two
-    or three rows) and no routing sort: the bookkeeping of a batch-8 decode step's 16 rows is a
-    few host lists. ``None`` where the padding would more than double the rows, or read more
-    than ``PADDED_SPARE_BYTES`` of experts without rows. A zero row gives an exact zero through
-    SwiGLU, and a padding row (biased or not) is never gathered: the padding adds nothing. Any
-    expert form. A token's slots are summed in slot order, as :func:`experts_forward` sums
-    them."""
+def _padded_forward(x, ids: torch.Tensor, weights: torch.Tensor, ew: ExpertWeights):
+    """The experts of a few rows on a CPU, from their ids (``(T, k)``, read on the host; an id
+    outside ``[0, E)`` is a dropped slot): two ``bmm`` over experts ``e0..e1-1`` (the first and
+    last with rows), each expert's rows padded to the busiest one's count. Two products instead
+    of two per expert (each about 9 us on a CPU whatever its two or three rows) and no routing
+    sort: the bookkeeping of a batch-8 decode step's 16 rows is two passes over one host list.
+    ``None`` where the padding would more than double the rows, or read more than
+    ``PADDED_SPARE_BYTES`` of experts without rows. A padding row repeats row 0 of ``x``; no
+    output reads it (each expert's rows are independent in a ``bmm``). Any expert form. A
+    token's slots are summed in slot order, as :func:`experts_forward` sums them."""
     T, D = x.shape
     E, k = ew.w_up.shape[0], weights.shape[1]
-    rows_of: list[list[int]] = [[] for _ in range(E)]  # each expert's (token, slot) places
-    dropped = []
-    for t, row in enumerate(ids):
-        for j, e in enumerate(row):
-            (rows_of[e] if 0 <= e < E else dropped).append(t * k + j)
-    used = [e for e in range(E) if rows_of[e]]
-    if not used:
+    flat = ids.reshape(-1).tolist()  # (token, slot) order
+    count = [0] * E
+    rank = []  # each (token, slot)'s row among its expert's; -1: a dropped slot
+    for e in flat:
+        if 0 <= e < E:
+            rank.append(count[e])
+            count[e] += 1
+        else:
+            rank.append(-1)
+    kept = [e for e in flat if 0 <= e < E]
+    if not kept:
         return None
-    e0, e1 = used[0], used[-1] + 1
-    m = max(len(rows_of[e]) for e in used)
+    e0, e1 = min(kept), max(kept) + 1
+    m = max(count)
     # at most twice the rows, and at most PADDED_SPARE_BYTES of weights of experts in the range
     # without rows (read all the same: a batch-1 call of experts 1 and 3 of 8 at hidden 1024
     # read 1.5 times the weights, 1.35x slower than one product per expert)
-    unused = e1 - e0 - len(used)
-    spare = unused * sum(w[0].numel() * w.element_size() for w in (ew.w_gate, ew.w_up, ew.w_down)
-                         if w is not None)  # fmt: skip
-    if (e1 - e0) * m > 2 * (T * k - len(dropped)) or spare > PADDED_SPARE_BYTES:
+    unused = e1 - e0 - (E - count.count(0))
+    if (e1 - e0) * m > 2 * len(kept):
         return None
-    gather = [T] * ((e1 - e0) * m)  # row T: the zero row appended to x
-    places = [0] * (T * k)  # each (token, slot)'s padded row (a dropped one's is zeroed below)
-    for e in used:
-        for j, place in enumerate(rows_of[e]):
-            gather[(e - e0) * m + j] = place // k
-            places[place] = (e - e0) * m + j
-    rows = torch.cat([x, x.new_zeros(1, D)]).index_select(0, torch.tensor(gather))
-    rows = rows.view(e1 - e0, m, D)
+    if unused:
+        per_expert = [w.numel() // E * w.element_size() for w in (ew.w_gate, ew.w_up, ew.w_down)
+                      if w is not None]  # fmt: skip
+        if unused * sum(per_expert) > PADDED_SPARE_BYTES:
+            return None
+    padded = (e1 - e0) * m
+    # one host list, one tensor: the padded rows' tokens, then each (token, slot)'s padded row
+    # (a dropped slot's: row 0, its slot zeroed below)
+    index = [0] * (padded + T * k)
+    for i, e in enumerate(flat):
+        if rank[i] >= 0:
+            row = (e - e0) * m + rank[i]
+            index[row] = i // k
+            index[padded + i] = row
+    index = torch.tensor(index)
+    rows = x.index_select(0, index[:padded]).view(e1 - e0, m, D)
     acc = compute_dtype(x.dtype)
     if ew.is_swiglu:
         gate_up = packed_gate_up(ew.w_gate, ew.w_up)
         y = _swiglu_products(rows, gate_up, ew, slice(e0, e1), _batched_product, acc)
     else:
         y = _general_products(rows, ew, slice(e0, e1), _batched_product, acc)
-    slots = y.view(-1, D).index_select(0, torch.tensor(places)).to(acc).view(T, k, D)
+    slots = y.view(-1, D).index_select(0, index[padded:]).to(acc).view(T, k, D)
     w = weights.to(acc)
-    if dropped:  # zero slot and weight: a NaN weight there must reach nothing
-        w = w.flatten().index_fill(0, torch.tensor(dropped), 0).view(T, k)
+    if len(kept) < T * k:  # zero slot and weight: a NaN weight there must reach nothing
+        dropped = torch.tensor([i for i, r in enumerate(rank) if r < 0])
+        w = w.flatten().index_fill(0, dropped, 0).view(T, k)
         slots.view(T * k, D)[dropped] = 0
     out = slots[:, 0] * w[:, :1]
     for j in range(1, k):
@@ -330,7 +340,7 @@ def experts_forward(x, routing: Routing, ew: ExpertWeights):
     if grouped and rows * max(ew.w_up.shape[1], D) <= GROUP_ELEMENTS and _off_the_host(x):
         return _device_forward(x, routing, ew)
     if _padded_fits(x, ew, rows):
-        out = _padded_forward(x, routing.experts.tolist(), routing.weights, ew)
+        out = _padded_forward(x, routing.experts, routing.weights, ew)
         if out is not None:
             return out
     return _sorted_forward(x, routing, ew)
@@ -519,7 +529,7 @@ def forward(x, top_k_index, top_k_weights, *weights):
     routing = functools.partial(given_routing, top_k_index, top_k_weights, ew.w_up.shape[0])
     if _padded_fits(x, ew, top_k_index.numel()):  # (on a CPU: the device's path never runs)
         # from the ids themselves: no routing sort unless the padding declines
-        out = _padded_forward(x, top_k_index.tolist(), top_k_weights, ew)
+        out = _padded_forward(x, top_k_index, top_k_weights, ew)
         return out if out is not None else _sorted_forward(x, routing(), ew)
     return experts_forward(x, routing(), ew)
 
