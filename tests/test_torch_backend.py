@@ -373,6 +373,36 @@ def test_moe_experts_of_a_few_rows_skip_the_sort_by_expert(monkeypatch, dtype):
         assert cakeops.relative_error(a, b) <= cakeops.tolerance(dtype)
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_grouped_products_only_for_operands_they_take(monkeypatch):
+    """The sorted path's grouped matmuls take float32 operands on a CPU with 16-byte aligned
+    sizes and strides (a packed gate/up tensor's halves qualify); anything else goes one product
+    per expert, with the reference's result (a misaligned weight view would raise in
+    ``torch._grouped_mm``)."""
+    gen = torch.Generator().manual_seed(0)
+    E, D, F, T = 4, 16, 8, 12
+    x = torch.randn(T, D, generator=gen)
+    gate_up = torch.randn(E, 2 * F, D, generator=gen) * 0.2
+    w_down = torch.randn(E, D, F, generator=gen) * 0.2
+    halves = gate_up[:, :F], gate_up[:, F:]
+    assert moe_kernels._grouped(x, *halves, w_down)
+    assert not moe_kernels._grouped(x.double(), *(t.double() for t in (*halves, w_down)))
+    assert not moe_kernels._grouped(x, halves[0], halves[1].bfloat16(), w_down)
+    assert not moe_kernels._grouped(x[:, :6], halves[0][..., :6], halves[1][..., :6],
+                                    w_down[:, :6])  # fmt: skip
+    odd = (torch.randn(E, F, D + 1, generator=gen) * 0.2)[..., :D]  # rows 68 bytes apart
+    assert not moe_kernels._grouped(x, odd, halves[1], w_down)
+    assert not moe_kernels._grouped(x, *halves, w_down.transpose(1, 2).contiguous().mT)
+    monkeypatch.setattr(moe_kernels, "PADDED_ROWS", 0)  # (the sorted path, not the padded one)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)])
+    weights = torch.rand(T, 2, generator=gen)
+    with cakeops.use_backend("torch"):
+        out = cakeops.routed_experts(x, idx, weights, odd, halves[1], w_down)
+    want = cakeops.routed_experts(x.double(), idx, weights.double(), odd.double(),
+                                  halves[1].double(), w_down.double())  # fmt: skip
+    assert cakeops.relative_error(out, want) <= cakeops.tolerance(torch.float32)
+
+
 def test_padded_experts_read_few_weights_of_experts_without_rows(monkeypatch):
     """An expert without rows between two with rows has its weights read by the padded
     products: the path declines beyond ``PADDED_SPARE_BYTES`` of them (big experts: one product

@@ -112,19 +112,25 @@ def _experts(bounds: list[int]):
             yield e, start, end
 
 
+#: The dtype ``torch._grouped_mm`` takes on each device type.
+_GROUPED_DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
+
+
 def _grouped(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes these operands as they are."""
-    if not hasattr(torch, "_grouped_mm") or any(w.dtype != x.dtype for w in weights):
+    """Whether ``torch._grouped_mm`` takes these operands as they are: views of a packed
+    ``(E, 2F, D)`` gate/up tensor qualify, only their strides must be aligned."""
+    dtype = x.dtype
+    if _GROUPED_DTYPE.get(x.device.type) is not dtype or not hasattr(torch, "_grouped_mm"):
         return False
-    if any(w.stride(-1) != 1 for w in weights):
-        return False
-    allowed = {"cpu": (torch.float32,), "cuda": (torch.bfloat16,)}.get(x.device.type, ())
     align = 16 // x.element_size()
     D, F = x.shape[1], weights[0].shape[1]
-    # views of a packed (E, 2F, D) gate/up tensor qualify: only their strides must be aligned
-    strides = [st for w in weights for st in w.stride()[:-1]]
-    aligned = all(st % align == 0 for st in strides)
-    return x.dtype in allowed and D > 0 and F > 0 and D % align == 0 and F % align == 0 and aligned
+    if not D or not F or D % align or F % align:
+        return False
+    for w in weights:
+        *lead, last = w.stride()
+        if w.dtype is not dtype or last != 1 or any(st % align for st in lead):
+            return False
+    return True
 
 
 #: Experts without rows a run takes in between two with rows rather than end: on a CPU a grouped
@@ -336,8 +342,12 @@ def experts_forward(x, routing: Routing, ew: ExpertWeights):
     """The experts and the combine for a routing: ``(T, D)`` in ``x.dtype``."""
     T, D = x.shape
     rows = T * routing.experts.shape[1]
-    grouped = ew.is_swiglu and _grouped(x, ew.w_gate, ew.w_up, ew.w_down)
-    if grouped and rows * max(ew.w_up.shape[1], D) <= GROUP_ELEMENTS and _off_the_host(x):
+    if (
+        _off_the_host(x)
+        and ew.is_swiglu
+        and rows * max(ew.w_up.shape[1], D) <= GROUP_ELEMENTS
+        and _grouped(x, ew.w_gate, ew.w_up, ew.w_down)
+    ):
         return _device_forward(x, routing, ew)
     if _padded_fits(x, ew, rows):
         out = _padded_forward(x, routing.experts, routing.weights, ew)
