@@ -315,7 +315,7 @@ def test_routed_experts_of_a_few_rows_run_slot_by_slot(monkeypatch, T, dtype, fo
     """A decode-sized call (at most ``FEW_ROWS`` (token, slot) rows) of any expert form runs
     each slot's expert directly: no routing sort and no runs of grouped matmuls, whose fixed
     cost is most of such a call; a dropped slot (id >= E, or -1) adds nothing; the result is
-    the sorted path's within the tolerance."""
+    the sorted path's and the reference's within the tolerance."""
     sorted_calls = _calls(monkeypatch, moe_kernels, "given_routing")
     gen = torch.Generator().manual_seed(0)
     E, D, F = 6, 16, 24
@@ -341,6 +341,11 @@ def test_routed_experts_of_a_few_rows_run_slot_by_slot(monkeypatch, T, dtype, fo
         assert len(sorted_calls) == (0 if few else 1)
     assert outs[0].dtype == dtype
     assert cakeops.relative_error(outs[0], outs[1]) <= cakeops.tolerance(dtype)
+    wide = [None if t is None else t.double() for t in (x, weights, w_gate, w_up, w_down)]
+    wide_options = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in options.items()}
+    with cakeops.use_backend("reference"):
+        want = cakeops.routed_experts(wide[0], idx, *wide[1:], **wide_options)
+    assert cakeops.relative_error(outs[0], want) <= cakeops.tolerance(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

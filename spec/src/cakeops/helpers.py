@@ -26,6 +26,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from cakeops._spec import compute_dtype
 
@@ -692,12 +693,28 @@ class Activation(NamedTuple):
             return hg, hu, None, None
         return hg.clamp(max=L), hu.clamp(-L, L), hg <= L, (hu >= -L) & (hu <= L)
 
+    def value(self, g: torch.Tensor) -> torch.Tensor:
+        """``act(g)`` alone (the forward's: :meth:`act` less its derivative, in PyTorch's own
+        fused activations where there is one)."""
+        if self.name == "silu":
+            return F.silu(g) if self.alpha == 1.0 else g * torch.sigmoid(self.alpha * g)
+        if self.name == "gelu":
+            return F.gelu(g)
+        if self.name == "gelu_tanh":
+            return F.gelu(g, approximate="tanh")
+        positive = torch.relu(g)
+        return positive if self.name == "relu" else positive * positive  # relu2
+
     def forward(self, hg: torch.Tensor | None, hu: torch.Tensor) -> torch.Tensor:
-        """``h`` from the gate and up pre-activations (``hg`` None without a gate)."""
+        """``h`` from the gate and up pre-activations (``hg`` None without a gate): no masks,
+        no derivatives (a decode step's experts pay each op)."""
         if not self.gated:
-            return self.act(hu)[0]
-        gate, up, _, _ = self._clamped(hg, hu)
-        return self.act(gate)[0] * (up + self.up_offset)
+            return self.value(hu)
+        L = self.limit
+        if L is not None:
+            hg, hu = hg.clamp(max=L), hu.clamp(-L, L)
+        h = self.value(hg)
+        return h.mul_(hu + self.up_offset) if self.up_offset else h.mul_(hu)
 
     def rows(self, hg, hu, u, w):
         """:func:`swiglu_rows` for this activation: ``(h, <h, u> per row, d_gate, d_up)``

@@ -204,18 +204,19 @@ def _swiglu_products(rows, gate_up, ew: ExpertWeights, experts: slice, product, 
 
 
 def _general_products(rows, ew: ExpertWeights, experts: slice | int, product, acc):
-    """:func:`_swiglu_products` for any expert form (biases, the activations, the limit), the
-    projections in ``acc`` past each product, the output in ``acc``: ``experts`` a slice
-    (padded rows, ``(experts, m, D)``) or one expert's index (its rows, ``(m, D)``)."""
+    """:func:`_swiglu_products` for any expert form (biases, the activations, the limit):
+    ``product(a, w, b)`` is ``a`` times every expert's ``w`` transposed plus its bias ``b``
+    (None: none), in ``acc``; ``experts`` a slice (padded rows, ``(experts, m, D)``) or one
+    expert's index (its rows, ``(m, D)``). The output in ``acc``."""
 
     def bias(b):
-        return 0 if b is None else b[experts].unsqueeze(-2).to(acc)
+        return None if b is None else b[experts]
 
     act = ew.activation
-    hu = product(rows, ew.w_up[experts]).to(acc) + bias(ew.b_up)
-    hg = product(rows, ew.w_gate[experts]).to(acc) + bias(ew.b_gate) if act.gated else None
+    hu = product(rows, ew.w_up[experts], bias(ew.b_up))
+    hg = product(rows, ew.w_gate[experts], bias(ew.b_gate)) if act.gated else None
     h = act.forward(hg, hu).to(rows.dtype)
-    return product(h, ew.w_down[experts]).to(acc) + bias(ew.b_down)
+    return product(h, ew.w_down[experts], bias(ew.b_down))
 
 
 def _grouped_product(offs: torch.Tensor):
@@ -223,14 +224,35 @@ def _grouped_product(offs: torch.Tensor):
     return lambda a, w: torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
 
 
-def _linear_product(mm: torch.dtype):
-    """:func:`_general_products`' ``product`` for one expert's rows, its weights in ``mm``."""
-    return lambda a, w: F.linear(a, w.to(mm))
+def _linear_product(mm: torch.dtype, acc: torch.dtype):
+    """:func:`_general_products`' ``product`` for one expert's rows, its weights in ``mm``: the
+    bias inside the product (one ``addmm``) where the product runs in ``acc``, else added in
+    ``acc`` to the product's result."""
+    if mm == acc:
+        return lambda a, w, b: F.linear(a, w.to(mm), None if b is None else b.to(mm))
+    return lambda a, w, b: _plus(F.linear(a, w.to(mm)).to(acc), b, 0)
 
 
 def _batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """:func:`_swiglu_products`' ``product`` for rows padded per expert, ``(experts, m, D)``."""
     return torch.bmm(a, w.transpose(1, 2))
+
+
+def _padded_product(acc: torch.dtype):
+    """:func:`_general_products`' ``product`` for rows padded per expert: the bias inside the
+    product (one ``baddbmm``) where it runs in ``acc``."""
+
+    def product(a, w, b):
+        if b is None or a.dtype != acc:
+            return _plus(_batched_product(a, w).to(acc), b, 1)
+        return torch.baddbmm(b.unsqueeze(1).to(acc), a, w.transpose(1, 2))
+
+    return product
+
+
+def _plus(y: torch.Tensor, b: torch.Tensor | None, dim: int) -> torch.Tensor:
+    """``y`` plus a bias ``b`` (None: none) of each expert, broadcast over rows at ``dim``."""
+    return y if b is None else y + b.unsqueeze(dim).to(y.dtype)
 
 
 def _off_the_host(x: torch.Tensor) -> bool:
@@ -315,7 +337,7 @@ def _padded_forward(x, ids: torch.Tensor, weights: torch.Tensor, ew: ExpertWeigh
         gate_up = packed_gate_up(ew.w_gate, ew.w_up)
         y = _swiglu_products(rows, gate_up, ew, slice(e0, e1), _batched_product, acc)
     else:
-        y = _general_products(rows, ew, slice(e0, e1), _batched_product, acc)
+        y = _general_products(rows, ew, slice(e0, e1), _padded_product(acc), acc)
     slots = y.view(-1, D).index_select(0, index[padded:]).to(acc).view(T, k, D)
     w = weights.to(acc)
     if len(kept) < T * k:  # zero slot and weight: a NaN weight there must reach nothing
@@ -379,7 +401,7 @@ def _sorted_forward(x, routing: Routing, ew: ExpertWeights):
             h = F.silu((xe @ w_gate[e].to(mm).T).to(acc)).mul_((xe @ w_up[e].to(mm).T).to(acc))
             slots[routing.order[s:t]] = (h.to(mm) @ w_down[e].to(mm).T).to(acc)
     else:
-        product = _linear_product(mm)
+        product = _linear_product(mm, acc)
         for e, s, t in _experts(bounds):
             xe = _rows(x, routing, s, t).to(mm)
             slots[routing.order[s:t]] = _general_products(xe, ew, e, product, acc)
@@ -509,7 +531,7 @@ def few_rows_forward(x, top_k_index, top_k_weights, ew: ExpertWeights):
     acc, mm = compute_dtype(x.dtype), _mm_dtype(x, ew.w_up)
     ids = top_k_index.tolist()
     weights = top_k_weights.to(acc)
-    swiglu, product = ew.is_swiglu, _linear_product(mm)
+    swiglu, product = ew.is_swiglu, _linear_product(mm, acc)
     gate_up = packed_gate_up(ew.w_gate, ew.w_up) if swiglu else None
     F_ = ew.w_up.shape[1]
     out = torch.zeros((T, x.shape[1]), dtype=acc, device=x.device)
