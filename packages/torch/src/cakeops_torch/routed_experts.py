@@ -224,6 +224,20 @@ def _grouped_product(offs: torch.Tensor):
     return lambda a, w: torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
 
 
+def _grouped_biased(offs: torch.Tensor, acc: torch.dtype):
+    """:func:`_general_products`' ``product`` for rows sorted by expert, ``offs`` their ends:
+    each row's bias repeated from its expert's by the experts' row counts."""
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+
+    def product(a, w, b):
+        y = torch._grouped_mm(a, w.transpose(1, 2), offs=offs).to(acc)
+        if b is None:
+            return y
+        return y + torch.repeat_interleave(b.to(acc), counts, dim=0, output_size=y.shape[0])
+
+    return product
+
+
 def _linear_product(mm: torch.dtype, acc: torch.dtype):
     """:func:`_general_products`' ``product`` for one expert's rows, its weights in ``mm``: the
     bias inside the product (one ``addmm``) where the product runs in ``acc``, else added in
@@ -390,10 +404,14 @@ def _sorted_forward(x, routing: Routing, ew: ExpertWeights):
     # Each block's outputs go straight to their (token, slot) places.
     slots = torch.empty((T * top_k, D), dtype=acc, device=x.device)
     gate_up = packed_gate_up(w_gate, w_up) if ew.is_swiglu else None
-    if ew.is_swiglu and _grouped(x, w_gate, w_up, w_down):
-        for e0, e1, s, t, offs in _runs(routing, bounds, max(w_gate.shape[1], D)):
+    if _grouped(x, *(w for w in (w_gate, w_up, w_down) if w is not None)):
+        for e0, e1, s, t, offs in _runs(routing, bounds, max(w_up.shape[1], D)):
             xe = _rows(x, routing, s, t)
-            out = _swiglu_products(xe, gate_up, ew, slice(e0, e1), _grouped_product(offs), acc)
+            if ew.is_swiglu:
+                product = _grouped_product(offs)
+                out = _swiglu_products(xe, gate_up, ew, slice(e0, e1), product, acc)
+            else:
+                out = _general_products(xe, ew, slice(e0, e1), _grouped_biased(offs, acc), acc)
             slots[routing.order[s:t]] = out.to(acc)
     elif ew.is_swiglu:
         for e, s, t in _experts(bounds):
