@@ -106,6 +106,31 @@ def test_forward_backward_and_the_contract():
         SPEC(x=x, scale="2")
 
 
+@pytest.mark.parametrize(
+    "grads, message",
+    [
+        (
+            lambda g, x, scale: (g[:-1],),
+            "returned dx as a float32 tensor of shape \\(5,\\) on cpu, "
+            "expected float32 of shape \\(6,\\) on cpu",
+        ),
+        (lambda g, x, scale: (g.double(),), "returned dx as a float64 tensor of shape \\(6,\\)"),
+        (lambda g, x, scale: ("nothing",), "returned dx as str 'nothing', expected float32"),
+        (lambda g, x, scale: (g, g), "returned 2 gradients, expected 1 \\(x\\)"),
+    ],
+    ids=["shape", "dtype", "not-a-tensor", "count"],
+)
+def test_a_backward_that_returns_wrong_gradients_is_named(monkeypatch, grads, message):
+    """A backend's backward whose gradients are not its inputs' (shape, dtype, type, count)
+    raises a RuntimeError naming the op, the backend and the gradient, on a signature's first
+    call and on later ones (the remembered signature's lean backward)."""
+    monkeypatch.setattr(sys.modules["_cakeops_toy_kernels"], "backward", grads)
+    x = torch.randn(6, requires_grad=True)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=f"{Inputs.op}: backend 'toy' {message}"):
+            torch.autograd.grad(SPEC(x=x, scale=1.5).sum(), x)
+
+
 def test_one_gradient_through_torch_func_compile_and_opcheck():
     x = torch.randn(6)
     grad = torch.func.grad(lambda t: SPEC(x=t, scale=2.0).sum())(x)

@@ -217,13 +217,19 @@ class _Plan:
     """What one signature of an op decided (see ``OpSpec._lean``): the non-tensor arguments as
     ``check`` resolved them (None in a tensor's place) and whether it resolved any, whether
     there is work, the outputs' ``(shape, dtype, device)``, the tensors' device types (and
-    those autocast knows), and the backend chosen under the selection state ``token``."""
+    those autocast knows), and the backend chosen under the selection state ``token``; for
+    :class:`_LeanFunction`, the tensors' positions and the arguments a backward rebuilds its
+    values from (:data:`_SAVED` in a tensor's place)."""
 
-    __slots__ = ("autocast", "backend", "devices", "no_work", "out", "resolved", "resolves",
-                 "second", "token")  # fmt: skip
+    __slots__ = ("autocast", "backend", "devices", "no_work", "out", "params", "resolved",
+                 "resolves", "second", "tensors_at", "token")  # fmt: skip
 
-    def __init__(self, resolved, resolves, no_work, out, second, devices):
-        self.resolved, self.resolves = resolved, resolves
+    def __init__(self, values, resolves, no_work, out, second, devices):
+        tensor = [isinstance(v, torch.Tensor) for v in values]
+        self.resolved = tuple(None if t else v for v, t in zip(values, tensor, strict=True))
+        self.resolves = resolves
+        self.params = tuple(_SAVED if t else v for v, t in zip(values, tensor, strict=True))
+        self.tensors_at = tuple(i for i, t in enumerate(tensor) if t)
         self.no_work, self.out, self.second = no_work, out, second
         self.devices = devices
         #: those of the devices autocast knows (each asked per call whether it is on)
@@ -702,6 +708,37 @@ class OpSpec:
             return out
         return out, _checked(self.name, backend, "the second output", result[1], plan.second)
 
+    def _lean_backward(self, ctx: Any, grads_out: tuple[torch.Tensor, ...]) -> list[Any]:
+        """:meth:`_run_backward` of a :class:`_LeanFunction`'s context, a gradient (or None) for
+        every argument: its values rebuilt from the saved tensors and its plan, each gradient
+        checked against its input in one comparison (the common case)."""
+        saved = iter(ctx.saved_tensors)
+        values = tuple([next(saved) if p is _SAVED else p for p in ctx.params])
+        if self.contiguous_grads:
+            grads_out = tuple([t.contiguous() for t in grads_out])
+        plan, backend = ctx.plan, ctx.kernels
+        if plan.autocast and any(map(_autocast_on, plan.autocast)):
+            grads = _run_kernel(backend, self.name, "backward", *grads_out, *values,
+                                devices=plan.devices)  # fmt: skip
+        else:
+            grads = backend.kernels(self.name).backward(*grads_out, *values)
+        at = self._differentiable_at
+        if len(grads) != len(at):
+            raise RuntimeError(
+                f"{self.name}: backend {backend.name!r} returned {len(grads)} gradients, "
+                f"expected {len(at)} ({', '.join(self.differentiable)})"
+            )
+        result: list[Any] = [None] * len(values)
+        for i, grad in zip(at, grads, strict=True):
+            t = values[i]
+            if t is None:
+                continue
+            like = (t.shape, t.dtype, t.device)
+            if type(grad) is not torch.Tensor or (grad.shape, grad.dtype, grad.device) != like:
+                grad = _checked(self.name, backend, f"d{self.names[i]}", grad, like, False)
+            result[i] = _like(grad, t)
+        return result
+
     def _plan(self, given: tuple[Any, ...], inputs: OpInputs) -> _Plan:
         """What a checked call's signature decides (``given`` its values as passed, ``inputs``
         as ``check`` returned them), for the next call of that signature."""
@@ -713,7 +750,7 @@ class OpSpec:
             shape2, dtype2 = wanted if wanted is not None else ((0,), inputs.dtype)
             second = (torch.Size(shape2), dtype2, device)
         return _Plan(
-            resolved=tuple(None if isinstance(v, torch.Tensor) else v for v in inputs.values()),
+            values=inputs.values(),
             resolves=any(a is not b for a, b in zip(given, inputs.values(), strict=True)),
             no_work=self.no_work(inputs),
             out=(torch.Size(shape), dtype, device),
@@ -758,6 +795,8 @@ class OpSpec:
             ("_layout_index", self.names.index(self.output_layout_of or self.names[0])),
             # the position of second_flag (unread without a second output)
             ("_second_index", self.names.index(self.second_flag) if self.second else 0),
+            # the differentiable arguments' positions, in the order of their gradients
+            ("_differentiable_at", tuple(self.names.index(n) for n in self.differentiable)),
         ):
             object.__setattr__(self, name, value)
 
@@ -1015,10 +1054,10 @@ class _LeanFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, spec: OpSpec, plan: _Plan, *values: Any) -> Any:  # type: ignore[override]
         out = spec._lean_forward(plan, values)
-        ctx.save_for_backward(*(v for v in values if isinstance(v, torch.Tensor)))
-        ctx.params = tuple(_SAVED if isinstance(v, torch.Tensor) else v for v in values)
+        ctx.save_for_backward(*[values[i] for i in plan.tensors_at])
+        ctx.params = plan.params
         # (ctx.backend: the name, as the custom op's context keeps it for OpSpec._backward)
-        ctx.spec, ctx.kernels, ctx.devices = spec, plan.backend, plan.devices
+        ctx.spec, ctx.plan, ctx.kernels = spec, plan, plan.backend
         ctx.backend = plan.backend.name
         if spec.second is not None:
             # an output no gradient reached arrives as None (autograd's zeros: a state-sized
@@ -1034,13 +1073,7 @@ class _LeanFunction(torch.autograd.Function):
             grads_out = _filled(grads_out, ctx.outputs)
         if _may_differentiate_backward():  # the custom op's backward, through the backward op
             return (None, None, *spec._backward(spec._full, ctx, *grads_out))
-        saved = iter(ctx.saved_tensors)
-        values = tuple(next(saved) if p is _SAVED else p for p in ctx.params)
-        inputs = dict(zip(spec.names, values, strict=True))
-        tensors = {name: inputs[name] for name in spec.differentiable}
-        grads = dict(zip(tensors, spec._run_backward(ctx.kernels, grads_out, values, tensors,
-                                                     ctx.devices), strict=True))  # fmt: skip
-        return (None, None, *(grads.get(n) for n in spec.names))
+        return (None, None, *spec._lean_backward(ctx, grads_out))
 
 
 def moved_to_helpers(module: str) -> Callable[[str], Any]:
