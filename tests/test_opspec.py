@@ -131,6 +131,23 @@ def test_a_backward_that_returns_wrong_gradients_is_named(monkeypatch, grads, me
             torch.autograd.grad(SPEC(x=x, scale=1.5).sum(), x)
 
 
+@pytest.mark.parametrize("step, kept", [(3, False), (2, True)], ids=["another", "the-input's"])
+def test_a_gradient_is_laid_out_like_its_input(monkeypatch, step, kept):
+    """A backend's gradient in a layout neither its input's nor ``torch.empty_like``'s of it
+    (the backward's fake kernel's, which a compiled graph relies on) is copied to the latter, on
+    a signature's first call and later ones; one with the input's own strides stays as it is."""
+
+    def backward(g, x, scale):
+        return (torch.zeros(step * x.numel())[::step].copy_(2 * scale * x * g),)
+
+    monkeypatch.setattr(sys.modules["_cakeops_toy_kernels"], "backward", backward)
+    x = torch.randn(12)[::2].requires_grad_()  # a leaf with strides (2,)
+    for _ in range(2):
+        (dx,) = torch.autograd.grad(SPEC(x=x, scale=1.5).sum(), x)
+        assert dx.stride() == ((step,) if kept else torch.empty_like(x).stride())
+        torch.testing.assert_close(dx, 3 * x)
+
+
 def test_one_gradient_through_torch_func_compile_and_opcheck():
     x = torch.randn(6)
     grad = torch.func.grad(lambda t: SPEC(x=t, scale=2.0).sum())(x)

@@ -221,8 +221,8 @@ class _Plan:
     :class:`_LeanFunction`, the tensors' positions and the arguments a backward rebuilds its
     values from (:data:`_SAVED` in a tensor's place)."""
 
-    __slots__ = ("autocast", "backend", "devices", "no_work", "out", "params", "resolved",
-                 "resolves", "second", "tensors_at", "token")  # fmt: skip
+    __slots__ = ("autocast", "backend", "devices", "grad_strides", "no_work", "out", "params",
+                 "resolved", "resolves", "second", "tensors_at", "token")  # fmt: skip
 
     def __init__(self, values, resolves, no_work, out, second, devices):
         tensor = [isinstance(v, torch.Tensor) for v in values]
@@ -230,6 +230,9 @@ class _Plan:
         self.resolves = resolves
         self.params = tuple(_SAVED if t else v for v, t in zip(values, tensor, strict=True))
         self.tensors_at = tuple(i for i, t in enumerate(tensor) if t)
+        #: the strides of ``torch.empty_like`` of each differentiable input (None: not given),
+        #: set by the first backward (:meth:`OpSpec._lean_backward`)
+        self.grad_strides: tuple[Any, ...] | None = None
         self.no_work, self.out, self.second = no_work, out, second
         self.devices = devices
         #: those of the devices autocast knows (each asked per call whether it is on)
@@ -728,15 +731,26 @@ class OpSpec:
                 f"{self.name}: backend {backend.name!r} returned {len(grads)} gradients, "
                 f"expected {len(at)} ({', '.join(self.differentiable)})"
             )
+        strides = plan.grad_strides
+        if strides is None:  # (a signature's layout: the same for every call of it)
+            strides = plan.grad_strides = tuple(
+                None if values[i] is None else torch.empty_like(values[i], device="meta").stride()
+                for i in at
+            )
         result: list[Any] = [None] * len(values)
-        for i, grad in zip(at, grads, strict=True):
+        for i, grad, stride in zip(at, grads, strides, strict=True):
             t = values[i]
             if t is None:
                 continue
             like = (t.shape, t.dtype, t.device)
             if type(grad) is not torch.Tensor or (grad.shape, grad.dtype, grad.device) != like:
                 grad = _checked(self.name, backend, f"d{self.names[i]}", grad, like, False)
-            result[i] = _like(grad, t)
+            # as _like does, with empty_like's strides known
+            got = grad.stride()
+            if got != stride and got != t.stride() and not (grad.is_contiguous()
+                                                            and t.is_contiguous()):  # fmt: skip
+                grad = torch.empty_like(t).copy_(grad)
+            result[i] = grad
         return result
 
     def _plan(self, given: tuple[Any, ...], inputs: OpInputs) -> _Plan:
