@@ -665,6 +665,64 @@ def test_routed_experts_packed_gate_up_in_one_product(monkeypatch, T, path):
         assert cakeops.relative_error(out, want) <= cakeops.tolerance(torch.float32)
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+@pytest.mark.parametrize("packing", ["halves", "interleaved"])
+@pytest.mark.parametrize("T, path", [(2, "few-rows"), (24, "padded"), (24, "sorted")])
+def test_experts_of_any_form_take_one_product_for_packed_gate_and_up(monkeypatch, packing, T,
+                                                                      path):  # fmt: skip
+    """Experts of any form (here gpt-oss's: biases, a clamped SiLU with a slope, an up offset)
+    whose gate and up weights and biases are views of one packed tensor each (Hugging Face's
+    ``gate_up_proj`` and its bias: the halves, or gpt-oss's interleaved rows) take one product
+    for both on every path: two products where separate tensors take three; the result is the
+    reference's."""
+    products = []
+
+    def counted(original):
+        def product(*args, **kwargs):
+            products.append(1)
+            return original(*args, **kwargs)
+
+        return product
+
+    gen = torch.Generator().manual_seed(0)
+    E, D, F = 4, 16, 32
+    gate_up = torch.randn(E, 2 * F, D, generator=gen) * 0.2
+    gate_up_bias = torch.randn(E, 2 * F, generator=gen) * 0.2
+    w_down = torch.randn(E, D, F, generator=gen) * 0.2
+    b_down = torch.randn(E, D, generator=gen) * 0.2
+    x = torch.randn(T, D, generator=gen)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)])
+    weights = torch.rand(T, 2, generator=gen)
+
+    def split(t):
+        return (t[:, :F], t[:, F:]) if packing == "halves" else (t[:, 0::2], t[:, 1::2])
+
+    packed = (*split(gate_up), *split(gate_up_bias))
+    options = {"activation": "silu", "alpha": 1.702, "limit": 0.3, "up_offset": 1.0}
+
+    def call(w_gate, w_up, b_gate, b_up, dtype=torch.float32):
+        t = [v.to(dtype) for v in (x, weights, w_gate, w_up, w_down, b_gate, b_up, b_down)]
+        return cakeops.routed_experts(t[0], idx, t[1], *t[2:5], b_gate=t[5], b_up=t[6],
+                                      b_down=t[7], **options)  # fmt: skip
+
+    for module, name in ((moe_kernels.F, "linear"), (torch, "bmm"), (torch, "baddbmm"),
+                         (torch, "_grouped_mm")):  # fmt: skip
+        monkeypatch.setattr(module, name, counted(getattr(module, name)))
+    if path == "sorted":
+        monkeypatch.setattr(moe_kernels, "PADDED_ROWS", 0)
+    counts, outs = [], []
+    with cakeops.use_backend("torch"):
+        for tensors in (packed, tuple(t.contiguous() for t in packed)):
+            products.clear()
+            outs.append(call(*tensors))
+            counts.append(len(products))
+    assert counts[0] == 2 * counts[1] // 3 and counts[1] % 3 == 0 and counts[1] > 0, counts
+    with cakeops.use_backend("reference"):
+        want = call(*packed, dtype=torch.float64)
+    for out in outs:
+        assert cakeops.relative_error(out, want) <= cakeops.tolerance(torch.float32)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_small_norm_keeps_an_infinity_to_its_own_entry(fused, dtype):

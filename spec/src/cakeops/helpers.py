@@ -765,18 +765,35 @@ class ExpertWeights(NamedTuple):
         return self[:6]
 
 
+def gate_up_pair(gate: torch.Tensor | None, up: torch.Tensor | None):
+    """``(packed, gate's index, up's index)`` when ``gate`` and ``up`` (weights ``(E, F, D)``
+    or biases ``(E, F)``) are two views of one packed tensor along dim 1 whose rows are gate then
+    up (Hugging Face's concatenated ``gate_up_proj``: ``packed[:, :F]`` and ``[:, F:]``) or
+    alternate (its interleaved one, gpt-oss's: ``packed[:, 0::2]`` and ``[:, 1::2]``); else
+    None. ``packed`` is a view, ``(E, 2F, ...)``; the indices select each along its last dim
+    of a product's output. One product with it replaces two: a small call's cost is its
+    products' count."""
+    if gate is None or up is None or gate.shape != up.shape or gate.stride() != up.stride():
+        return None
+    if gate.numel() == 0 or gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr():
+        return None
+    E, F = gate.shape[:2]
+    strides, offset, step = list(gate.stride()), gate.storage_offset(), gate.stride(1)
+    if up.storage_offset() == offset + F * step:  # the halves
+        index: tuple[slice, slice] = (slice(0, F), slice(F, 2 * F))
+    elif step % 2 == 0 and up.storage_offset() == offset + step // 2:  # interleaved
+        strides[1], index = step // 2, (slice(0, None, 2), slice(1, None, 2))
+    else:
+        return None
+    packed = gate.as_strided((E, 2 * F, *gate.shape[2:]), strides, offset)
+    return packed, *index
+
+
 def packed_gate_up(w_gate: torch.Tensor | None, w_up: torch.Tensor) -> torch.Tensor | None:
     """The ``(E, 2F, D)`` tensor whose rows ``:F`` are ``w_gate`` and ``F:`` are ``w_up``, as a
-    view, when the two are halves of one packed tensor (Hugging Face's ``gate_up_proj``); else
-    None. One product with it replaces two: a small call's cost is its products' count."""
-    if w_gate is None or w_gate.shape != w_up.shape or w_gate.stride() != w_up.stride():
-        return None
-    E, F, D = w_gate.shape
-    if E * F * D == 0 or w_gate.untyped_storage().data_ptr() != w_up.untyped_storage().data_ptr():
-        return None
-    if w_up.storage_offset() != w_gate.storage_offset() + F * w_gate.stride(1):
-        return None
-    return w_gate.as_strided((E, 2 * F, D), w_gate.stride(), w_gate.storage_offset())
+    view, when the two are halves of one packed tensor (:func:`gate_up_pair`); else None."""
+    pair = gate_up_pair(w_gate, w_up)
+    return pair[0] if pair is not None and pair[1].step is None else None
 
 
 def row_tiles(routing: Routing, block: int) -> tuple[torch.Tensor, ...]:

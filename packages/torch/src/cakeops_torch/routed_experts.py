@@ -41,6 +41,7 @@ from cakeops.helpers import (
     Routing,
     cast_grads,
     combine,
+    gate_up_pair,
     given_routing,
     packed_gate_up,
     row_weights,
@@ -203,20 +204,43 @@ def _swiglu_products(rows, gate_up, ew: ExpertWeights, experts: slice, product, 
     return product(F.silu(hg).mul_(hu).to(rows.dtype), ew.w_down[experts])
 
 
-def _general_products(rows, ew: ExpertWeights, experts: slice | int, product, acc):
+def _general_products(rows, ew: ExpertWeights, experts: slice | int, product, acc, pair=None):
     """:func:`_swiglu_products` for any expert form (biases, the activations, the limit):
     ``product(a, w, b)`` is ``a`` times every expert's ``w`` transposed plus its bias ``b``
     (None: none), in ``acc``; ``experts`` a slice (padded rows, ``(experts, m, D)``) or one
-    expert's index (its rows, ``(m, D)``). The output in ``acc``."""
+    expert's index (its rows, ``(m, D)``); ``pair`` the call's :func:`_gate_up`, where its caller
+    has it. The output in ``acc``."""
 
     def bias(b):
         return None if b is None else b[experts]
 
     act = ew.activation
-    hu = product(rows, ew.w_up[experts], bias(ew.b_up))
-    hg = product(rows, ew.w_gate[experts], bias(ew.b_gate)) if act.gated else None
+    if pair is None and act.gated:
+        pair = _gate_up(ew)
+    if pair:  # one product for both (gpt-oss's interleaved gate_up_proj too)
+        w, b, gate, up = pair
+        y = product(rows, w[experts], bias(b))
+        hg, hu = y[..., gate], y[..., up]
+    else:
+        hu = product(rows, ew.w_up[experts], bias(ew.b_up))
+        hg = product(rows, ew.w_gate[experts], bias(ew.b_gate)) if act.gated else None
     h = act.forward(hg, hu).to(rows.dtype)
     return product(h, ew.w_down[experts], bias(ew.b_down))
+
+
+def _gate_up(ew: ExpertWeights):
+    """``(packed weights, packed biases or None, gate's index, up's index)`` where the gate and
+    up projections (and their biases, if any) are views of one packed tensor each, packed the
+    same way (:func:`cakeops.helpers.gate_up_pair`); else ``()``."""
+    weights = gate_up_pair(ew.w_gate, ew.w_up)
+    if weights is None:
+        return ()
+    if ew.b_gate is None and ew.b_up is None:
+        return weights[0], None, *weights[1:]
+    biases = gate_up_pair(ew.b_gate, ew.b_up)
+    if biases is None or biases[1:] != weights[1:]:
+        return ()
+    return weights[0], biases[0], *weights[1:]
 
 
 def _grouped_product(offs: torch.Tensor):
@@ -409,6 +433,7 @@ def _sorted_forward(x, routing: Routing, ew: ExpertWeights):
     # Each block's outputs go straight to their (token, slot) places.
     slots = torch.empty((T * top_k, D), dtype=acc, device=x.device)
     gate_up = packed_gate_up(w_gate, w_up) if ew.is_swiglu else None
+    pair = _gate_up(ew) if not ew.is_swiglu and ew.activation.gated else ()
     if _grouped(x, *(w for w in (w_gate, w_up, w_down) if w is not None)):
         for e0, e1, s, t, offs in _runs(routing, bounds, max(w_up.shape[1], D)):
             xe = _rows(x, routing, s, t)
@@ -416,7 +441,8 @@ def _sorted_forward(x, routing: Routing, ew: ExpertWeights):
                 product = _grouped_product(offs)
                 out = _swiglu_products(xe, gate_up, ew, slice(e0, e1), product, acc)
             else:
-                out = _general_products(xe, ew, slice(e0, e1), _grouped_biased(offs, acc), acc)
+                product = _grouped_biased(offs, acc)
+                out = _general_products(xe, ew, slice(e0, e1), product, acc, pair)
             slots[routing.order[s:t]] = out.to(acc)
     elif ew.is_swiglu:
         for e, s, t in _experts(bounds):
@@ -427,7 +453,7 @@ def _sorted_forward(x, routing: Routing, ew: ExpertWeights):
         product = _linear_product(mm, acc)
         for e, s, t in _experts(bounds):
             xe = _rows(x, routing, s, t).to(mm)
-            slots[routing.order[s:t]] = _general_products(xe, ew, e, product, acc)
+            slots[routing.order[s:t]] = _general_products(xe, ew, e, product, acc, pair)
     _drop(slots, routing, T * top_k - bounds[-1])
     return weighted_slot_sum(slots, routing).to(x.dtype)
 
@@ -556,6 +582,7 @@ def few_rows_forward(x, top_k_index, top_k_weights, ew: ExpertWeights):
     weights = top_k_weights.to(acc)
     swiglu, product = ew.is_swiglu, _linear_product(mm, acc)
     gate_up = packed_gate_up(ew.w_gate, ew.w_up) if swiglu else None
+    pair = _gate_up(ew) if not swiglu and ew.activation.gated else ()
     F_ = ew.w_up.shape[1]
     out = torch.zeros((T, x.shape[1]), dtype=acc, device=x.device)
     for t in range(T):
@@ -564,7 +591,7 @@ def few_rows_forward(x, top_k_index, top_k_weights, ew: ExpertWeights):
             if not 0 <= e < E:  # a dropped slot
                 continue
             if not swiglu:  # as _sorted_forward's general experts
-                y = _general_products(row, ew, e, product, acc)
+                y = _general_products(row, ew, e, product, acc, pair)
             else:
                 if gate_up is not None:  # one product for both halves
                     hgu = F.linear(row, gate_up[e].to(mm)).to(acc)
