@@ -32,3 +32,5 @@ def test_a_benchmark_script_runs_quick(script):
     if script.name == "call_overhead.py":
         for name in SPECS:  # every op: forward, forward with caches cold and forward+backward
             assert done.stdout.count(f"`{name}` (") == 3, done.stdout
+            # and a row in the bare Function's table and the phases' table
+            assert done.stdout.count(f"| `{name}` | ") == 2, done.stdout

@@ -4,7 +4,7 @@ math a model would run instead.
 
     python spec/benchmarks/call_overhead.py [--quick] [--markdown docs/bench/cpu/call_overhead.md]
 
-Two tables, medians of the contenders timed in alternation:
+Three tables, medians of the contenders timed in alternation:
 
 - **calls**: forward under ``no_grad`` and forward+backward, for the op, its kernels alone and
   the composite; the op's ratio to the composite (#37's goal: 1.0x or less) and its fixed cost,
@@ -12,6 +12,9 @@ Two tables, medians of the contenders timed in alternation:
   and with caches cold, each call after a matrix product of 32 MiB of weights (what a model
   runs between two of a decode step's calls: there, a call's Python and small tensors come
   from memory, and a path of many small steps costs several times its hot figure).
+- **the floor** of forward+backward: the same kernels in a bare ``torch.autograd.Function``
+  (no checks, no signature, no selection), what any autograd wrapper in Python pays over the
+  kernels, and the spec's share above it.
 - **phases** of the forward: the lean call (a signature checked before; what a decode step
   runs), every check of a first call, the backend's selection, the custom op's dispatch (the
   dispatcher's boxing and redispatch, the difference between ``cakeops::<op>`` and the Python
@@ -191,6 +194,33 @@ def between_products(quick: bool) -> Callable[[], Any]:
     return lambda: F.linear(x, weight)
 
 
+def bare_function(spec: Any, kernels: Any, values: tuple[Any, ...]) -> Callable[..., Any]:
+    """The op as a bare ``torch.autograd.Function`` around the same kernels: no checks, no
+    signature, no selection, the gradients unchecked. Its forward+backward over the kernels' is
+    what any autograd wrapper written in Python pays (the Function, its context, the engine's
+    walk), the floor under the op's."""
+
+    class Bare(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, *args: Any) -> Any:
+            ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)))
+            ctx.args = args
+            return kernels.forward(*args)
+
+        @staticmethod
+        def backward(ctx: Any, *grads_out: Any) -> Any:
+            _ = ctx.saved_tensors  # (as a real Function unpacks them: the version check)
+            if len(grads_out) > 1 and grads_out[1] is None:  # the kernels' "no gradient"
+                grads_out = (grads_out[0], torch.zeros(0))
+            grads = kernels.backward(*grads_out, *ctx.args)
+            out = [None] * len(ctx.args)
+            for i, grad in zip(spec._differentiable_at, grads, strict=True):
+                out[i] = grad if isinstance(ctx.args[i], torch.Tensor) else None
+            return tuple(out)
+
+    return lambda: Bare.apply(*values)
+
+
 def measure(name: str, quick: bool) -> tuple[str, dict[str, float]]:
     """The chosen backend's name and the median microseconds of the op, its kernels and the
     composite, forward without autograd and forward+backward, at decode size."""
@@ -209,10 +239,13 @@ def measure(name: str, quick: bool) -> tuple[str, dict[str, float]]:
         "kernel fwd": lambda: kernels.forward(*values),
         "composite fwd": _no_grad(lambda: composite(**arguments)),
     }
+    bare = bare_function(spec, kernels, tuple(leaves.get(n, v) for n, v in
+                                              zip(spec.names, values, strict=True)))  # fmt: skip
     step = {
         "op fwd+bwd": lambda: torch.autograd.grad(_first(op(**leaves)), grads_of, g),
         "kernels fwd+bwd": kernels_step,
         "composite fwd+bwd": lambda: torch.autograd.grad(_first(composite(**leaves)), grads_of, g),
+        "bare Function fwd+bwd": lambda: torch.autograd.grad(_first(bare()), grads_of, g),
     }
     # two groups, each in alternation: a forward timed right after a forward+backward would
     # start with the caches the backward's weight gradients emptied
@@ -266,6 +299,22 @@ def tables(
                 f"{us[composite]:.0f} | {us[op] / us[composite]:.2f}x | "
                 f"{us[op] - us[kernel]:.0f} |"
             )
+    lines += [
+        "",
+        "Forward+backward through a bare `torch.autograd.Function` around the same kernels (no "
+        "checks, no signature, no selection): what any autograd wrapper written in Python pays "
+        "over the kernels, the floor under the op's fixed cost, and the spec's share above it.",
+        "",
+        "| op | kernels (us) | bare Function (us) | its cost over the kernels (us) | op (us) "
+        "| the spec's share (us) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, (_, us) in results.items():
+        kernels, bare, op = us["kernels fwd+bwd"], us["bare Function fwd+bwd"], us["op fwd+bwd"]
+        lines.append(
+            f"| `{name}` | {kernels:.0f} | {bare:.0f} | {bare - kernels:.0f} | {op:.0f} "
+            f"| {op - bare:.0f} |"
+        )
     lines += [
         "",
         "The forward's phases on tiny inputs (those of `--quick`), microseconds: the lean "
