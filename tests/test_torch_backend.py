@@ -618,6 +618,34 @@ def test_gate_factors_drop_only_what_is_under_the_floor():
     assert torch.isnan(drop_tiny_(y)[4])
 
 
+def _counted_products(monkeypatch) -> list[int]:
+    """A list that grows by one at each matrix product the torch experts make (``F.linear``,
+    ``bmm``, ``baddbmm``, ``_grouped_mm``) while the test runs."""
+    products: list[int] = []
+
+    def counted(original):
+        def product(*args, **kwargs):
+            products.append(1)
+            return original(*args, **kwargs)
+
+        return product
+
+    for module, name in ((moe_kernels.F, "linear"), (torch, "bmm"), (torch, "baddbmm"),
+                         (torch, "_grouped_mm")):  # fmt: skip
+        monkeypatch.setattr(module, name, counted(getattr(module, name)))
+    return products
+
+
+def _packed_experts(gen, E: int, D: int, F: int, T: int):
+    """``(gate_up (E, 2F, D), w_down, x, ids, weights)``: small experts with a packed gate/up
+    and ``T`` tokens' inputs, each token's two experts distinct."""
+    gate_up = torch.randn(E, 2 * F, D, generator=gen) * 0.2
+    w_down = torch.randn(E, D, F, generator=gen) * 0.2
+    x = torch.randn(T, D, generator=gen)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)])
+    return gate_up, w_down, x, idx, torch.rand(T, 2, generator=gen)
+
+
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
 @pytest.mark.parametrize("T, path", [(2, "few-rows"), (24, "grouped"), (24, "padded")])
 def test_routed_experts_packed_gate_up_in_one_product(monkeypatch, T, path):
@@ -627,29 +655,13 @@ def test_routed_experts_packed_gate_up_in_one_product(monkeypatch, T, path):
     (an interleaved packing) take two."""
     from cakeops.helpers import packed_gate_up
 
-    products = []
-
-    def counted(original):
-        def product(*args, **kwargs):
-            products.append(1)
-            return original(*args, **kwargs)
-
-        return product
-
-    gen = torch.Generator().manual_seed(0)
-    E, D, F = 4, 16, 32
-    gate_up = torch.randn(E, 2 * F, D, generator=gen) * 0.2
-    w_down = torch.randn(E, D, F, generator=gen) * 0.2
-    x = torch.randn(T, D, generator=gen)
-    idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)])
-    weights = torch.rand(T, 2, generator=gen)
+    gen, E, D, F = torch.Generator().manual_seed(0), 4, 16, 32
+    gate_up, w_down, x, idx, weights = _packed_experts(gen, E, D, F, T)
     halves = gate_up[:, :F], gate_up[:, F:]
     interleaved = gate_up[:, 0::2], gate_up[:, 1::2]
     assert packed_gate_up(*halves) is not None and packed_gate_up(*interleaved) is None
     assert packed_gate_up(*(t.contiguous() for t in halves)) is None
-    monkeypatch.setattr(moe_kernels.F, "linear", counted(moe_kernels.F.linear))
-    monkeypatch.setattr(torch, "_grouped_mm", counted(torch._grouped_mm))
-    monkeypatch.setattr(torch, "bmm", counted(torch.bmm))
+    products = _counted_products(monkeypatch)
     if path == "grouped":
         monkeypatch.setattr(moe_kernels, "PADDED_ROWS", 0)
     counts, outs = [], []
@@ -675,24 +687,10 @@ def test_experts_of_any_form_take_one_product_for_packed_gate_and_up(monkeypatch
     ``gate_up_proj`` and its bias: the halves, or gpt-oss's interleaved rows) take one product
     for both on every path: two products where separate tensors take three; the result is the
     reference's."""
-    products = []
-
-    def counted(original):
-        def product(*args, **kwargs):
-            products.append(1)
-            return original(*args, **kwargs)
-
-        return product
-
-    gen = torch.Generator().manual_seed(0)
-    E, D, F = 4, 16, 32
-    gate_up = torch.randn(E, 2 * F, D, generator=gen) * 0.2
+    gen, E, D, F = torch.Generator().manual_seed(0), 4, 16, 32
+    gate_up, w_down, x, idx, weights = _packed_experts(gen, E, D, F, T)
     gate_up_bias = torch.randn(E, 2 * F, generator=gen) * 0.2
-    w_down = torch.randn(E, D, F, generator=gen) * 0.2
     b_down = torch.randn(E, D, generator=gen) * 0.2
-    x = torch.randn(T, D, generator=gen)
-    idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)])
-    weights = torch.rand(T, 2, generator=gen)
 
     def split(t):
         return (t[:, :F], t[:, F:]) if packing == "halves" else (t[:, 0::2], t[:, 1::2])
@@ -705,9 +703,7 @@ def test_experts_of_any_form_take_one_product_for_packed_gate_and_up(monkeypatch
         return cakeops.routed_experts(t[0], idx, t[1], *t[2:5], b_gate=t[5], b_up=t[6],
                                       b_down=t[7], **options)  # fmt: skip
 
-    for module, name in ((moe_kernels.F, "linear"), (torch, "bmm"), (torch, "baddbmm"),
-                         (torch, "_grouped_mm")):  # fmt: skip
-        monkeypatch.setattr(module, name, counted(getattr(module, name)))
+    products = _counted_products(monkeypatch)
     if path == "sorted":
         monkeypatch.setattr(moe_kernels, "PADDED_ROWS", 0)
     counts, outs = [], []
