@@ -392,15 +392,23 @@ def _absent(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=like.dtype, device=like.device)
 
 
-def _like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def _like(
+    grad: torch.Tensor, t: torch.Tensor, empty: tuple[int, ...] | None = None
+) -> torch.Tensor:
     """``grad`` laid out as ``torch.empty_like(t)`` (the backward's fake kernel): a backend
     may return any strides, but a compiled graph relies on the fake's (a copy only when they
-    differ)."""
-    if grad.stride() == t.stride() or (grad.is_contiguous() and t.is_contiguous()):
+    differ). ``empty``: that layout's strides, where known (:func:`_empty_like_stride`)."""
+    got = grad.stride()
+    if got == t.stride() or (grad.is_contiguous() and t.is_contiguous()):
         return grad
-    if grad.stride() == torch.empty_like(t, device="meta").stride():
+    if got == (_empty_like_stride(t) if empty is None else empty):
         return grad
     return torch.empty_like(t).copy_(grad)
+
+
+def _empty_like_stride(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides ``torch.empty_like(t)`` gives (no memory: a meta tensor)."""
+    return torch.empty_like(t, device="meta").stride()
 
 
 def _unwrapped(grads: tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -712,44 +720,15 @@ class OpSpec:
         return out, _checked(self.name, backend, "the second output", result[1], plan.second)
 
     def _lean_backward(self, ctx: Any, grads_out: tuple[torch.Tensor, ...]) -> list[Any]:
-        """:meth:`_run_backward` of a :class:`_LeanFunction`'s context, a gradient (or None) for
-        every argument: its values rebuilt from the saved tensors and its plan, each gradient
-        checked against its input in one comparison (the common case)."""
+        """A :class:`_LeanFunction`'s gradients, one (or None) for every argument: its values
+        rebuilt from the saved tensors and the plan's arguments, :meth:`_run_backward` with
+        what the plan knows."""
         saved = iter(ctx.saved_tensors)
         values = tuple([next(saved) if p is _SAVED else p for p in ctx.params])
-        if self.contiguous_grads:
-            grads_out = tuple([t.contiguous() for t in grads_out])
-        plan, backend = ctx.plan, ctx.kernels
-        if plan.autocast and any(map(_autocast_on, plan.autocast)):
-            grads = _run_kernel(backend, self.name, "backward", *grads_out, *values,
-                                devices=plan.devices)  # fmt: skip
-        else:
-            grads = backend.kernels(self.name).backward(*grads_out, *values)
-        at = self._differentiable_at
-        if len(grads) != len(at):
-            raise RuntimeError(
-                f"{self.name}: backend {backend.name!r} returned {len(grads)} gradients, "
-                f"expected {len(at)} ({', '.join(self.differentiable)})"
-            )
-        strides = plan.grad_strides
-        if strides is None:  # (a signature's layout: the same for every call of it)
-            strides = plan.grad_strides = tuple(
-                None if values[i] is None else torch.empty_like(values[i], device="meta").stride()
-                for i in at
-            )
+        plan = ctx.plan
+        grads = self._run_backward(ctx.kernels, grads_out, values, plan.devices, plan)
         result: list[Any] = [None] * len(values)
-        for i, grad, stride in zip(at, grads, strides, strict=True):
-            t = values[i]
-            if t is None:
-                continue
-            like = (t.shape, t.dtype, t.device)
-            if type(grad) is not torch.Tensor or (grad.shape, grad.dtype, grad.device) != like:
-                grad = _checked(self.name, backend, f"d{self.names[i]}", grad, like, False)
-            # as _like does, with empty_like's strides known
-            got = grad.stride()
-            if got != stride and got != t.stride() and not (grad.is_contiguous()
-                                                            and t.is_contiguous()):  # fmt: skip
-                grad = torch.empty_like(t).copy_(grad)
+        for i, grad in zip(self._differentiable_at, grads, strict=True):
             result[i] = grad
         return result
 
@@ -921,7 +900,7 @@ class OpSpec:
                 tuple(_absent(g) if t is None else torch.zeros_like(t) for t in tensors.values())
             )
         backend = select(self.name, inputs)
-        grads = self._run_backward(backend, grads_out, inputs.values(), tensors)
+        grads = self._run_backward(backend, grads_out, inputs.values())
         return _unwrapped(tuple(_absent(g) if t is None else d
                                 for t, d in zip(tensors.values(), grads, strict=True)))  # fmt: skip
 
@@ -930,30 +909,43 @@ class OpSpec:
         backend: Backend,
         grads_out: tuple[torch.Tensor, ...],
         values: tuple[Any, ...],
-        tensors: Mapping[str, torch.Tensor | None],
         devices: frozenset[str] | None = None,
+        plan: _Plan | None = None,
     ) -> list[torch.Tensor | None]:
         """``backend``'s backward kernel of checked ``values``: each differentiable input's
-        gradient (``tensors``: those inputs by name), checked and laid out like it (None for an
-        input not given)."""
+        gradient in :attr:`differentiable`'s order, checked and laid out like it (None for an
+        input not given). ``plan``: a remembered signature's, whose autocast devices and
+        gradients' layouts are known (each gradient then checked in one comparison)."""
         if self.contiguous_grads:
-            grads_out = tuple(t.contiguous() for t in grads_out)
-        grads = _run_kernel(backend, self.name, "backward", *grads_out, *values, devices=devices)
-        if len(grads) != len(tensors):
+            grads_out = tuple([t.contiguous() for t in grads_out])
+        if plan is None or (plan.autocast and any(map(_autocast_on, plan.autocast))):
+            grads = _run_kernel(backend, self.name, "backward", *grads_out, *values,
+                                devices=devices)  # fmt: skip
+        else:  # the common case: autocast off
+            grads = backend.kernels(self.name).backward(*grads_out, *values)
+        at = self._differentiable_at
+        if len(grads) != len(at):
             raise RuntimeError(
                 f"{self.name}: backend {backend.name!r} returned {len(grads)} gradients, "
-                f"expected {len(tensors)} ({', '.join(tensors)})"
+                f"expected {len(at)} ({', '.join(self.differentiable)})"
             )
-        return [
-            None
-            if t is None
-            else _like(
-                # laid out by _like: a gradient with its input's strides stays as it is
-                _checked(self.name, backend, f"d{name}", grad, (t.shape, t.dtype, t.device), False),
-                t,
+        strides = None if plan is None else plan.grad_strides
+        if plan is not None and strides is None:  # (a signature's layouts: the same each call)
+            strides = plan.grad_strides = tuple(
+                None if values[i] is None else _empty_like_stride(values[i]) for i in at
             )
-            for (name, t), grad in zip(tensors.items(), grads, strict=True)
-        ]
+        result: list[torch.Tensor | None] = []
+        for j, (i, grad) in enumerate(zip(at, grads, strict=True)):
+            t = values[i]
+            if t is None:
+                result.append(None)
+                continue
+            like = (t.shape, t.dtype, t.device)
+            if type(grad) is not torch.Tensor or (grad.shape, grad.dtype, grad.device) != like:
+                grad = _checked(self.name, backend, f"d{self.names[i]}", grad, like, False)
+            # laid out by _like: a gradient with its input's strides stays as it is
+            result.append(_like(grad, t, None if strides is None else strides[j]))
+        return result
 
     def _split_grads(self, g: torch.Tensor, values: tuple[Any, ...]):
         """``((grad_output[, grad_second]), the op's arguments)`` of the backward op's."""
