@@ -231,7 +231,7 @@ class _Plan:
         self.params = tuple(_SAVED if t else v for v, t in zip(values, tensor, strict=True))
         self.tensors_at = tuple(i for i, t in enumerate(tensor) if t)
         #: the strides of ``torch.empty_like`` of each differentiable input (None: not given),
-        #: set by the first backward (:meth:`OpSpec._lean_backward`)
+        #: set by the first backward (:meth:`OpSpec._run_backward`)
         self.grad_strides: tuple[Any, ...] | None = None
         self.no_work, self.out, self.second = no_work, out, second
         self.devices = devices
@@ -404,6 +404,13 @@ def _like(
     if got == (_empty_like_stride(t) if empty is None else empty):
         return grad
     return torch.empty_like(t).copy_(grad)
+
+
+def _saved_values(ctx: Any) -> tuple[Any, ...]:
+    """A backward's argument values: the saved tensors in :data:`_SAVED`'s places of
+    ``ctx.params`` (the custom op's context and :class:`_LeanFunction`'s alike)."""
+    saved = iter(ctx.saved_tensors)
+    return tuple([next(saved) if p is _SAVED else p for p in ctx.params])
 
 
 def _empty_like_stride(t: torch.Tensor) -> tuple[int, ...]:
@@ -723,8 +730,7 @@ class OpSpec:
         """A :class:`_LeanFunction`'s gradients, one (or None) for every argument: its values
         rebuilt from the saved tensors and the plan's arguments, :meth:`_run_backward` with
         what the plan knows."""
-        saved = iter(ctx.saved_tensors)
-        values = tuple([next(saved) if p is _SAVED else p for p in ctx.params])
+        values = _saved_values(ctx)
         plan = ctx.plan
         grads = self._run_backward(ctx.kernels, grads_out, values, plan.devices, plan)
         result: list[Any] = [None] * len(values)
@@ -978,8 +984,7 @@ class OpSpec:
         )
 
     def _backward(self, ops: _Ops, ctx: Any, *grads_out: torch.Tensor) -> tuple[Any, ...]:
-        saved = iter(ctx.saved_tensors)
-        values = tuple(next(saved) if p is _SAVED else p for p in ctx.params)
+        values = _saved_values(ctx)
         with forcing(ctx.backend, self.name) if ctx.backend else contextlib.nullcontext():
             if torch.compiler.is_compiling() or not _may_differentiate_backward():
                 grads = ops.backward(*grads_out, *values)
