@@ -649,18 +649,18 @@ def _packed_experts(gen, E: int, D: int, F: int, T: int):
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
 @pytest.mark.parametrize("T, path", [(2, "few-rows"), (24, "grouped"), (24, "padded")])
 def test_routed_experts_packed_gate_up_in_one_product(monkeypatch, T, path):
-    """Gate and up projections that are the halves of one packed tensor (Hugging Face's
-    ``gate_up_proj``) take one product for both (a small call's cost is its products' count):
-    the result is the separate tensors' within the tolerance; views that are not adjacent halves
-    (an interleaved packing) take two."""
-    from cakeops.helpers import packed_gate_up
+    """Gate and up projections that are views of one packed tensor (Hugging Face's
+    ``gate_up_proj``: its halves, or gpt-oss's interleaved rows) take one product for both (a
+    small call's cost is its products' count): the result is the separate tensors' within the
+    tolerance; separate tensors take two."""
+    from cakeops.helpers import gate_up_pair
 
     gen, E, D, F = torch.Generator().manual_seed(0), 4, 16, 32
     gate_up, w_down, x, idx, weights = _packed_experts(gen, E, D, F, T)
     halves = gate_up[:, :F], gate_up[:, F:]
     interleaved = gate_up[:, 0::2], gate_up[:, 1::2]
-    assert packed_gate_up(*halves) is not None and packed_gate_up(*interleaved) is None
-    assert packed_gate_up(*(t.contiguous() for t in halves)) is None
+    assert gate_up_pair(*halves) is not None and gate_up_pair(*interleaved) is not None
+    assert gate_up_pair(*(t.contiguous() for t in halves)) is None
     products = _counted_products(monkeypatch)
     if path == "grouped":
         monkeypatch.setattr(moe_kernels, "PADDED_ROWS", 0)
@@ -670,10 +670,10 @@ def test_routed_experts_packed_gate_up_in_one_product(monkeypatch, T, path):
             products.clear()
             outs.append(cakeops.routed_experts(x, idx, weights, w_gate, w_up, w_down))
             counts.append(len(products))
-    assert counts[0] == 2 * counts[1] // 3 and counts[1] == counts[2] > 0, counts
-    want = cakeops.routed_experts(x.double(), idx, weights.double(), *(t.double() for t in halves),
-                                  w_down.double())  # fmt: skip
-    for out in outs[:2]:
+    assert counts[0] == counts[2] == 2 * counts[1] // 3 > 0, counts
+    for out, (w_gate, w_up) in zip(outs, (halves, halves, interleaved), strict=True):
+        want = cakeops.routed_experts(x.double(), idx, weights.double(), w_gate.double(),
+                                      w_up.double(), w_down.double())  # fmt: skip
         assert cakeops.relative_error(out, want) <= cakeops.tolerance(torch.float32)
 
 
@@ -735,3 +735,15 @@ def test_small_norm_keeps_an_infinity_to_its_own_entry(fused, dtype):
                                                   [False] * 16 + [True] * 16]))  # fmt: skip
     finite = want.isfinite()
     torch.testing.assert_close(got[finite].double(), want[finite], rtol=1e-6, atol=0)
+
+
+def test_index_tensor_is_the_list_as_int64():
+    """``helpers.index_tensor`` (the experts' bookkeeping's host lists as tensors, through their
+    bytes): the list's values, int64, for empty lists and values past int32 too."""
+    from cakeops.helpers import index_tensor
+
+    values = [0, -1, 5, 2**40, -(2**62), 7]
+    got = index_tensor(values)
+    assert got.dtype == torch.int64 and got.tolist() == values
+    assert index_tensor([]).shape == (0,) and index_tensor([]).dtype == torch.int64
+    assert index_tensor(values, "meta").device.type == "meta"

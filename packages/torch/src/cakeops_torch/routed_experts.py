@@ -22,10 +22,12 @@ of the widest temporary, so memory stays bounded like the loop's. Anywhere else 
 loop runs. On a CPU the SwiGLU part of the backward of a big block is one inductor-compiled loop
 (:mod:`cakeops_torch._compile`).
 
-Those fast paths serve the default experts (SiLU-gated, no biases). Every other form (biases,
-another activation, a limit or offset, no gate: :class:`cakeops.helpers.ExpertWeights`) runs
-the per-expert loop with :class:`cakeops.helpers.Activation`. Slots with ids ``>= E`` (dropped)
-are zeros in the combine and get zero gradients.
+Every expert form (biases, another activation, a limit or offset, no gate:
+:class:`cakeops.helpers.ExpertWeights`) takes those paths, with
+:class:`cakeops.helpers.Activation`; gate and up weights that are views of one packed tensor
+(halves or interleaved) take one product for both. Calls of a few rows on a CPU go slot by slot
+(:func:`few_rows_forward`) or through two padded ``bmm`` (:func:`_padded_forward`). Slots with
+ids ``>= E`` or ``-1`` (dropped) are zeros in the combine and get zero gradients.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from cakeops.helpers import (
     combine,
     gate_up_pair,
     given_routing,
-    packed_gate_up,
+    index_tensor,
     row_weights,
     slot_sum,
     swiglu_rows,
@@ -188,16 +190,15 @@ def _drop(t: torch.Tensor, routing: Routing, dropped: int) -> None:
         t[routing.order[-dropped:]] = 0
 
 
-def _swiglu_products(rows, gate_up, ew: ExpertWeights, experts: slice, product, acc):
+def _swiglu_products(rows, pair, ew: ExpertWeights, experts: slice, product, acc):
     """The default experts' three projections of ``rows`` by experts ``experts``, each
     ``product(a, w)``: ``a`` times every expert's ``w`` transposed (a grouped matmul over sorted
-    rows, or ``bmm`` over padded ones); gate and up in one product where they are the halves of
-    ``gate_up`` (:func:`packed_gate_up`), the SiLU gate in ``acc``, the down projection's input
-    and output in ``rows``' dtype."""
-    F_ = ew.w_up.shape[1]
-    if gate_up is not None:  # one product for both halves
-        hgu = product(rows, gate_up[experts]).to(acc)
-        hg, hu = hgu[..., :F_], hgu[..., F_:]
+    rows, or ``bmm`` over padded ones); gate and up in one product where they are views of one
+    packed tensor (``pair``: the call's :func:`_gate_up`, halves or interleaved), the SiLU gate
+    in ``acc``, the down projection's input and output in ``rows``' dtype."""
+    if pair:  # one product for both
+        hgu = product(rows, pair[0][experts]).to(acc)
+        hg, hu = hgu[..., pair[2]], hgu[..., pair[3]]
     else:
         hg = product(rows, ew.w_gate[experts]).to(acc)
         hu = product(rows, ew.w_up[experts]).to(acc)
@@ -262,13 +263,19 @@ def _grouped_biased(offs: torch.Tensor, acc: torch.dtype):
     return product
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: ``t`` itself when it is (a no-op ``.to`` costs a decode step's
+    products a microsecond each)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _linear_product(mm: torch.dtype, acc: torch.dtype):
     """:func:`_general_products`' ``product`` for one expert's rows, its weights in ``mm``: the
     bias inside the product (one ``addmm``) where the product runs in ``acc``, else added in
     ``acc`` to the product's result."""
     if mm == acc:
-        return lambda a, w, b: F.linear(a, w.to(mm), None if b is None else b.to(mm))
-    return lambda a, w, b: _plus(F.linear(a, w.to(mm)).to(acc), b, 0)
+        return lambda a, w, b: F.linear(a, _as(w, mm), None if b is None else _as(b, mm))
+    return lambda a, w, b: _plus(F.linear(a, _as(w, mm)).to(acc), b, 0)
 
 
 def _batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -308,9 +315,8 @@ def _device_forward(x, routing: Routing, ew: ExpertWeights) -> torch.Tensor:
     it. Dropped rows (past ``offsets[E]``) are left out by the combine."""
     acc = compute_dtype(x.dtype)
     product = _grouped_product(routing.offsets[1:].to(torch.int32))
-    gate_up = packed_gate_up(ew.w_gate, ew.w_up)
     xe = x.index_select(0, routing.token)
-    out = _swiglu_products(xe, gate_up, ew, slice(None), product, acc)
+    out = _swiglu_products(xe, _gate_up(ew), ew, slice(None), product, acc)
     return combine(out.to(acc), routing).to(x.dtype)
 
 
@@ -373,18 +379,17 @@ def _padded_forward(x, ids: torch.Tensor, weights: torch.Tensor, ew: ExpertWeigh
             row = (e - e0) * m + rank[i]
             index[row] = i // k
             index[padded + i] = row
-    index = torch.tensor(index)
+    index = index_tensor(index)
     rows = x.index_select(0, index[:padded]).view(e1 - e0, m, D)
     acc = compute_dtype(x.dtype)
     if ew.is_swiglu:
-        gate_up = packed_gate_up(ew.w_gate, ew.w_up)
-        y = _swiglu_products(rows, gate_up, ew, slice(e0, e1), _batched_product, acc)
+        y = _swiglu_products(rows, _gate_up(ew), ew, slice(e0, e1), _batched_product, acc)
     else:
         y = _general_products(rows, ew, slice(e0, e1), _padded_product(acc), acc)
     slots = y.view(-1, D).index_select(0, index[padded:]).to(acc).view(T, k, D)
     w = weights.to(acc)
     if len(kept) < T * k:  # zero slot and weight: a NaN weight there must reach nothing
-        dropped = torch.tensor([i for i, r in enumerate(rank) if r < 0])
+        dropped = index_tensor([i for i, r in enumerate(rank) if r < 0])
         w = w.flatten().index_fill(0, dropped, 0).view(T, k)
         slots.view(T * k, D)[dropped] = 0
     out = slots[:, 0] * w[:, :1]
@@ -432,14 +437,13 @@ def _sorted_forward(x, routing: Routing, ew: ExpertWeights):
     acc = compute_dtype(x.dtype)
     # Each block's outputs go straight to their (token, slot) places.
     slots = torch.empty((T * top_k, D), dtype=acc, device=x.device)
-    gate_up = packed_gate_up(w_gate, w_up) if ew.is_swiglu else None
-    pair = _gate_up(ew) if not ew.is_swiglu and ew.activation.gated else ()
+    pair = _gate_up(ew) if ew.activation.gated else ()
     if _grouped(x, *(w for w in (w_gate, w_up, w_down) if w is not None)):
         for e0, e1, s, t, offs in _runs(routing, bounds, max(w_up.shape[1], D)):
             xe = _rows(x, routing, s, t)
             if ew.is_swiglu:
                 product = _grouped_product(offs)
-                out = _swiglu_products(xe, gate_up, ew, slice(e0, e1), product, acc)
+                out = _swiglu_products(xe, pair, ew, slice(e0, e1), product, acc)
             else:
                 product = _grouped_biased(offs, acc)
                 out = _general_products(xe, ew, slice(e0, e1), product, acc, pair)
@@ -574,34 +578,37 @@ def few_rows(x: torch.Tensor, rows: int) -> bool:
 
 def few_rows_forward(x, top_k_index, top_k_weights, ew: ExpertWeights):
     """:func:`experts_forward` of a few rows, slot by slot, for every expert form (biases, the
-    activations, the limit): the same sums in the same order (each token's slots in slot order),
-    a dropped slot adding nothing."""
+    activations, the limit): one product per slot for its gate and up (one for both where they
+    are views of one packed tensor: :func:`_gate_up`), the activation once over every slot's
+    rows, one product per slot for its down projection; the same sums in the same order (each
+    token's slots in slot order), a dropped slot adding nothing."""
     T, E = top_k_index.shape[0], ew.w_up.shape[0]
     acc, mm = compute_dtype(x.dtype), _mm_dtype(x, ew.w_up)
-    ids = top_k_index.tolist()
-    weights = top_k_weights.to(acc)
-    swiglu, product = ew.is_swiglu, _linear_product(mm, acc)
-    gate_up = packed_gate_up(ew.w_gate, ew.w_up) if swiglu else None
-    pair = _gate_up(ew) if not swiglu and ew.activation.gated else ()
-    F_ = ew.w_up.shape[1]
+    slots = [(t, j, e) for t, ids in enumerate(top_k_index.tolist())
+             for j, e in enumerate(ids) if 0 <= e < E]  # fmt: skip
     out = torch.zeros((T, x.shape[1]), dtype=acc, device=x.device)
-    for t in range(T):
-        row = x[t : t + 1].to(mm)
-        for j, e in enumerate(ids[t]):
-            if not 0 <= e < E:  # a dropped slot
-                continue
-            if not swiglu:  # as _sorted_forward's general experts
-                y = _general_products(row, ew, e, product, acc, pair)
-            else:
-                if gate_up is not None:  # one product for both halves
-                    hgu = F.linear(row, gate_up[e].to(mm)).to(acc)
-                    h = F.silu(hgu[:, :F_]).mul_(hgu[:, F_:])
-                else:
-                    hg = F.linear(row, ew.w_gate[e].to(mm)).to(acc)
-                    h = F.silu(hg).mul_(F.linear(row, ew.w_up[e].to(mm)).to(acc))
-                y = F.linear(h.to(mm), ew.w_down[e].to(mm)).to(acc)
-            out[t : t + 1].addcmul_(y, weights[t, j])
-    return out.to(x.dtype)
+    if not slots:
+        return out.to(x.dtype)
+    product, act = _linear_product(mm, acc), ew.activation
+    xm = _as(x, mm)
+
+    def first(w, b):  # a projection of each slot's row by its expert's, slots stacked as rows
+        ys = [product(xm[t : t + 1], w[e], None if b is None else b[e]) for t, _, e in slots]
+        return ys[0] if len(ys) == 1 else torch.cat(ys)
+
+    pair = _gate_up(ew) if act.gated else ()
+    if pair:
+        y = first(pair[0], pair[1])
+        hg, hu = y[:, pair[2]], y[:, pair[3]]
+    else:
+        hu = first(ew.w_up, ew.b_up)
+        hg = first(ew.w_gate, ew.b_gate) if act.gated else None
+    h = _as(act.forward(hg, hu), mm)
+    weights = _as(top_k_weights, acc)
+    for i, (t, j, e) in enumerate(slots):
+        b = None if ew.b_down is None else ew.b_down[e]
+        out[t : t + 1].addcmul_(product(h[i : i + 1], ew.w_down[e], b), weights[t, j])
+    return _as(out, x.dtype)
 
 
 def forward(x, top_k_index, top_k_weights, *weights):
