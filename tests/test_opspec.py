@@ -477,3 +477,25 @@ def test_device_value_checks_follow_the_environment(monkeypatch):
     assert _spec.readable(torch.zeros(3), on_device=False)
     # a meta cu_seqlens: its shape checked, its values not read
     assert _spec.check_cu_seqlens("op", torch.empty(4, dtype=torch.int64, device="meta"), 1, 8) == 3
+
+
+@pytest.mark.parametrize("size", [8, 200], ids=["listed", "reduced"])
+def test_log_multipliers_checked_whatever_their_order(size):
+    """A positive log multiplier is refused (the op, the argument, the value) wherever it is,
+    after a NaN too (a NaN maximum hides it), whether the few values are read as a list or many
+    through a reduction; NaN, zeros and negatives pass."""
+    from cakeops._spec import LISTED_VALUES, check_log_multipliers
+
+    assert (size <= LISTED_VALUES) == (size == 8)
+    t = -torch.rand(size)
+    t[1] = 0.0
+    check_log_multipliers("op", "g", t)
+    check_log_multipliers("op", "g", torch.empty(0))
+    t[0] = float("nan")  # first: Python's max() and a reduction may then answer NaN
+    check_log_multipliers("op", "g", t)
+    for at in (0, 1, size - 1):  # the NaN itself replaced, right after it, last
+        bad = t.clone()
+        bad[at] = 0.25
+        with pytest.raises(ValueError, match=r"op: argument 'g' expected log multipliers <= 0, "
+                                             r"got 0\.25"):  # fmt: skip
+            check_log_multipliers("op", "g", bad.view(2, -1))

@@ -191,11 +191,25 @@ def check_states(op: str, a: Any, N: int, L: int, state_shape: tuple[int, ...]) 
                          f"{tuple(s0.shape)}")  # fmt: skip
 
 
+#: A CPU tensor of at most this many log multipliers is checked from its values as a list (a
+#: decode step's decay or gates: a reduction and ``.item()`` cost twice that with caches cold).
+LISTED_VALUES = 64
+
+
 def check_log_multipliers(op: str, name: str, t: torch.Tensor) -> None:
     """Logs of multipliers are ``<= 0``: checked on a CPU tensor, on a GPU's only with
     :data:`CHECK_VALUES_ENV` set (a decode step's check would wait for the device; a positive
     value there grows the state, reads nothing out of bounds)."""
-    if not t.numel() or not readable(t, t.device.type == "cpu" or device_values_checked()):
+    if t.is_cpu and type(t) is torch.Tensor and t.numel() <= LISTED_VALUES:
+        values = t.tolist() if t.dim() == 1 else t.reshape(-1).tolist()
+        top = max(values, default=0.0)
+        # a NaN maximum hides whether a positive value is there too: then each value decides
+        if top > 0 or (math.isnan(top) and any(v > 0 for v in values)):
+            bad = max(v for v in values if v > 0)
+            raise ValueError(f"{op}: argument '{name}' expected log multipliers <= 0, got "
+                             f"{bad}")  # fmt: skip
+        return
+    if not t.numel() or not readable(t, t.is_cpu or device_values_checked()):
         return
     # one reduction (a decode step's few values: a third of any() of a comparison); a NaN
     # maximum hides whether a positive value is there too: then the comparison decides

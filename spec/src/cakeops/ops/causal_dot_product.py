@@ -121,9 +121,10 @@ def check_data(a: Inputs) -> None:
     """The checks of :func:`check` that read values: sorted offsets, log multipliers ``<= 0``."""
     if a.cu_seqlens is not None:
         _spec.check_cu_seqlens(OP, a.cu_seqlens, a.q.shape[0], a.q.shape[2])
-    for name in ("log_decay", "log_gates"):
-        if a[name] is not None:
-            _spec.check_log_multipliers(OP, name, a[name])
+    if a.log_decay is not None:
+        _spec.check_log_multipliers(OP, "log_decay", a.log_decay)
+    if a.log_gates is not None:
+        _spec.check_log_multipliers(OP, "log_gates", a.log_gates)
 
 
 def example(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Inputs:

@@ -8,8 +8,9 @@ whose update and reads are rank-4 products in registers, see :func:`_forward_hea
 backward runs two scans per head: the forward's on ``(g, v, k)`` gives ``dq`` (``dq_i =
 sum_{j<=i} (g_i . v_j) k_j``), a reverse-time scan ``dk_j = R_j v_j`` and ``dv_j = R_j^T k_j``
 with ``R_j = sum_{i>=j} q_i g_i^T``, also four positions per pass (:func:`_reverse_head`). Every
-sum runs in a fixed order: deterministic. A decode step (one position from a state) reads and
-writes each head's state once, forward and backward (:func:`step`, :func:`step_backward`).
+sum runs in a fixed order: deterministic. A decode step's backward (one position from a state)
+reads and writes each head's state once (:func:`step_backward`); its forward is the spec's few
+PyTorch ops (``cakeops.helpers.causal_step``), faster than one pass here.
 
 The kernels take ``(heads, L, E)`` arrays of float32, or of bfloat16 as the ``int16`` view of its
 bits (numpy has no bfloat16): each element is widened to float32 as it loads and each result
@@ -771,27 +772,6 @@ def _multiplier(ld, lg, has_ld, has_lg, H, i):  # pragma: no cover - compiled
 
 
 @_compiled(parallel=True)
-def _step(q, k, v, ld, lg, has_ld, has_lg, H, s0, has_s0, G, scale,
-          state, out):  # fmt: skip  # pragma: no cover - compiled
-    """Value head ``i`` (key head ``i // G``): ``S = a_i S_0 + k v^T`` into ``state[i]`` and
-    ``out[i] = scale q^T S`` (``a_i``: :func:`_multiplier`)."""
-    E, M = state.shape[1], state.shape[2]
-    for i in prange(state.shape[0]):
-        j = i // G
-        a = _multiplier(ld, lg, has_ld, has_lg, H, i)
-        for m in range(M):
-            out[i, 0, m] = 0.0
-        for e in range(E):
-            ke, qe = k[j, 0, e], q[j, 0, e] * scale
-            for m in range(M):
-                s = ke * v[i, 0, m]
-                if has_s0:
-                    s += a * s0[i, e, m]
-                state[i, e, m] = s
-                out[i, 0, m] += qe * s
-
-
-@_compiled(parallel=True)
 def _step_backward(g, q, k, v, ld, lg, has_ld, has_lg, H, s0, has_s0, gf, has_gf, G, scale,
                    dq, dk, dv, d_init, dlm):  # fmt: skip  # pragma: no cover - compiled
     """Value head ``i``'s gradients, with ``R = scale q g^T + G_f`` (the gradient reaching its
@@ -863,28 +843,10 @@ def _logs(t: torch.Tensor | None, n: int) -> tuple[np.ndarray, bool]:
 
 
 _NO_LOGS = np.zeros(1, np.float32)
-#: A step below this many state elements runs on one thread: its numba threads, asleep after
-#: the model's matrix products between two steps, took longer to wake than the step (a
-#: MiniMax layer's decode, 8 heads of 128: ~60 us a token slower in parallel).
+#: A step's backward below this many state elements runs on one thread: its numba threads,
+#: asleep after the model's matrix products between two steps, took longer to wake than the
+#: step (a MiniMax layer's decode, 8 heads of 128: ~60 us a token slower in parallel).
 STEP_SERIAL_BELOW = 1 << 21
-
-
-def step(q, k, v, log_decay, log_gates, initial_state, scale):
-    """``(out, final state float32)`` of one position (``L = 1``, no packing)."""
-    N, Hk, _, E = q.shape
-    H, M = v.shape[1], v.shape[-1]
-    NH = N * H
-    state = torch.empty((N, H, E, M))
-    out = torch.empty((N, H, 1, M))
-    if NH:
-        s0, has_s0 = _states(initial_state, NH)
-        ld, has_ld = _logs(log_decay, H)
-        lg, has_lg = _logs(log_gates, NH)
-        _launch(_step, NH * E * M, _rows(q, N * Hk), _rows(k, N * Hk), _rows(v, NH), ld, lg,
-                has_ld, has_lg, H, s0, has_s0, H // Hk,
-                np.float32(1.0 if scale is None else scale), state.view(NH, E, M).numpy(),
-                out.view(NH, 1, M).numpy(), serial_below=STEP_SERIAL_BELOW)  # fmt: skip
-    return out if q.dtype == torch.float32 else out.to(q.dtype), state
 
 
 def step_backward(g, g_final, q, k, v, log_decay, log_gates, initial_state, scale):
