@@ -197,12 +197,12 @@ def _swiglu_products(rows, pair, ew: ExpertWeights, experts: slice, product, acc
     packed tensor (``pair``: the call's :func:`_gate_up`, halves or interleaved), the SiLU gate
     in ``acc``, the down projection's input and output in ``rows``' dtype."""
     if pair:  # one product for both
-        hgu = product(rows, pair[0][experts]).to(acc)
+        hgu = _as(product(rows, pair[0][experts]), acc)
         hg, hu = hgu[..., pair[2]], hgu[..., pair[3]]
     else:
-        hg = product(rows, ew.w_gate[experts]).to(acc)
-        hu = product(rows, ew.w_up[experts]).to(acc)
-    return product(F.silu(hg).mul_(hu).to(rows.dtype), ew.w_down[experts])
+        hg = _as(product(rows, ew.w_gate[experts]), acc)
+        hu = _as(product(rows, ew.w_up[experts]), acc)
+    return product(_as(F.silu(hg).mul_(hu), rows.dtype), ew.w_down[experts])
 
 
 def _general_products(rows, ew: ExpertWeights, experts: slice | int, product, acc, pair=None):
@@ -225,7 +225,7 @@ def _general_products(rows, ew: ExpertWeights, experts: slice | int, product, ac
     else:
         hu = product(rows, ew.w_up[experts], bias(ew.b_up))
         hg = product(rows, ew.w_gate[experts], bias(ew.b_gate)) if act.gated else None
-    h = act.forward(hg, hu).to(rows.dtype)
+    h = _as(act.forward(hg, hu), rows.dtype)
     return product(h, ew.w_down[experts], bias(ew.b_down))
 
 
@@ -275,7 +275,7 @@ def _linear_product(mm: torch.dtype, acc: torch.dtype):
     ``acc`` to the product's result."""
     if mm == acc:
         return lambda a, w, b: F.linear(a, _as(w, mm), None if b is None else _as(b, mm))
-    return lambda a, w, b: _plus(F.linear(a, _as(w, mm)).to(acc), b, 0)
+    return lambda a, w, b: _plus(_as(F.linear(a, _as(w, mm)), acc), b, 0)
 
 
 def _batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -289,15 +289,15 @@ def _padded_product(acc: torch.dtype):
 
     def product(a, w, b):
         if b is None or a.dtype != acc:
-            return _plus(_batched_product(a, w).to(acc), b, 1)
-        return torch.baddbmm(b.unsqueeze(1).to(acc), a, w.transpose(1, 2))
+            return _plus(_as(_batched_product(a, w), acc), b, 1)
+        return torch.baddbmm(_as(b, acc).unsqueeze(1), a, w.transpose(1, 2))
 
     return product
 
 
 def _plus(y: torch.Tensor, b: torch.Tensor | None, dim: int) -> torch.Tensor:
     """``y`` plus a bias ``b`` (None: none) of each expert, broadcast over rows at ``dim``."""
-    return y if b is None else y + b.unsqueeze(dim).to(y.dtype)
+    return y if b is None else y + _as(b, y.dtype).unsqueeze(dim)
 
 
 def _off_the_host(x: torch.Tensor) -> bool:
@@ -386,8 +386,8 @@ def _padded_forward(x, ids: torch.Tensor, weights: torch.Tensor, ew: ExpertWeigh
         y = _swiglu_products(rows, _gate_up(ew), ew, slice(e0, e1), _batched_product, acc)
     else:
         y = _general_products(rows, ew, slice(e0, e1), _padded_product(acc), acc)
-    slots = y.view(-1, D).index_select(0, index[padded:]).to(acc).view(T, k, D)
-    w = weights.to(acc)
+    slots = _as(y.view(-1, D).index_select(0, index[padded:]), acc).view(T, k, D)
+    w = _as(weights, acc)
     if len(kept) < T * k:  # zero slot and weight: a NaN weight there must reach nothing
         dropped = index_tensor([i for i, r in enumerate(rank) if r < 0])
         w = w.flatten().index_fill(0, dropped, 0).view(T, k)
@@ -395,7 +395,7 @@ def _padded_forward(x, ids: torch.Tensor, weights: torch.Tensor, ew: ExpertWeigh
     out = slots[:, 0] * w[:, :1]
     for j in range(1, k):
         out.addcmul_(slots[:, j], w[:, j : j + 1])
-    return out.to(x.dtype)
+    return _as(out, x.dtype)
 
 
 def _padded_fits(x, ew: ExpertWeights, rows: int) -> bool:
@@ -588,7 +588,7 @@ def few_rows_forward(x, top_k_index, top_k_weights, ew: ExpertWeights):
              for j, e in enumerate(ids) if 0 <= e < E]  # fmt: skip
     out = torch.zeros((T, x.shape[1]), dtype=acc, device=x.device)
     if not slots:
-        return out.to(x.dtype)
+        return _as(out, x.dtype)
     product, act = _linear_product(mm, acc), ew.activation
     xm = _as(x, mm)
 
