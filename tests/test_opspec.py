@@ -4,6 +4,7 @@ module would declare it: the custom ops, autograd, torch.func, torch.compile and
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import types
 
@@ -425,6 +426,14 @@ def test_a_remembered_signature_still_follows_the_backend_choice(monkeypatch):
     monkeypatch.setenv("CAKEOPS_BACKEND_RMSNORM_SILU_GATE", "reference")
     assert which() == "reference"
     monkeypatch.delenv("CAKEOPS_BACKEND_RMSNORM_SILU_GATE")
+    assert which() == "torch"
+    monkeypatch.setenv("CAKEOPS_BACKEND", "reference")
+    assert which() == "reference"
+    monkeypatch.delenv("CAKEOPS_BACKEND")
+    assert which() == "torch"
+    with monkeypatch.context() as m:  # an os.environ replaced by another mapping: read there
+        m.setattr(os, "environ", {**os.environ, "CAKEOPS_BACKEND": "reference"})
+        assert which() == "reference"
     assert which() == "torch"
     first = backends()["reference"]
     ops = {"rmsnorm_silu_gate": dataclasses.replace(first.ops["rmsnorm_silu_gate"],

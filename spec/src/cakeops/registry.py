@@ -419,15 +419,24 @@ def _encoded_variables(op: str) -> tuple[Any, ...]:
     return tuple(os.environ.encodekey(v) for v in _variables(op))  # type: ignore[attr-defined]
 
 
+#: The process's ``os.environ`` and its own store, when it has one (CPython's: a dict of
+#: encoded keys and values that ``putenv``/``unsetenv`` keep up to date)
+_ENVIRON = os.environ
+_ENVIRON_DATA = getattr(os.environ, "_data", None)
+if not (isinstance(_ENVIRON_DATA, dict) and hasattr(os.environ, "encodekey")):
+    _ENVIRON_DATA = None
+
+
 def selection_token(op: str) -> tuple[Any, ...]:
     """What :func:`select` depends on besides the inputs' signature: the installed backends,
     ``use_backend()`` and the environment variables. Equal tokens, the same signature: the same
     backend (``not_supported_reasons`` answers from the signature, not from tensor values)."""
     # os.environ's own store, read with its encoded keys (what os.environ.get does, less the
-    # encoding and decoding of every lookup: a small call's share); elsewhere, os.environ
-    data = getattr(os.environ, "_data", None)
-    if isinstance(data, dict) and hasattr(os.environ, "encodekey"):
-        return (_generation, _forced.get(), *(data.get(k) for k in _encoded_variables(op)))
+    # encoding and decoding of every lookup, and the lookups of the store: with caches cold, a
+    # small call's share); a replaced os.environ, or none such, through os.environ.get
+    if os.environ is _ENVIRON and _ENVIRON_DATA is not None:
+        per_op, default = _encoded_variables(op)
+        return (_generation, _forced.get(), _ENVIRON_DATA.get(per_op), _ENVIRON_DATA.get(default))
     return (_generation, _forced.get(), *(os.environ.get(v) for v in _variables(op)))
 
 
