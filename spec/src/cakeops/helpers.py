@@ -17,8 +17,9 @@ written once here (the conformance guide names this module).
   from the inputs (:func:`conv_final_state`) and the initial state's gradient
   (:func:`conv_initial_state_grad`), for kernels that compute the positions only;
 - every op: :func:`cast_grads` (each gradient in its input's dtype),
-  :func:`cakeops.compute_dtype` (the precision to compute in) and :func:`index_tensor` (a host
-  list of indices as a tensor, cheaply).
+  :func:`cakeops.compute_dtype` (the precision to compute in), :func:`as_dtype` (a tensor in a
+  dtype, without a no-op ``.to``) and :func:`index_tensor` (a host list of indices as a tensor,
+  cheaply).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "ExpertWeights",
     "Routing",
     "SwiGLUGrads",
+    "as_dtype",
     "backward_by_scans",
     "cast_grads",
     "causal_step",
@@ -66,6 +68,12 @@ __all__ = [
     "top_k_choice",
     "weighted_slot_sum",
 ]
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: ``t`` itself when it already is (a no-op ``.to`` still costs a decode
+    step's call a microsecond or two)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def index_tensor(values: list[int], device: torch.device | str | None = None) -> torch.Tensor:
@@ -231,16 +239,16 @@ def causal_step(q, k, v, scale, log_decay, log_gates, initial_state):
     if initial_state is None:
         state = kt * v
     else:
-        s0 = initial_state if initial_state.dtype == ct else initial_state.to(ct)
-        log = None if log_decay is None else log_decay.to(ct).view(-1, 1, 1)  # (H, 1, 1)
+        s0 = as_dtype(initial_state, ct)
+        log = None if log_decay is None else as_dtype(log_decay, ct).view(-1, 1, 1)  # (H, 1, 1)
         if log_gates is not None:
-            gates = log_gates.to(ct)[..., None]  # (N, H, 1, 1)
+            gates = as_dtype(log_gates, ct)[..., None]  # (N, H, 1, 1)
             log = gates if log is None else gates + log
         state = torch.addcmul(s0, kt, v) if log is None else (s0 * log.exp()).addcmul_(kt, v)
     out = q @ state
     if scale is not None:
         out = out.mul_(scale)
-    return (out if out.dtype == out_dtype else out.to(out_dtype)), state
+    return as_dtype(out, out_dtype), state
 
 
 def state_times(state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

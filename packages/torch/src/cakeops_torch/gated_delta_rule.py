@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from cakeops import compute_dtype
-from cakeops.helpers import cast_grads, drop_tiny_, gate_factors, state_times
+from cakeops.helpers import as_dtype, cast_grads, drop_tiny_, gate_factors, state_times
 from cakeops.ops.gated_delta_rule import L2NORM_EPS
 
 from ._causal import causal_mm as _causal_mm
@@ -338,8 +338,9 @@ def _run_step(fn, v, K, *args):
 
 
 def _recurrent(q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
-    """``(out (N, Hv, L, V), final (N, H, G, K, V))`` one step at a time (no packing), in as few
-    ops as the recurrence allows: a decode step's cost is the ops' count, not their size."""
+    """``(out (N, Hv, L, V), final (N, H, G, K, V))`` one step at a time (no packing; two to
+    ``RECURRENT_UP_TO`` positions, one is :func:`_step`'s), in as few ops as the recurrence
+    allows: a decode step's cost is the ops' count, not their size."""
     N, H, L, K = q.shape
     Hv, V = v.shape[1], v.shape[3]
     G = Hv // H
@@ -365,14 +366,8 @@ def _recurrent(q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
         u = (v[:, :, :, t] - kt @ S).mul_(beta[:, :, :, t])  # (N, H, G, 1, V)
         S.addcmul_(kt.transpose(-1, -2), u)
         out.append(q[:, :, :, t] @ S)
-    out = out[0] if L == 1 else torch.cat(out, -2)  # (N, H, G, L, V)
+    out = torch.cat(out, -2)  # (N, H, G, L, V)
     return out.view(N, Hv, L, V), S
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype``, itself when it is (a no-op ``.to`` costs a decode step a microsecond
-    or two)."""
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _step(q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
@@ -383,19 +378,20 @@ def _step(q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
     N, H, _, K = q.shape
     Hv, V = v.shape[1], v.shape[3]
     G, ct = Hv // H, compute_dtype(q.dtype)
-    q, k = _as(q, ct), _as(k, ct)
+    q, k = as_dtype(q, ct), as_dtype(k, ct)
     if use_qk_l2norm:
         q, k = q * _inverse_norms(q).mul_(scale), k * _inverse_norms(k)
     else:
         q = q * scale
     # (N, H, G, Kg, 1): the gate of S's rows (Kg 1, or K for a gate per key channel)
-    decay = _as(g, ct).exp().view(N, H, G, 1, -1).transpose(-1, -2)
+    decay = as_dtype(g, ct).exp().view(N, H, G, 1, -1).transpose(-1, -2)
     if initial_state is None:
         S = torch.zeros(N, H, G, K, V, dtype=ct, device=q.device) * decay
     else:
-        S = _as(initial_state, ct).view(N, H, G, K, V) * decay  # the caller's state not written
+        # a new tensor: the caller's state is never written
+        S = as_dtype(initial_state, ct).view(N, H, G, K, V) * decay
     kt = k.view(N, H, 1, 1, K)
-    u = (_as(v, ct).view(N, H, G, 1, V) - kt @ S).mul_(_as(beta, ct).view(N, H, G, 1, 1))
+    u = (as_dtype(v, ct).view(N, H, G, 1, V) - kt @ S).mul_(as_dtype(beta, ct).view(N, H, G, 1, 1))
     S.addcmul_(kt.mT, u)
     return (q.view(N, H, 1, 1, K) @ S).view(N, Hv, 1, V), S
 
@@ -411,9 +407,9 @@ def forward(q, k, v, g, beta, scale, initial_state=None, output_final_state=Fals
             out, S = _run_step(_recurrent, v, K, q, k, v, g, beta, scale, initial_state,
                                use_qk_l2norm)  # fmt: skip
         if not output_final_state:
-            return _as(out, q.dtype), q.new_empty(0)
+            return as_dtype(out, q.dtype), q.new_empty(0)
         dtype = initial_state.dtype if initial_state is not None else S.dtype
-        return _as(out, q.dtype), _as(S.reshape(N, Hv, K, V), dtype)
+        return as_dtype(out, q.dtype), as_dtype(S.reshape(N, Hv, K, V), dtype)
     layout, norms, chunks = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
     guard = _needs_guard(q, k, v, beta, initial_state, g=g)
     out, finals, _ = _scan(layout, chunks, norms, initial_state, scale, H, guard)

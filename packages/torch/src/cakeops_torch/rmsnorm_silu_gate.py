@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from cakeops import compute_dtype
+from cakeops.helpers import as_dtype
 from cakeops_torch._compile import FAILED, run_compiled, use_compiled
 
 BLOCK_ELEMENTS = 1 << 18
@@ -137,7 +138,7 @@ def _small_forward(x, z, weight, eps, group_size, norm_before_gate):
     else:
         n = _small_norm(v, group_size, eps, x.device.type == "cpu") * weight
     y = n * gate if norm_before_gate else n
-    return y if y.dtype == out_dtype else y.to(out_dtype)
+    return as_dtype(y, out_dtype)
 
 
 def _small(x: torch.Tensor) -> bool:

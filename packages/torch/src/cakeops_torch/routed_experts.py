@@ -41,6 +41,7 @@ from cakeops import compute_dtype
 from cakeops.helpers import (
     ExpertWeights,
     Routing,
+    as_dtype,
     cast_grads,
     combine,
     gate_up_pair,
@@ -197,27 +198,25 @@ def _swiglu_products(rows, pair, ew: ExpertWeights, experts: slice, product, acc
     packed tensor (``pair``: the call's :func:`_gate_up`, halves or interleaved), the SiLU gate
     in ``acc``, the down projection's input and output in ``rows``' dtype."""
     if pair:  # one product for both
-        hgu = _as(product(rows, pair[0][experts]), acc)
+        hgu = as_dtype(product(rows, pair[0][experts]), acc)
         hg, hu = hgu[..., pair[2]], hgu[..., pair[3]]
     else:
-        hg = _as(product(rows, ew.w_gate[experts]), acc)
-        hu = _as(product(rows, ew.w_up[experts]), acc)
-    return product(_as(F.silu(hg).mul_(hu), rows.dtype), ew.w_down[experts])
+        hg = as_dtype(product(rows, ew.w_gate[experts]), acc)
+        hu = as_dtype(product(rows, ew.w_up[experts]), acc)
+    return product(as_dtype(F.silu(hg).mul_(hu), rows.dtype), ew.w_down[experts])
 
 
-def _general_products(rows, ew: ExpertWeights, experts: slice | int, product, acc, pair=None):
+def _general_products(rows, ew: ExpertWeights, experts: slice | int, product, acc, pair):
     """:func:`_swiglu_products` for any expert form (biases, the activations, the limit):
     ``product(a, w, b)`` is ``a`` times every expert's ``w`` transposed plus its bias ``b``
     (None: none), in ``acc``; ``experts`` a slice (padded rows, ``(experts, m, D)``) or one
-    expert's index (its rows, ``(m, D)``); ``pair`` the call's :func:`_gate_up`, where its caller
-    has it. The output in ``acc``."""
+    expert's index (its rows, ``(m, D)``); ``pair`` the call's :func:`_gate_up`. The output in
+    ``acc``."""
 
     def bias(b):
         return None if b is None else b[experts]
 
     act = ew.activation
-    if pair is None and act.gated:
-        pair = _gate_up(ew)
     if pair:  # one product for both (gpt-oss's interleaved gate_up_proj too)
         w, b, gate, up = pair
         y = product(rows, w[experts], bias(b))
@@ -225,14 +224,14 @@ def _general_products(rows, ew: ExpertWeights, experts: slice | int, product, ac
     else:
         hu = product(rows, ew.w_up[experts], bias(ew.b_up))
         hg = product(rows, ew.w_gate[experts], bias(ew.b_gate)) if act.gated else None
-    h = _as(act.forward(hg, hu), rows.dtype)
+    h = as_dtype(act.forward(hg, hu), rows.dtype)
     return product(h, ew.w_down[experts], bias(ew.b_down))
 
 
 def _gate_up(ew: ExpertWeights):
     """``(packed weights, packed biases or None, gate's index, up's index)`` where the gate and
     up projections (and their biases, if any) are views of one packed tensor each, packed the
-    same way (:func:`cakeops.helpers.gate_up_pair`); else ``()``."""
+    same way (:func:`cakeops.helpers.gate_up_pair`); else ``()`` (no gate among them)."""
     weights = gate_up_pair(ew.w_gate, ew.w_up)
     if weights is None:
         return ()
@@ -263,19 +262,13 @@ def _grouped_biased(offs: torch.Tensor, acc: torch.dtype):
     return product
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype``: ``t`` itself when it is (a no-op ``.to`` costs a decode step's
-    products a microsecond each)."""
-    return t if t.dtype == dtype else t.to(dtype)
-
-
 def _linear_product(mm: torch.dtype, acc: torch.dtype):
     """:func:`_general_products`' ``product`` for one expert's rows, its weights in ``mm``: the
     bias inside the product (one ``addmm``) where the product runs in ``acc``, else added in
     ``acc`` to the product's result."""
     if mm == acc:
-        return lambda a, w, b: F.linear(a, _as(w, mm), None if b is None else _as(b, mm))
-    return lambda a, w, b: _plus(_as(F.linear(a, _as(w, mm)), acc), b, 0)
+        return lambda a, w, b: F.linear(a, as_dtype(w, mm), None if b is None else as_dtype(b, mm))
+    return lambda a, w, b: _plus(as_dtype(F.linear(a, as_dtype(w, mm)), acc), b, 0)
 
 
 def _batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -289,15 +282,15 @@ def _padded_product(acc: torch.dtype):
 
     def product(a, w, b):
         if b is None or a.dtype != acc:
-            return _plus(_as(_batched_product(a, w), acc), b, 1)
-        return torch.baddbmm(_as(b, acc).unsqueeze(1), a, w.transpose(1, 2))
+            return _plus(as_dtype(_batched_product(a, w), acc), b, 1)
+        return torch.baddbmm(as_dtype(b, acc).unsqueeze(1), a, w.transpose(1, 2))
 
     return product
 
 
 def _plus(y: torch.Tensor, b: torch.Tensor | None, dim: int) -> torch.Tensor:
     """``y`` plus a bias ``b`` (None: none) of each expert, broadcast over rows at ``dim``."""
-    return y if b is None else y + _as(b, y.dtype).unsqueeze(dim)
+    return y if b is None else y + as_dtype(b, y.dtype).unsqueeze(dim)
 
 
 def _off_the_host(x: torch.Tensor) -> bool:
@@ -381,13 +374,13 @@ def _padded_forward(x, ids: torch.Tensor, weights: torch.Tensor, ew: ExpertWeigh
             index[padded + i] = row
     index = index_tensor(index)
     rows = x.index_select(0, index[:padded]).view(e1 - e0, m, D)
-    acc = compute_dtype(x.dtype)
+    acc, pair = compute_dtype(x.dtype), _gate_up(ew)
     if ew.is_swiglu:
-        y = _swiglu_products(rows, _gate_up(ew), ew, slice(e0, e1), _batched_product, acc)
+        y = _swiglu_products(rows, pair, ew, slice(e0, e1), _batched_product, acc)
     else:
-        y = _general_products(rows, ew, slice(e0, e1), _padded_product(acc), acc)
-    slots = _as(y.view(-1, D).index_select(0, index[padded:]), acc).view(T, k, D)
-    w = _as(weights, acc)
+        y = _general_products(rows, ew, slice(e0, e1), _padded_product(acc), acc, pair)
+    slots = as_dtype(y.view(-1, D).index_select(0, index[padded:]), acc).view(T, k, D)
+    w = as_dtype(weights, acc)
     if len(kept) < T * k:  # zero slot and weight: a NaN weight there must reach nothing
         dropped = index_tensor([i for i, r in enumerate(rank) if r < 0])
         w = w.flatten().index_fill(0, dropped, 0).view(T, k)
@@ -395,7 +388,7 @@ def _padded_forward(x, ids: torch.Tensor, weights: torch.Tensor, ew: ExpertWeigh
     out = slots[:, 0] * w[:, :1]
     for j in range(1, k):
         out.addcmul_(slots[:, j], w[:, j : j + 1])
-    return _as(out, x.dtype)
+    return as_dtype(out, x.dtype)
 
 
 def _padded_fits(x, ew: ExpertWeights, rows: int) -> bool:
@@ -437,7 +430,7 @@ def _sorted_forward(x, routing: Routing, ew: ExpertWeights):
     acc = compute_dtype(x.dtype)
     # Each block's outputs go straight to their (token, slot) places.
     slots = torch.empty((T * top_k, D), dtype=acc, device=x.device)
-    pair = _gate_up(ew) if ew.activation.gated else ()
+    pair = _gate_up(ew)
     if _grouped(x, *(w for w in (w_gate, w_up, w_down) if w is not None)):
         for e0, e1, s, t, offs in _runs(routing, bounds, max(w_up.shape[1], D)):
             xe = _rows(x, routing, s, t)
@@ -588,27 +581,27 @@ def few_rows_forward(x, top_k_index, top_k_weights, ew: ExpertWeights):
              for j, e in enumerate(ids) if 0 <= e < E]  # fmt: skip
     out = torch.zeros((T, x.shape[1]), dtype=acc, device=x.device)
     if not slots:
-        return _as(out, x.dtype)
+        return as_dtype(out, x.dtype)
     product, act = _linear_product(mm, acc), ew.activation
-    xm = _as(x, mm)
+    xm = as_dtype(x, mm)
 
     def first(w, b):  # a projection of each slot's row by its expert's, slots stacked as rows
         ys = [product(xm[t : t + 1], w[e], None if b is None else b[e]) for t, _, e in slots]
         return ys[0] if len(ys) == 1 else torch.cat(ys)
 
-    pair = _gate_up(ew) if act.gated else ()
+    pair = _gate_up(ew)
     if pair:
         y = first(pair[0], pair[1])
         hg, hu = y[:, pair[2]], y[:, pair[3]]
     else:
         hu = first(ew.w_up, ew.b_up)
         hg = first(ew.w_gate, ew.b_gate) if act.gated else None
-    h = _as(act.forward(hg, hu), mm)
-    weights = _as(top_k_weights, acc)
+    h = as_dtype(act.forward(hg, hu), mm)
+    weights = as_dtype(top_k_weights, acc)
     for i, (t, j, e) in enumerate(slots):
         b = None if ew.b_down is None else ew.b_down[e]
         out[t : t + 1].addcmul_(product(h[i : i + 1], ew.w_down[e], b), weights[t, j])
-    return _as(out, x.dtype)
+    return as_dtype(out, x.dtype)
 
 
 def forward(x, top_k_index, top_k_weights, *weights):
