@@ -14,6 +14,8 @@ loop rather than a dozen elementwise passes (:mod:`cakeops_torch._compile`: rows
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cakeops import compute_dtype
@@ -48,17 +50,21 @@ def _grouped(t: torch.Tensor, group_size: int) -> torch.Tensor:
     return t if group_size == t.shape[-1] else t.unflatten(-1, (-1, group_size))
 
 
+@functools.lru_cache(maxsize=64)
+def _eps_tensor(eps: float) -> torch.Tensor:
+    """``eps`` as a CPU float64 scalar tensor: one ``addcmul`` adds it (in the other operands'
+    dtype: a scalar tensor does not promote them)."""
+    return torch.tensor(eps, dtype=torch.float64)
+
+
 def _rstd(v: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
     """``rsqrt(mean(v^2) + eps)`` per group, shape ``(rows, groups, 1)`` (``(rows, 1)`` for one
-    group a row: :func:`_grouped`)."""
-    groups = _grouped(v, group_size)
-    return (
-        torch.linalg.vector_norm(groups, dim=-1, keepdim=True)
-        .square_()
-        .div_(group_size)
-        .add_(eps)
-        .rsqrt_()
-    )
+    group a row: :func:`_grouped`). On a CPU the norm's square, mean and ``eps`` in one
+    ``addcmul`` (a decode step's call: four ops on one number cost three microseconds more)."""
+    n = torch.linalg.vector_norm(_grouped(v, group_size), dim=-1, keepdim=True)
+    if v.device.type == "cpu":
+        return torch.addcmul(_eps_tensor(eps), n, n, value=1 / group_size).rsqrt_()
+    return n.square_().div_(group_size).add_(eps).rsqrt_()
 
 
 def _scale_groups(t: torch.Tensor, r: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -111,19 +117,21 @@ def _fused_backward(
     terms_out.copy_(gy * n)
 
 
-def _small_norm(v: torch.Tensor, group_size: int, eps: float, fused: bool) -> torch.Tensor:
-    """``v * rsqrt(mean(v^2) + eps)`` per group, unweighted: ``F.rms_norm`` when ``fused`` (on
-    a CPU), else the plain ops. On an H200 (torch 2.11) ``F.rms_norm``'s float64 kernel made a
-    whole row NaN for one infinite entry, where the math gives NaN there and zeros beside it."""
+def _small_norm(v: torch.Tensor, group_size: int, eps: float, by_norm: bool) -> torch.Tensor:
+    """``v * rsqrt(mean(v^2) + eps)`` per group, unweighted, a new tensor: through the groups'
+    norms (:func:`_rstd`) when ``by_norm`` (on a CPU: the fewest ops), else the mean of their
+    squares. (``F.rms_norm`` costs a CPU 8 us at D 1024, the norms' form 5; on an H200, torch
+    2.11, its float64 kernel made a whole row NaN for one infinite entry, where the math gives
+    NaN there and zeros beside it.)"""
+    if by_norm:
+        return _scaled(v, _rstd(v, group_size, eps), group_size)
     groups = v.unflatten(-1, (-1, group_size))
-    if fused:
-        return torch.nn.functional.rms_norm(groups, (group_size,), None, eps).flatten(-2)
     return (groups * groups.square().mean(-1, keepdim=True).add_(eps).rsqrt_()).flatten(-2)
 
 
 def _small_forward(x, z, weight, eps, group_size, norm_before_gate):
-    """The forward of one block's worth of rows in three ops (``F.rms_norm``, the gate, the
-    product): a decode step's call, where the blocked code's twenty small ops cost four times
+    """The forward of one block's worth of rows in the fewest ops (the gate, the norm, two
+    products): a decode step's call, where the blocked code's twenty small ops cost four times
     the math."""
     ct, out_dtype = compute_dtype(x.dtype), x.dtype
     if x.dtype != ct:  # (a no-op .to still costs a microsecond or two: a decode step's share)
@@ -132,12 +140,8 @@ def _small_forward(x, z, weight, eps, group_size, norm_before_gate):
         weight = weight.to(ct)
     gate = torch.nn.functional.silu(z)
     v = x if norm_before_gate else x * gate
-    D = x.shape[-1]
-    if group_size == D and x.device.type == "cpu":
-        n = torch.nn.functional.rms_norm(v, (D,), weight, eps)
-    else:
-        n = _small_norm(v, group_size, eps, x.device.type == "cpu") * weight
-    y = n * gate if norm_before_gate else n
+    n = _small_norm(v, group_size, eps, x.device.type == "cpu").mul_(weight)
+    y = n.mul_(gate) if norm_before_gate else n
     return as_dtype(y, out_dtype)
 
 
