@@ -719,15 +719,15 @@ def test_experts_of_any_form_take_one_product_for_packed_gate_and_up(monkeypatch
         assert cakeops.relative_error(out, want) <= cakeops.tolerance(torch.float32)
 
 
-@pytest.mark.parametrize("by_norm", [True, False])
+@pytest.mark.parametrize("cpu", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_small_norm_keeps_an_infinity_to_its_own_entry(by_norm, dtype):
-    """The decode-size norm, through the groups' norms (a CPU's) and the mean of their squares
-    (every other device's): one infinite entry gives NaN there and zeros beside it in its group,
-    one NaN a NaN group; the other groups are the float64 math's."""
+def test_small_norm_keeps_an_infinity_to_its_own_entry(cpu, dtype):
+    """The decode-size norm in both of its forms, a CPU's (``eps`` added by one ``addcmul``)
+    and every other device's (in-place ops): one infinite entry gives NaN there and zeros
+    beside it in its group, one NaN a NaN group; the other groups are the float64 math's."""
     v = torch.randn(3, 32, dtype=dtype)
     v[1, 5], v[2, 20] = float("inf"), float("nan")
-    got = kernels._small_norm(v, 16, 1e-6, by_norm)
+    got = kernels._scaled(v, kernels._rstd(v, 16, 1e-6, cpu), 16)
     v64 = v.double().unflatten(-1, (2, 16))
     want = (v64 / (v64.square().mean(-1, keepdim=True) + 1e-6).sqrt()).flatten(-2)
     assert torch.equal(got.isnan(), want.isnan())

@@ -57,12 +57,15 @@ def _eps_tensor(eps: float) -> torch.Tensor:
     return torch.tensor(eps, dtype=torch.float64)
 
 
-def _rstd(v: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+def _rstd(v: torch.Tensor, group_size: int, eps: float, cpu: bool | None = None) -> torch.Tensor:
     """``rsqrt(mean(v^2) + eps)`` per group, shape ``(rows, groups, 1)`` (``(rows, 1)`` for one
-    group a row: :func:`_grouped`). On a CPU the norm's square, mean and ``eps`` in one
-    ``addcmul`` (a decode step's call: four ops on one number cost three microseconds more)."""
-    n = torch.linalg.vector_norm(_grouped(v, group_size), dim=-1, keepdim=True)
-    if v.device.type == "cpu":
+    group a row), from each group's vector norm. On a CPU (``cpu``, by default ``v``'s device)
+    the norm's square, mean and ``eps`` in one ``addcmul`` with a cached ``eps`` tensor (a
+    decode step's call: four ops on one number cost three microseconds more); elsewhere in
+    four in-place ops (a device's ``eps`` tensor would be a copy from the host)."""
+    groups = v if group_size == v.shape[-1] else v.unflatten(-1, (-1, group_size))
+    n = torch.linalg.vector_norm(groups, dim=-1, keepdim=True)
+    if v.device.type == "cpu" if cpu is None else cpu:
         return torch.addcmul(_eps_tensor(eps), n, n, value=1 / group_size).rsqrt_()
     return n.square_().div_(group_size).add_(eps).rsqrt_()
 
@@ -117,32 +120,23 @@ def _fused_backward(
     terms_out.copy_(gy * n)
 
 
-def _small_norm(v: torch.Tensor, group_size: int, eps: float, by_norm: bool) -> torch.Tensor:
-    """``v * rsqrt(mean(v^2) + eps)`` per group, unweighted, a new tensor: through the groups'
-    norms (:func:`_rstd`) when ``by_norm`` (on a CPU: the fewest ops), else the mean of their
-    squares. (``F.rms_norm`` costs a CPU 8 us at D 1024, the norms' form 5; on an H200, torch
-    2.11, its float64 kernel made a whole row NaN for one infinite entry, where the math gives
-    NaN there and zeros beside it.)"""
-    if by_norm:
-        return _scaled(v, _rstd(v, group_size, eps), group_size)
-    groups = v.unflatten(-1, (-1, group_size))
-    return (groups * groups.square().mean(-1, keepdim=True).add_(eps).rsqrt_()).flatten(-2)
-
-
 def _small_forward(x, z, weight, eps, group_size, norm_before_gate):
-    """The forward of one block's worth of rows in the fewest ops (the gate, the norm, two
-    products): a decode step's call, where the blocked code's twenty small ops cost four times
-    the math."""
-    ct, out_dtype = compute_dtype(x.dtype), x.dtype
-    if x.dtype != ct:  # (a no-op .to still costs a microsecond or two: a decode step's share)
-        x, z, weight = x.to(ct), z.to(ct), weight.to(ct)
-    elif weight.dtype != ct:
-        weight = weight.to(ct)
+    """The forward of one block's worth of rows in the fewest ops (the gate, the norm, the
+    products) and Python calls: a decode step's call, where the blocked code's twenty small ops
+    cost four times the math, and each call of a helper microseconds with caches cold.
+    (``F.rms_norm`` is not used: its CPU kernel costs 8 us at D 1024 where the norms' form
+    costs 5; on an H200, torch 2.11, its float64 kernel made a whole row NaN for one infinite
+    entry, where the math gives NaN there and zeros beside it.)"""
+    out_dtype = x.dtype
+    if out_dtype is not torch.float32 or weight.dtype is not torch.float32:
+        ct = compute_dtype(out_dtype)
+        x, z, weight = as_dtype(x, ct), as_dtype(z, ct), as_dtype(weight, ct)
     gate = torch.nn.functional.silu(z)
     v = x if norm_before_gate else x * gate
-    n = _small_norm(v, group_size, eps, x.device.type == "cpu").mul_(weight)
-    y = n.mul_(gate) if norm_before_gate else n
-    return as_dtype(y, out_dtype)
+    y = _scaled(v, _rstd(v, group_size, eps), group_size).mul_(weight)
+    if norm_before_gate:
+        y.mul_(gate)
+    return y if out_dtype is torch.float32 else as_dtype(y, out_dtype)
 
 
 def _small(x: torch.Tensor) -> bool:
@@ -156,7 +150,7 @@ def _small(x: torch.Tensor) -> bool:
 
 
 def forward(x, z, weight, eps, group_size, norm_before_gate):
-    if _small(x):
+    if x.numel() < COMPILE_MIN_ELEMENTS or _small(x):
         return _small_forward(x, z, weight, eps, group_size, norm_before_gate)
     xr, zr = _rows(x), _rows(z)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
