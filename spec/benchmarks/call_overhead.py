@@ -21,6 +21,13 @@ Three tables, medians of the contenders timed in alternation:
   it runs) and the autograd node (the same custom op with inputs that require gradients), on
   tiny inputs: hot caches, so that the differences are readable.
 
+Where the C library is glibc, its ``malloc`` is told to keep freed memory first (as
+``MALLOC_TRIM_THRESHOLD_`` would): the experts' forward+backward allocates 48 MiB of weight
+gradients a step, and whether a freed block went back to the system, to be faulted in and zeroed
+again, depends on the order of the calls; it swung the kernels' time between 4.8 and 10 ms from
+run to run, burying a fixed cost of microseconds (the other ops' calls allocate too little to
+reach the system either way).
+
 ``--quick`` runs tiny shapes, few repeats: CI runs it so that a change of a kernel's signature
 cannot leave this script broken.
 """
@@ -28,6 +35,7 @@ cannot leave this script broken.
 from __future__ import annotations
 
 import argparse
+import ctypes
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -161,6 +169,17 @@ CASES = {
     "moe_experts": _experts_case,
     "routed_experts": _routed_case,
 }
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc's ``malloc`` to keep freed memory: no trimming, and blocks up to 32 MiB (its
+    limit) from the heap rather than mapped for each allocation. False where it is not glibc."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def _first(result: Any) -> torch.Tensor:
@@ -340,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few repeats")
     parser.add_argument("--markdown", metavar="PATH", help="write the tables there too")
     args = parser.parse_args(argv)
+    kept = keep_freed_memory()
     torch.manual_seed(0)
     results = {name: measure(name, args.quick) for name in CASES}
     phase_results = {name: phases(name, args.quick) for name in CASES}
@@ -347,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Measured {datetime.now(timezone.utc):%Y-%m-%d} on a CPU ({torch.get_num_threads()} "
         f"threads), float32, torch {torch.__version__}, with `python "
         f"spec/benchmarks/call_overhead.py{' --quick' if args.quick else ''}`: microseconds "
-        "per call, medians of the contenders timed in alternation.\n\n"
+        "per call, medians of the contenders timed in alternation"
+        + (", glibc's malloc keeping freed memory" if kept else "")
+        + ".\n\n"
         + tables(results, phase_results)
         + "\n"
     )
