@@ -198,6 +198,44 @@ def test_moe_grouped_matmul_path(grouped_spy, monkeypatch, skew, group_elements)
             assert torch.equal(grad[1:4], torch.zeros_like(grad[1:4]))
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_grouped_weight_gradients_only_for_experts_with_rows(grouped_spy, monkeypatch):
+    """A run of experts with empty ones between those that have rows (a decode step's): the
+    weight gradients' grouped products (grouped over the rows: one output per group) take only
+    the experts with rows, each product one group per such expert, not a zero gradient for each
+    empty one; every gradient the float64 reference's, the empty experts' exactly zero."""
+    calls = []
+    grouped_mm = torch._grouped_mm
+
+    def spy(a, b, *, offs, **kw):
+        calls.append((a.shape[0], b.dim(), offs.numel()))
+        return grouped_mm(a, b, offs=offs, **kw)
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    E, D, F_ = 12, 8, 16
+    x, g = torch.randn(3, D), torch.randn(3, D)
+    index = torch.tensor([[1, 6], [6, 4], [1, 1]])  # experts 1, 4, 6: 2, 3 and 5 without rows
+    weights = torch.rand(3, 2)
+    w_gate, w_up = torch.randn(E, F_, D) * D**-0.5, torch.randn(E, F_, D) * D**-0.5
+    args = (x, index, weights, w_gate, w_up, torch.randn(E, D, F_) * F_**-0.5)
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in args]
+    monkeypatch.setattr(moe_kernels, "FEW_ROWS", 0)  # (the few rows' forward: no routing)
+    wanted = [leaves[i] for i in (0, 2, 3, 4, 5)]
+    grads = torch.autograd.grad(cakeops.routed_experts(*leaves), wanted, g)
+    assert grouped_spy == ["_grouped_backward"]
+    weight_products = [c for c in calls if c[1] == 2]  # (D or F, rows) x (rows, F or D)
+    assert len(weight_products) == 3 and all(c[2] == 3 for c in weight_products), calls
+    with cakeops.use_backend("reference"):
+        args64 = [t.double() if t.is_floating_point() else t for t in args]
+        leaves64 = [t.requires_grad_(t.is_floating_point()) for t in args64]
+        want = torch.autograd.grad(cakeops.routed_experts(*leaves64),
+                                   [leaves64[i] for i in (0, 2, 3, 4, 5)], g.double())  # fmt: skip
+    for got, ref in zip(grads, want, strict=True):
+        assert cakeops.relative_error(got, ref) <= cakeops.tolerance(torch.float32)
+    for grad in grads[2:]:
+        assert not grad[[0, 2, 3, 5, 7, 8, 9, 10, 11]].any()
+
+
 @pytest.mark.parametrize(
     "D, F, dtype", [(10, 12, torch.float32), (8, 6, torch.float32), (8, 12, torch.bfloat16)]
 )
