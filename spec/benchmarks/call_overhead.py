@@ -51,6 +51,8 @@ from cakeops.registry import select
 
 CPU = torch.device("cpu")
 EPS = 1e-6
+#: a kernel's upstream gradient of a final state that no gradient reached (the kernel contract)
+NO_GRADIENT = torch.zeros(0)
 
 
 def _norm_case(quick: bool) -> tuple[dict[str, Any], Callable[..., Any]]:
@@ -224,13 +226,16 @@ def bare_function(spec: Any, kernels: Any, values: tuple[Any, ...]) -> Callable[
         def forward(ctx: Any, *args: Any) -> Any:
             ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)))
             ctx.args = args
+            # a final state no gradient reached arrives as None, not as a state of zeros
+            # autograd made and the kernel would read (as the op's Function does)
+            ctx.set_materialize_grads(False)
             return kernels.forward(*args)
 
         @staticmethod
         def backward(ctx: Any, *grads_out: Any) -> Any:
             _ = ctx.saved_tensors  # (as a real Function unpacks them: the version check)
-            if len(grads_out) > 1 and grads_out[1] is None:  # the kernels' "no gradient"
-                grads_out = (grads_out[0], torch.zeros(0))
+            if len(grads_out) > 1 and grads_out[1] is None:
+                grads_out = (grads_out[0], NO_GRADIENT)
             grads = kernels.backward(*grads_out, *ctx.args)
             out = [None] * len(ctx.args)
             for i, grad in zip(spec._differentiable_at, grads, strict=True):
@@ -246,8 +251,8 @@ def measure(name: str, quick: bool) -> tuple[str, dict[str, float]]:
     spec, arguments, composite, inputs, backend, leaves, grads_of = _prepared(name, quick)
     op, kernels, values = getattr(cakeops, name), backend.kernels(name), tuple(inputs.values())
     g = torch.randn_like(_first(op(**arguments)))
-    final = kernels.forward(*values)[1] if spec.second is not None else None
-    grads_out = (g,) if final is None else (g, torch.zeros_like(final))
+    # the final state's gradient as the op hands it on when none reached it
+    grads_out = (g,) if spec.second is None else (g, NO_GRADIENT)
 
     def kernels_step() -> Any:
         kernels.forward(*values)
