@@ -222,13 +222,15 @@ def key_head_sums(d: torch.Tensor, key_heads: int) -> torch.Tensor:
     return d if key_heads == H else d.view(N, key_heads, H // key_heads, L, E).sum(2)
 
 
-def causal_step(q, k, v, scale, log_decay, log_gates, initial_state):
-    """``(out, state)`` of one position (``L = 1``, one sequence per row): ``S = a S_0 + k^T v``
-    (``a`` the exp of ``log_decay`` plus ``log_gates``, each None for none; ``S_0`` zeros when
-    ``initial_state`` is None), ``out = scale q S`` in ``q``'s dtype, the state in the compute
-    dtype. A decode step in the fewest ops: the outer product broadcast from ``k`` transposed
-    and ``v`` as they come, added in place to the decayed state just written (on a CPU, faster
-    than numba's one pass over the state, hot and cold, from 4 heads of 8 to 64 of 128)."""
+def causal_step(q, k, v, scale, log_decay, log_gates, initial_state, output_final_state):
+    """A kernel's forward outputs ``(out, final)`` of one position (``L = 1``, one sequence per
+    row): ``S = a S_0 + k^T v`` (``a`` the exp of ``log_decay`` plus ``log_gates``, each None for
+    none; ``S_0`` zeros when ``initial_state`` is None), ``out = scale q S`` in ``q``'s dtype,
+    ``final`` the state in ``initial_state``'s dtype (the compute dtype without one), empty
+    unless ``output_final_state``. A decode step in the fewest ops: the outer product broadcast
+    from ``k`` transposed and ``v`` as they come, added in place to the decayed state just
+    written (on a CPU, faster than numba's one pass over the state, hot and cold, from 4 heads
+    of 8 to 64 of 128)."""
     ct, out_dtype = compute_dtype(q.dtype), q.dtype
     H = v.shape[1]
     if q.shape[1] != H:
@@ -248,7 +250,10 @@ def causal_step(q, k, v, scale, log_decay, log_gates, initial_state):
     out = q @ state
     if scale is not None:
         out = out.mul_(scale)
-    return as_dtype(out, out_dtype), state
+    out = as_dtype(out, out_dtype)
+    if not output_final_state:
+        return out, out.new_empty(0)
+    return out, state if initial_state is None else as_dtype(state, initial_state.dtype)
 
 
 def state_times(state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -201,10 +201,8 @@ def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=N
     if _on_cpu_kernels(q) and q.shape[2] == 1 and cu_seqlens is None:
         # a decode step: the spec's few PyTorch ops, faster on a CPU than a numba pass over the
         # state, hot and cold, at every size measured (4 heads of 8 to 64 of 128)
-        out, final = causal_step(q, k, v, scale, log_decay, log_gates, initial_state)
-        if not output_final_state:
-            return out, q.new_empty(0)
-        return out, final if initial_state is None else final.to(initial_state.dtype)
+        return causal_step(q, k, v, scale, log_decay, log_gates, initial_state,
+                           output_final_state)  # fmt: skip
     lm = log_multipliers(q, log_decay, log_gates)
     if not _on_cpu_kernels(q):  # the CUDA kernel reads one key head per value head
         q, k = value_heads(q, v.shape[1]), value_heads(k, v.shape[1])

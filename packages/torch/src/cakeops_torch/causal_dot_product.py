@@ -43,11 +43,8 @@ def _t(x: torch.Tensor) -> torch.Tensor:
 def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=None,
             output_final_state=False, cu_seqlens=None):  # fmt: skip
     if q.shape[2] == 1 and cu_seqlens is None:  # a decode step
-        out, final = causal_step(q, k, v, scale, log_decay, log_gates, initial_state)
-        if not output_final_state:
-            return out, q.new_empty(0)
-        return out, final.to(compute_dtype(q.dtype) if initial_state is None
-                             else initial_state.dtype)  # fmt: skip
+        return causal_step(q, k, v, scale, log_decay, log_gates, initial_state,
+                           output_final_state)  # fmt: skip
     lm = log_multipliers(q, log_decay, log_gates, compute_dtype(q.dtype))
     if (lm is None and initial_state is None and not output_final_state and cu_seqlens is None
           and q.shape[1] == v.shape[1]):  # fmt: skip

@@ -385,7 +385,7 @@ def _step(q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
         q = q * scale
     # (N, H, G, Kg, 1): the gate of S's rows (Kg 1, or K for a gate per key channel)
     decay = as_dtype(g, ct).exp().view(N, H, G, 1, -1).transpose(-1, -2)
-    if initial_state is None:
+    if initial_state is None:  # (zeros times the gate: a NaN gate reaches S, as in the math)
         S = torch.zeros(N, H, G, K, V, dtype=ct, device=q.device) * decay
     else:
         # a new tensor: the caller's state is never written
