@@ -132,6 +132,30 @@ def test_a_backward_that_returns_wrong_gradients_is_named(monkeypatch, grads, me
             torch.autograd.grad(SPEC(x=x, scale=1.5).sum(), x)
 
 
+@pytest.mark.parametrize("which", ["the output", "the second output"])
+def test_a_forward_that_returns_wrong_outputs_is_named(monkeypatch, which):
+    """A backend's forward whose output or final state is not what the call expects raises a
+    RuntimeError naming the op, the backend and the output, on a signature's first call and on
+    later ones, with autograd recording or not."""
+    from cakeops.reference import causal_dot_product as kernels
+
+    forward, at = kernels.forward, ("the output", "the second output").index(which)
+
+    def wrong(*arguments):
+        outputs = list(forward(*arguments))
+        outputs[at] = outputs[at].double()
+        return tuple(outputs)
+
+    monkeypatch.setattr(kernels, "forward", wrong)
+    q, k, v = (torch.randn(1, 2, 1, 4, requires_grad=True) for _ in range(3))
+    state = torch.randn(1, 2, 4, 4)
+    message = f"causal_dot_product: backend 'reference' returned {which} as a float64 tensor"
+    with cakeops.use_backend("reference"):
+        for recording in (False, False, True, True):
+            with torch.set_grad_enabled(recording), pytest.raises(RuntimeError, match=message):
+                cakeops.causal_dot_product(q, k, v, initial_state=state, output_final_state=True)
+
+
 @pytest.mark.parametrize("step, kept", [(3, False), (2, True)], ids=["another", "the-input's"])
 def test_a_gradient_is_laid_out_like_its_input(monkeypatch, step, kept):
     """A backend's gradient in a layout neither its input's nor ``torch.empty_like``'s of it
@@ -147,6 +171,41 @@ def test_a_gradient_is_laid_out_like_its_input(monkeypatch, step, kept):
         (dx,) = torch.autograd.grad(SPEC(x=x, scale=1.5).sum(), x)
         assert dx.stride() == ((step,) if kept else torch.empty_like(x).stride())
         torch.testing.assert_close(dx, 3 * x)
+
+
+def test_a_contiguous_gradient_of_a_contiguous_input_is_kept(monkeypatch):
+    """A size-1 dimension's stride does not matter: a backend's gradient that is contiguous,
+    like its input, is kept as returned (no copy) whatever that stride, on a signature's first
+    call and on later ones (where each gradient is checked against what the signature
+    remembers)."""
+    returned = []
+
+    def backward(g, x, scale):
+        returned.append(torch.zeros(3)[::2][:1].copy_(2 * scale * x * g))  # strides (2,)
+        return (returned[-1],)
+
+    monkeypatch.setattr(sys.modules["_cakeops_toy_kernels"], "backward", backward)
+    x = torch.randn(1, requires_grad=True)
+    for _ in range(3):
+        (dx,) = torch.autograd.grad(SPEC(x=x, scale=1.5).sum(), x)
+        assert dx.data_ptr() == returned[-1].data_ptr() and dx.stride() == (2,)
+        torch.testing.assert_close(dx, 3 * x)
+
+
+def test_autocast_is_seen_on_every_device():
+    """Whether autocast is on for a call's devices: the one-call check where it sees them all
+    (CPU, CUDA), each device asked where it does not (MPS)."""
+    from cakeops.opspec import _autocasting, _Plan
+
+    plans = {d: _Plan((), False, False, None, None, frozenset({d})) for d in ("cpu", "mps")}
+    assert not any(map(_autocasting, plans.values()))
+    for device, plan in plans.items():
+        torch.set_autocast_enabled(device, True)
+        try:
+            assert _autocasting(plan), device
+        finally:
+            torch.set_autocast_enabled(device, False)
+    assert not _autocasting(_Plan((), False, False, None, None, frozenset({"meta"})))
 
 
 def test_one_gradient_through_torch_func_compile_and_opcheck():
@@ -335,7 +394,9 @@ _CDP_GATES = _with("log_gates", lambda a: -torch.rand(a["q"].shape[:3]))
 def test_a_signature_checked_before_still_checks_its_values(op, name, good, bad, entry):
     """A call without autograd skips the checks its signature passed before (types, shapes,
     dtypes): not those that read values (log gates <= 0, sorted offsets, ids >= 0), whether
-    through the public function (``OpSpec.call``) or the spec by name (``OpSpec.__call__``)."""
+    through the public function (``OpSpec.call``) or the spec by name (``OpSpec.__call__``);
+    a call recording gradients runs them with grad mode off, and leaves it on when they
+    raise."""
     spec = SPECS[op]
     call = getattr(cakeops, op) if entry == "public" else spec
     kwargs = dict(spec.example())
@@ -351,6 +412,7 @@ def test_a_signature_checked_before_still_checks_its_values(op, name, good, bad,
     call(**{**kwargs, leaf: kwargs[leaf].detach().requires_grad_()})
     with pytest.raises(ValueError, match=f"^{op}: argument '{name}' expected"):
         call(**{**wrong, leaf: wrong[leaf].detach().requires_grad_()})
+    assert torch.is_grad_enabled()
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))

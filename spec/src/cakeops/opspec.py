@@ -205,6 +205,13 @@ _forward_choice = threading.local()
 _AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps"})
 
 
+#: the devices whose autocast ``torch._C._is_any_autocast_enabled`` sees (not MPS: measured)
+_SEEN_BY_ANY = frozenset({"cpu", "cuda", "xpu"})
+#: whether autocast is on for a device of :data:`_SEEN_BY_ANY` (or another), one C call where
+#: asking a device costs half a microsecond (a PyTorch without it: assume so)
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)
+
+
 def _autocast_on(device: str) -> bool:
     """Whether autocast is on for ``device`` (a PyTorch that cannot say per device: assume so,
     and turn it off)."""
@@ -222,8 +229,9 @@ class _Plan:
     :class:`_LeanFunction`, the tensors' positions and the arguments a backward rebuilds its
     values from (:data:`_SAVED` in a tensor's place)."""
 
-    __slots__ = ("autocast", "backend", "devices", "grad_strides", "no_work", "out", "params",
-                 "resolved", "resolves", "second", "tensors_at", "token")  # fmt: skip
+    __slots__ = ("autocast", "autocast_seen", "backend", "devices", "grads_like", "no_gradient",
+                 "no_work", "out", "params", "resolved", "resolves", "second", "tensors_at",
+                 "token")  # fmt: skip
 
     def __init__(self, values, resolves, no_work, out, second, devices):
         tensor = [isinstance(v, torch.Tensor) for v in values]
@@ -231,15 +239,28 @@ class _Plan:
         self.resolves = resolves
         self.params = tuple(_SAVED if t else v for v, t in zip(values, tensor, strict=True))
         self.tensors_at = tuple(i for i, t in enumerate(tensor) if t)
-        #: the strides of ``torch.empty_like`` of each differentiable input (None: not given),
-        #: set by the first backward (:meth:`OpSpec._run_backward`)
-        self.grad_strides: tuple[Any, ...] | None = None
+        #: what each differentiable input's gradient is checked against (:func:`_grad_like`;
+        #: None: not given), set by the first backward (:meth:`OpSpec._run_backward`)
+        self.grads_like: tuple[Any, ...] | None = None
         self.no_work, self.out, self.second = no_work, out, second
+        #: the second output's upstream gradient when none reached it (the kernel contract's
+        #: "no gradient": an empty tensor, shared by the signature's calls; made by the first)
+        self.no_gradient: torch.Tensor | None = None
         self.devices = devices
-        #: those of the devices autocast knows (each asked per call whether it is on)
+        #: those of the devices autocast knows (each asked per call whether it is on, unless
+        #: :data:`_any_autocast` sees them all and says it is off)
         self.autocast = tuple(sorted(devices & _AUTOCAST_DEVICES))
+        self.autocast_seen = _SEEN_BY_ANY.issuperset(self.autocast)
         self.backend: Backend | None = None
         self.token: tuple[Any, ...] | None = None
+
+
+def _autocasting(plan: _Plan) -> bool:
+    """Whether autocast is on for one of a plan's devices."""
+    autocast = plan.autocast
+    if not autocast or (plan.autocast_seen and not _any_autocast()):
+        return False
+    return any(map(_autocast_on, autocast))
 
 
 def _run_kernel(
@@ -308,6 +329,7 @@ _function_mode_on = torch._C._is_torch_function_mode_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _tracing = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
 _forward_ad = torch.autograd.forward_ad
 _Tensor, _Parameter = _PLAIN_TENSORS
 _new_tuple = tuple.__new__
@@ -406,6 +428,15 @@ def _like(
     if got == (_empty_like_stride(t) if empty is None else empty):
         return grad
     return torch.empty_like(t).copy_(grad)
+
+
+def _grad_like(t: torch.Tensor) -> tuple[tuple[Any, ...], frozenset[tuple[int, ...]], bool]:
+    """What :meth:`OpSpec._run_backward` checks a gradient of ``t`` against, once per
+    signature: ``t``'s ``(shape, dtype, device)``, the strides :func:`_like` keeps as they are
+    (``t``'s, ``torch.empty_like(t)``'s) and whether any contiguous strides do (``t`` is
+    contiguous)."""
+    kept = frozenset({t.stride(), _empty_like_stride(t)})
+    return (t.shape, t.dtype, t.device), kept, t.is_contiguous()
 
 
 def _saved_values(ctx: Any) -> tuple[Any, ...]:
@@ -611,8 +642,13 @@ class OpSpec:
                 self.check_data(_new_tuple(self._named, values))
             return self._lean_forward(plan, values)
         if self.check_data is not None:
-            with torch.no_grad():  # nothing of the checks in the autograd graph
+            # nothing of the checks in the autograd graph (grad mode is on here: a no_grad()
+            # block would cost 2 us)
+            _set_grad_enabled(False)
+            try:
                 self.check_data(_new_tuple(self._named, values))
+            finally:
+                _set_grad_enabled(True)
         return _LeanFunction.apply(self, plan, *values)
 
     def _call(self, arguments: dict[str, Any]) -> Any:
@@ -717,7 +753,7 @@ class OpSpec:
         case, no autocast to turn off and the output as expected, without further calls)."""
         backend = plan.backend
         assert backend is not None
-        if plan.autocast and any(map(_autocast_on, plan.autocast)):
+        if _autocasting(plan):
             result = _run_kernel(backend, self.name, "forward", *values, devices=plan.devices)
         else:
             result = backend.kernels(self.name).forward(*values)
@@ -727,7 +763,11 @@ class OpSpec:
         out = self._laid_out(out, values)
         if self.second is None:
             return out
-        return out, _checked(self.name, backend, "the second output", result[1], plan.second)
+        second = result[1]
+        if type(second) is not torch.Tensor or (
+            second.shape, second.dtype, second.device) != plan.second:  # fmt: skip
+            second = _checked(self.name, backend, "the second output", second, plan.second)
+        return out, second.contiguous()
 
     def _lean_backward(self, ctx: Any, grads_out: tuple[torch.Tensor, ...]) -> list[Any]:
         """A :class:`_LeanFunction`'s gradients, one (or None) for every argument: its values
@@ -929,7 +969,7 @@ class OpSpec:
         gradients' layouts are known (each gradient then checked in one comparison)."""
         if self.contiguous_grads:
             grads_out = tuple([t.contiguous() for t in grads_out])
-        if plan is None or (plan.autocast and any(map(_autocast_on, plan.autocast))):
+        if plan is None or _autocasting(plan):
             grads = _run_kernel(backend, self.name, "backward", *grads_out, *values,
                                 devices=devices)  # fmt: skip
         else:  # the common case: autocast off
@@ -940,10 +980,10 @@ class OpSpec:
                 f"{self.name}: backend {backend.name!r} returned {len(grads)} gradients, "
                 f"expected {len(at)} ({', '.join(self.differentiable)})"
             )
-        strides = None if plan is None else plan.grad_strides
-        if plan is not None and strides is None:  # (a signature's layouts: the same each call)
-            strides = plan.grad_strides = tuple(
-                None if values[i] is None else _empty_like_stride(values[i]) for i in at
+        likes = None if plan is None else plan.grads_like
+        if plan is not None and likes is None:  # (a signature's: the same each call)
+            likes = plan.grads_like = tuple(
+                None if values[i] is None else _grad_like(values[i]) for i in at
             )
         result: list[torch.Tensor | None] = []
         for j, (i, grad) in enumerate(zip(at, grads, strict=True)):
@@ -951,11 +991,15 @@ class OpSpec:
             if t is None:
                 result.append(None)
                 continue
-            like = (t.shape, t.dtype, t.device)
+            like = (t.shape, t.dtype, t.device) if likes is None else likes[j][0]
             if type(grad) is not torch.Tensor or (grad.shape, grad.dtype, grad.device) != like:
                 grad = _checked(self.name, backend, f"d{self.names[i]}", grad, like, False)
-            # laid out by _like: a gradient with its input's strides stays as it is
-            result.append(_like(grad, t, None if strides is None else strides[j]))
+            # laid out as _like lays it out: a gradient with its input's strides stays as it is
+            if likes is None:
+                grad = _like(grad, t)
+            elif not (grad.stride() in likes[j][1] or (likes[j][2] and grad.is_contiguous())):
+                grad = torch.empty_like(t).copy_(grad)
+            result.append(grad)
         return result
 
     def _split_grads(self, g: torch.Tensor, values: tuple[Any, ...]):
@@ -1044,18 +1088,21 @@ class OpSpec:
         )
 
 
-def _filled(
-    grads: tuple[torch.Tensor | None, ...], outputs: tuple[tuple[Shape, torch.dtype, Any], ...]
-) -> tuple[torch.Tensor, ...]:
+def _filled(grads: tuple[torch.Tensor | None, ...], plan: _Plan) -> tuple[torch.Tensor, ...]:
     """The upstream gradients of an op with a final state, where None (no gradient reached
     that output) becomes zeros of the output's shape, dtype and device, or for the final state
-    an empty tensor: the kernel contract's "no gradient", whose terms the kernel skips."""
-    filled = []
-    for i, (grad, (shape, dtype, device)) in enumerate(zip(grads, outputs, strict=True)):
-        if grad is None:
-            grad = torch.zeros((0,) if i else shape, dtype=dtype, device=device)
-        filled.append(grad)
-    return tuple(filled)
+    the kernel contract's "no gradient", an empty tensor whose terms the kernel skips (the
+    plan's, made once: a decode step's backward gets it for every call)."""
+    grad, grad_second = grads
+    if grad is None:
+        shape, dtype, device = plan.out
+        grad = torch.zeros(shape, dtype=dtype, device=device)
+    if grad_second is None:
+        grad_second = plan.no_gradient
+        if grad_second is None:
+            _, dtype, device = plan.second
+            grad_second = plan.no_gradient = torch.empty(0, dtype=dtype, device=device)
+    return grad, grad_second
 
 
 class _LeanFunction(torch.autograd.Function):
@@ -1079,14 +1126,13 @@ class _LeanFunction(torch.autograd.Function):
             # an output no gradient reached arrives as None (autograd's zeros: a state-sized
             # tensor a decode step's backward then reads for nothing); _filled makes it
             ctx.set_materialize_grads(False)
-            ctx.outputs = (plan.out, plan.second)
         return out
 
     @staticmethod
     def backward(ctx: Any, *grads_out: torch.Tensor | None) -> Any:  # type: ignore[override]
         spec: OpSpec = ctx.spec
         if spec.second is not None:
-            grads_out = _filled(grads_out, ctx.outputs)
+            grads_out = _filled(grads_out, ctx.plan)
         if _may_differentiate_backward():  # the custom op's backward, through the backward op
             return (None, None, *spec._backward(spec._full, ctx, *grads_out))
         return (None, None, *spec._lean_backward(ctx, grads_out))
