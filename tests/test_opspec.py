@@ -197,7 +197,10 @@ def test_autocast_is_seen_on_every_device():
     (CPU, CUDA), each device asked where it does not (MPS)."""
     from cakeops.opspec import _autocasting, _Plan
 
-    plans = {d: _Plan((), False, False, None, None, frozenset({d})) for d in ("cpu", "mps")}
+    def planned(device):
+        return _Plan((), (), no_work=False, out=None, second=None, devices=frozenset({device}))
+
+    plans = {d: planned(d) for d in ("cpu", "mps")}
     assert not any(map(_autocasting, plans.values()))
     for device, plan in plans.items():
         torch.set_autocast_enabled(device, True)
@@ -205,7 +208,7 @@ def test_autocast_is_seen_on_every_device():
             assert _autocasting(plan), device
         finally:
             torch.set_autocast_enabled(device, False)
-    assert not _autocasting(_Plan((), False, False, None, None, frozenset({"meta"})))
+    assert not _autocasting(planned("meta"))
 
 
 def test_one_gradient_through_torch_func_compile_and_opcheck():

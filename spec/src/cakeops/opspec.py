@@ -222,21 +222,23 @@ def _autocast_on(device: str) -> bool:
 
 
 class _Plan:
-    """What one signature of an op decided (see ``OpSpec._lean``): the non-tensor arguments as
-    ``check`` resolved them (None in a tensor's place) and whether it resolved any, whether
-    there is work, the outputs' ``(shape, dtype, device)``, the tensors' device types (and
-    those autocast knows), and the backend chosen under the selection state ``token``; for
+    """What one signature of an op decided (see ``OpSpec._lean``): the non-tensor arguments
+    ``check`` resolved to other values (``(position, value)`` pairs), whether there is work, the
+    outputs' ``(shape, dtype, device)``, the tensors' device types (and those autocast knows),
+    and the backend and its kernel module chosen under the selection state ``token``; for
     :class:`_LeanFunction`, the tensors' positions and the arguments a backward rebuilds its
     values from (:data:`_SAVED` in a tensor's place)."""
 
-    __slots__ = ("autocast", "autocast_seen", "backend", "devices", "grads_like", "no_gradient",
-                 "no_work", "out", "params", "resolved", "resolves", "second", "tensors_at",
+    __slots__ = ("autocast", "autocast_seen", "backend", "devices", "grads_like", "kernels",
+                 "no_gradient", "no_work", "out", "params", "resolutions", "second", "tensors_at",
                  "token")  # fmt: skip
 
-    def __init__(self, values, resolves, no_work, out, second, devices):
+    def __init__(self, values, given, no_work, out, second, devices):
         tensor = [isinstance(v, torch.Tensor) for v in values]
-        self.resolved = tuple(None if t else v for v, t in zip(values, tensor, strict=True))
-        self.resolves = resolves
+        changed = zip(values, given, tensor, strict=True)
+        self.resolutions = tuple(
+            (i, v) for i, (v, g, t) in enumerate(changed) if v is not g and not t
+        )
         self.params = tuple(_SAVED if t else v for v, t in zip(values, tensor, strict=True))
         self.tensors_at = tuple(i for i, t in enumerate(tensor) if t)
         #: what each differentiable input's gradient is checked against (:func:`_grad_like`;
@@ -252,7 +254,16 @@ class _Plan:
         self.autocast = tuple(sorted(devices & _AUTOCAST_DEVICES))
         self.autocast_seen = _SEEN_BY_ANY.issuperset(self.autocast)
         self.backend: Backend | None = None
+        self.kernels: Any = None
         self.token: tuple[Any, ...] | None = None
+
+
+def _resolved(values: tuple[Any, ...], resolutions: tuple[tuple[int, Any], ...]) -> tuple[Any, ...]:
+    """``values`` with a plan's resolutions in their places."""
+    resolved = list(values)
+    for i, value in resolutions:
+        resolved[i] = value
+    return tuple(resolved)
 
 
 def _autocasting(plan: _Plan) -> bool:
@@ -634,9 +645,8 @@ class OpSpec:
         plan = self._plans.get(tuple(key))
         if plan is None or plan.no_work or plan.token != selection_token(self.name):
             return _NOT_LEAN
-        if plan.resolves:
-            given = zip(values, plan.resolved, strict=True)
-            values = tuple([v if r is None else r for v, r in given])
+        if plan.resolutions:
+            values = _resolved(values, plan.resolutions)
         if not records:
             if self.check_data is not None:
                 self.check_data(_new_tuple(self._named, values))
@@ -737,15 +747,15 @@ class OpSpec:
                 self._plans[key] = plan
             values = checked
         else:
-            if plan.resolves:
-                given = zip(values, plan.resolved, strict=True)
-                values = tuple([v if r is None else r for v, r in given])
+            if plan.resolutions:
+                values = _resolved(values, plan.resolutions)
             if self.check_data is not None:
                 self.check_data(_new_tuple(self._named, values))
         if not plan.no_work:
             token = selection_token(self.name)
             if plan.token != token:
-                plan.backend, plan.token = select(self.name, inputs or self._make(values)), token
+                backend = select(self.name, inputs or self._make(values))
+                plan.backend, plan.kernels, plan.token = backend, backend.kernels(self.name), token
         return plan, values, inputs
 
     def _lean_forward(self, plan: _Plan, values: tuple[Any, ...]) -> Any:
@@ -756,7 +766,7 @@ class OpSpec:
         if _autocasting(plan):
             result = _run_kernel(backend, self.name, "forward", *values, devices=plan.devices)
         else:
-            result = backend.kernels(self.name).forward(*values)
+            result = plan.kernels.forward(*values)
         out = result if self.second is None else result[0]
         if not isinstance(out, torch.Tensor) or (out.shape, out.dtype, out.device) != plan.out:
             _checked(self.name, backend, "the output", out, plan.out)  # raises
@@ -793,7 +803,7 @@ class OpSpec:
             second = (torch.Size(shape2), dtype2, device)
         return _Plan(
             values=inputs.values(),
-            resolves=any(a is not b for a, b in zip(given, inputs.values(), strict=True)),
+            given=given,
             no_work=self.no_work(inputs),
             out=(torch.Size(shape), dtype, device),
             second=second,
