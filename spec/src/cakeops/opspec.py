@@ -320,7 +320,7 @@ def _may_differentiate_backward() -> bool:
     """Whether a backward being run could itself be differentiated (``create_graph=True``, a
     ``torch.func`` transform): only then does it need the Function that refuses second
     derivatives, a quarter of a small backward's time."""
-    return torch.is_grad_enabled() or torch._C._are_functorch_transforms_active()
+    return _grad_enabled() or _functorch_active()
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
