@@ -27,6 +27,9 @@ order; see each op's ``Kernels`` protocol)::
 
     forward(*inputs) -> output
     backward(grad_output, *inputs) -> one gradient per tensor input
+
+Kernels read their arguments and never write into them (an op's empty "no gradient" for a final
+state is one tensor, shared by the calls of a signature).
 """
 
 from __future__ import annotations
