@@ -430,16 +430,14 @@ def _absent(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=like.dtype, device=like.device)
 
 
-def _like(
-    grad: torch.Tensor, t: torch.Tensor, empty: tuple[int, ...] | None = None
-) -> torch.Tensor:
+def _like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``grad`` laid out as ``torch.empty_like(t)`` (the backward's fake kernel): a backend
     may return any strides, but a compiled graph relies on the fake's (a copy only when they
-    differ). ``empty``: that layout's strides, where known (:func:`_empty_like_stride`)."""
+    differ)."""
     got = grad.stride()
     if got == t.stride() or (grad.is_contiguous() and t.is_contiguous()):
         return grad
-    if got == (_empty_like_stride(t) if empty is None else empty):
+    if got == _empty_like_stride(t):
         return grad
     return torch.empty_like(t).copy_(grad)
 
