@@ -4,6 +4,7 @@ module would declare it: the custom ops, autograd, torch.func, torch.compile and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import types
@@ -461,6 +462,48 @@ def test_a_known_signature_runs_in_one_function(name, monkeypatch):
     with torch.no_grad():
         op(**kwargs)  # a signature not seen (since the plans were forgotten)
     assert taken == [True]
+
+
+def _spy(ran, name, kernel, *args):
+    ran.append(name)
+    return kernel(*args)
+
+
+@pytest.mark.parametrize("recording", [False, True], ids=["no-grad", "recording"])
+def test_a_call_runs_the_backend_chosen_under_the_state_it_read(monkeypatch, recording):
+    """Threads share a signature's plan, each under its own selection state (``use_backend()``
+    is per thread): a call runs, forward and backward, the backend chosen under the state it
+    read, though another thread's call replaces the signature's choice meanwhile (here: as this
+    thread reads its state)."""
+    from cakeops import opspec
+    from cakeops.registry import backends
+
+    ran = []
+    for name in ("torch", "reference"):
+        module = backends()[name].kernels("rmsnorm_silu_gate")
+        for kind in ("forward", "backward"):
+            spy = functools.partial(_spy, ran, (name, kind), getattr(module, kind))
+            monkeypatch.setattr(module, kind, spy)
+    monkeypatch.delenv("CAKEOPS_BACKEND", raising=False)
+    monkeypatch.delenv("CAKEOPS_BACKEND_RMSNORM_SILU_GATE", raising=False)
+    x, z, w = torch.randn(2, 8, requires_grad=recording), torch.randn(2, 8), torch.randn(8)
+    SPECS["rmsnorm_silu_gate"]._plans.clear()
+    cakeops.rmsnorm_silu_gate(x, z, w)  # the signature's plan, torch's choice
+    (plan,) = SPECS["rmsnorm_silu_gate"]._plans.values()
+    reference = backends()["reference"]
+    elsewhere = (("another thread's state",), reference, reference.kernels("rmsnorm_silu_gate"))
+    token = opspec.selection_token
+
+    def meanwhile(op):
+        plan.choice = elsewhere
+        return token(op)
+
+    monkeypatch.setattr(opspec, "selection_token", meanwhile)
+    ran.clear()
+    y = cakeops.rmsnorm_silu_gate(x, z, w)
+    if recording:
+        y.sum().backward()
+    assert ran == [("torch", "forward")] + [("torch", "backward")] * recording
 
 
 def test_a_remembered_signature_still_follows_the_backend_choice(monkeypatch):

@@ -224,17 +224,22 @@ def _autocast_on(device: str) -> bool:
         return True
 
 
+#: ``(selection token, backend, its kernel module for the op)``: a signature's backend as chosen
+#: under that selection state, one tuple (a thread reads the three as one thread wrote them;
+#: another thread's selection replaces the whole)
+_Choice = tuple[tuple[Any, ...], Backend, Any]
+
+
 class _Plan:
     """What one signature of an op decided (see ``OpSpec._lean``): the non-tensor arguments
     ``check`` resolved to other values (``(position, value)`` pairs), whether there is work, the
     outputs' ``(shape, dtype, device)``, the tensors' device types (and those autocast knows),
-    and the backend and its kernel module chosen under the selection state ``token``; for
+    and the latest :data:`_Choice` of a backend; for
     :class:`_LeanFunction`, the tensors' positions and the arguments a backward rebuilds its
     values from (:data:`_SAVED` in a tensor's place)."""
 
-    __slots__ = ("autocast", "autocast_seen", "backend", "devices", "grads_like", "kernels",
-                 "no_gradient", "no_work", "out", "params", "resolutions", "second", "tensors_at",
-                 "token")  # fmt: skip
+    __slots__ = ("autocast", "autocast_seen", "choice", "devices", "grads_like", "no_gradient",
+                 "no_work", "out", "params", "resolutions", "second", "tensors_at")  # fmt: skip
 
     def __init__(self, values, given, no_work, out, second, devices):
         tensor = [isinstance(v, torch.Tensor) for v in values]
@@ -256,9 +261,8 @@ class _Plan:
         #: :data:`_any_autocast` sees them all and says it is off)
         self.autocast = tuple(sorted(devices & _AUTOCAST_DEVICES))
         self.autocast_seen = _SEEN_BY_ANY.issuperset(self.autocast)
-        self.backend: Backend | None = None
-        self.kernels: Any = None
-        self.token: tuple[Any, ...] | None = None
+        #: the latest backend chosen (None: none yet, or nothing to compute)
+        self.choice: _Choice | None = None
 
 
 def _resolved(values: tuple[Any, ...], resolutions: tuple[tuple[int, Any], ...]) -> tuple[Any, ...]:
@@ -644,14 +648,16 @@ class OpSpec:
             else:
                 return _NOT_LEAN
         plan = self._plans.get(tuple(key))
-        if plan is None or plan.no_work or plan.token != selection_token(self.name):
+        if plan is None or (choice := plan.choice) is None:  # (none either: nothing to compute)
+            return _NOT_LEAN
+        if choice[0] != selection_token(self.name):
             return _NOT_LEAN
         if plan.resolutions:
             values = _resolved(values, plan.resolutions)
         if not records:
             if self.check_data is not None:
                 self.check_data(_new_tuple(self._named, values))
-            return self._lean_forward(plan, values)
+            return self._lean_forward(plan, choice, values)
         if self.check_data is not None:
             # nothing of the checks in the autograd graph (grad mode is on here: a no_grad()
             # block would cost 2 us)
@@ -660,7 +666,7 @@ class OpSpec:
                 self.check_data(_new_tuple(self._named, values))
             finally:
                 _set_grad_enabled(True)
-        return _LeanFunction.apply(self, plan, *values)
+        return _LeanFunction.apply(self, plan, choice, *values)
 
     def _call(self, arguments: dict[str, Any]) -> Any:
         if torch.compiler.is_compiling():
@@ -717,22 +723,22 @@ class OpSpec:
         if not _plain(tensors):
             return _NOT_LEAN
         if not _records_grad(tensors):
-            plan, values, inputs = self._lean_plan(values)
-            if plan.no_work:
+            plan, choice, values, inputs = self._lean_plan(values)
+            if choice is None:  # nothing to compute
                 return self._run_forward(inputs or self._make(values))
-            return self._lean_forward(plan, values)
+            return self._lean_forward(plan, choice, values)
         with torch.no_grad():  # the checks: nothing of them in the autograd graph
-            plan, checked, _ = self._lean_plan(values)
-        if plan.no_work or any(a is not b for a, b in zip(values, checked, strict=True)
-                               if isinstance(a, torch.Tensor)):  # fmt: skip
+            plan, choice, checked, _ = self._lean_plan(values)
+        if choice is None or any(a is not b for a, b in zip(values, checked, strict=True)
+                                 if isinstance(a, torch.Tensor)):  # fmt: skip
             # zeros and gradients for them, or a check that replaced a tensor: the custom op
             return _NOT_LEAN
-        return _LeanFunction.apply(self, plan, *checked)
+        return _LeanFunction.apply(self, plan, choice, *checked)
 
-    def _lean_plan(self, values: tuple[Any, ...]) -> tuple[_Plan, tuple[Any, ...], Any]:
-        """``(plan, values as checked, the inputs when made)`` of a lean call: its signature's
-        plan (made by every check on the first call, else the value checks), the backend chosen
-        again if the selection state changed."""
+    def _lean_plan(self, values: tuple[Any, ...]) -> tuple[_Plan, Any, tuple[Any, ...], Any]:
+        """``(plan, choice, values as checked, the inputs when made)`` of a lean call: its
+        signature's plan (made by every check on the first call, else the value checks), the
+        backend chosen again if the selection state changed (no choice: nothing to compute)."""
         key = _signature(values)
         plan = self._plans.get(key)
         inputs = None
@@ -752,22 +758,22 @@ class OpSpec:
                 values = _resolved(values, plan.resolutions)
             if self.check_data is not None:
                 self.check_data(_new_tuple(self._named, values))
-        if not plan.no_work:
-            token = selection_token(self.name)
-            if plan.token != token:
-                backend = select(self.name, inputs or self._make(values))
-                plan.backend, plan.kernels, plan.token = backend, backend.kernels(self.name), token
-        return plan, values, inputs
+        if plan.no_work:
+            return plan, None, values, inputs
+        choice, token = plan.choice, selection_token(self.name)
+        if choice is None or choice[0] != token:
+            backend = select(self.name, inputs or self._make(values))
+            choice = plan.choice = (token, backend, backend.kernels(self.name))
+        return plan, choice, values, inputs
 
-    def _lean_forward(self, plan: _Plan, values: tuple[Any, ...]) -> Any:
+    def _lean_forward(self, plan: _Plan, choice: _Choice, values: tuple[Any, ...]) -> Any:
         """The chosen backend's forward of checked ``values``, its outputs checked (the common
         case, no autocast to turn off and the output as expected, without further calls)."""
-        backend = plan.backend
-        assert backend is not None
+        _, backend, kernels = choice
         if _autocasting(plan):
             result = _run_kernel(backend, self.name, "forward", *values, devices=plan.devices)
         else:
-            result = plan.kernels.forward(*values)
+            result = kernels.forward(*values)
         out = result if self.second is None else result[0]
         if not isinstance(out, torch.Tensor) or (out.shape, out.dtype, out.device) != plan.out:
             _checked(self.name, backend, "the output", out, plan.out)  # raises
@@ -1126,13 +1132,15 @@ class _LeanFunction(torch.autograd.Function):
     second derivatives."""
 
     @staticmethod
-    def forward(ctx: Any, spec: OpSpec, plan: _Plan, *values: Any) -> Any:  # type: ignore[override]
-        out = spec._lean_forward(plan, values)
+    def forward(  # type: ignore[override]
+        ctx: Any, spec: OpSpec, plan: _Plan, choice: _Choice, *values: Any
+    ) -> Any:
+        out = spec._lean_forward(plan, choice, values)
         ctx.save_for_backward(*[values[i] for i in plan.tensors_at])
         ctx.params = plan.params
         # (ctx.backend: the name, as the custom op's context keeps it for OpSpec._backward)
-        ctx.spec, ctx.plan, ctx.kernels = spec, plan, plan.backend
-        ctx.backend = plan.backend.name
+        ctx.spec, ctx.plan, ctx.kernels = spec, plan, choice[1]
+        ctx.backend = choice[1].name
         if spec.second is not None:
             # an output no gradient reached arrives as None (autograd's zeros: a state-sized
             # tensor a decode step's backward then reads for nothing); _filled makes it
@@ -1145,8 +1153,8 @@ class _LeanFunction(torch.autograd.Function):
         if spec.second is not None:
             grads_out = _filled(grads_out, ctx.plan)
         if _may_differentiate_backward():  # the custom op's backward, through the backward op
-            return (None, None, *spec._backward(spec._full, ctx, *grads_out))
-        return (None, None, *spec._lean_backward(ctx, grads_out))
+            return (None, None, None, *spec._backward(spec._full, ctx, *grads_out))
+        return (None, None, None, *spec._lean_backward(ctx, grads_out))
 
 
 def moved_to_helpers(module: str) -> Callable[[str], Any]:
