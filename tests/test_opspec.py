@@ -193,6 +193,29 @@ def test_a_contiguous_gradient_of_a_contiguous_input_is_kept(monkeypatch):
         torch.testing.assert_close(dx, 3 * x)
 
 
+@pytest.mark.parametrize("apply", ["C", "Function.apply"])
+def test_a_tensor_escaped_from_a_functorch_transform_is_its_own_tensor_again(monkeypatch, apply):
+    """A tensor kept from inside a ``torch.func`` transform that has ended (PyTorch's "dead
+    wrapper") is the tensor it wrapped, as for any autograd Function: a call recording
+    gradients on it, first or later of its signature, sends its gradient to that tensor,
+    through the Function's C ``apply`` or (a PyTorch without it) ``Function.apply``."""
+    from cakeops import opspec
+
+    if apply == "Function.apply":
+        monkeypatch.setattr(opspec, "_lean_apply", None)
+    escaped = []
+    x = torch.randn(2, 8, requires_grad=True)
+    z, w = torch.randn(2, 8), torch.randn(8)
+    torch.func.grad(lambda t: escaped.append(t) or (t * t).sum())(x)
+    (want,) = torch.autograd.grad(cakeops.rmsnorm_silu_gate(x, z, w).sum(), x)
+    SPECS["rmsnorm_silu_gate"]._plans.clear()
+    for _ in range(2):
+        y = cakeops.rmsnorm_silu_gate(escaped[0], z, w)
+        (got,) = torch.autograd.grad(y.sum(), x, allow_unused=True)
+        assert got is not None
+        torch.testing.assert_close(got, want)
+
+
 def test_autocast_is_seen_on_every_device():
     """Whether autocast is on for a call's devices: the one-call check where it sees them all
     (CPU, CUDA), each device asked where it does not (MPS)."""
