@@ -150,6 +150,30 @@ def test_highest_priority_backend_that_supports_the_inputs_runs(spies):
     assert "never chosen implicitly" in str(why)  # the reference backend's line
 
 
+class Picky(cakeops.Backend):
+    def not_preferred_reasons(self, op, inputs):
+        return ["rows wider than 4 go elsewhere"] if inputs.x.shape[-1] > 4 else []
+
+
+def test_a_backend_not_preferred_for_some_inputs_runs_them_only_when_named(spies):
+    """``Backend.not_preferred_reasons``: implicit selection passes the backend over for those
+    inputs (explain says why) and takes it for the others; named, it runs them all."""
+    module = _spy_module("picky")
+    kernels = cakeops.OpKernels(module.__name__, devices={"cpu": 200}, dtypes=(torch.float32,))
+    cakeops.register_backend(Picky(name="picky", distribution="cakeops-picky", ops={OP: kernels}))
+    try:
+        narrow = (torch.randn(3, 4, requires_grad=True), torch.randn(3, 4), torch.ones(4))
+        assert ran(*narrow) == "picky"
+        assert ran(*inputs()) == "spy_a"
+        why = cakeops.explain(OP, *inputs())
+        assert why.backend == "spy_a" and why.reasons["picky"] == ["rows wider than 4 go elsewhere"]
+        with cakeops.use_backend("picky"):
+            assert ran(*inputs()) == "picky"
+    finally:
+        cakeops.unregister_backend("picky")
+        sys.modules.pop(module.__name__, None)
+
+
 def test_env_vars_are_read_at_call_time(spies, monkeypatch):
     x, z, w = inputs()
     assert ran(x, z, w) == "spy_a"
@@ -262,7 +286,10 @@ def test_use_backend_around_a_compiled_function_chooses_inside_it(spies):
             "ghost: not installed; install it with `pip install cakeops-ghost` (from a "
             "checkout of cakeops: `pip install ./packages/ghost`)",
         ),
-        ("numba", "numba: serves devices cuda for rmsnorm_silu_gate, got cpu"),
+        (
+            "numba",
+            "numba: supports dtypes float16, bfloat16, float32 for rmsnorm_silu_gate, got float64",
+        ),
         ("triton", "triton: unavailable: no CUDA or ROCm device"),
         ("example", "supports dtypes float32 for rmsnorm_silu_gate, got float64"),
     ],
@@ -291,9 +318,10 @@ def test_unavailable_backend_is_skipped_implicitly_and_refused_explicitly():
             )
         },
     )
+    before = cakeops.explain(OP, *inputs()).backend
     cakeops.register_backend(backend)
     try:
-        assert cakeops.explain(OP, *inputs()).backend == "torch"
+        assert cakeops.explain(OP, *inputs()).backend == before
         with (
             cakeops.use_backend("gone"),
             pytest.raises(cakeops.BackendError, match="needs a device"),
@@ -321,7 +349,7 @@ def test_explain_validates_like_the_call():
     x, z, w = inputs()
     with pytest.raises(ValueError, match="argument 'group_size'"):
         cakeops.explain(cakeops.rmsnorm_silu_gate, x, z, w, group_size=3)
-    assert cakeops.explain(cakeops.rmsnorm_silu_gate, x, z, w).backend == "torch"
+    assert cakeops.explain(cakeops.rmsnorm_silu_gate, x, z, w).backend == "numba"  # a decode step's
     with pytest.raises(ValueError, match="op must be one of"):
         cakeops.explain("no_such_op", x)
 
@@ -397,6 +425,7 @@ def test_hostile_backend_packages_break_nothing(tmp_path, monkeypatch):
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
         (info / "entry_points.txt").write_text(f"[cakeops.backends]\n{module} = {module}:backend\n")
+    before = cakeops.explain(cakeops.rmsnorm_silu_gate, *inputs()).backend
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         found = cakeops.rediscover()
@@ -405,7 +434,7 @@ def test_hostile_backend_packages_break_nothing(tmp_path, monkeypatch):
         assert "reserved for cakeops-torch" in errors["torch (from impostor)"]
         assert "SystemExit" in errors["quitter"] and "quitter" in errors["quitter"]
         x = inputs()
-        assert cakeops.explain(cakeops.rmsnorm_silu_gate, *x).backend == "torch"
+        assert cakeops.explain(cakeops.rmsnorm_silu_gate, *x).backend == before
         cakeops.rmsnorm_silu_gate(*x)
         why = cakeops.explain(cakeops.rmsnorm_silu_gate, *x).reasons
         assert "unavailable_reason() raised RuntimeError: no idea" in why["moody"][0]

@@ -1,5 +1,6 @@
-"""The numba backend's own plumbing on the CPU: its njit causal_dot_product kernels (the
-conformance suite runs them too), their conversion path, selection and thread safety.
+"""The numba backend's own plumbing on the CPU: its njit causal_dot_product and
+rmsnorm_silu_gate kernels (the conformance suite runs them too), their conversion path,
+selection and thread safety.
 
 Its CUDA kernels are certified in numba's simulator (``nox -s tests``) and on a GPU
 (``nox -s gpu``, with ``tests/gpu``).
@@ -14,6 +15,7 @@ import textwrap
 import threading
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -23,9 +25,12 @@ from cakeops import registry
 from cakeops.ops import causal_dot_product as causal
 from cakeops.ops import rmsnorm_silu_gate as rmsnorm
 from cakeops.testing import test_causal_dot_product as suite
+from cakeops.testing import test_rmsnorm_silu_gate as norm_suite
 from cakeops_numba import SIMULATOR
 from cakeops_numba import backend as numba_backend
+from cakeops_numba.cpu import _njit as njit_module
 from cakeops_numba.cpu import causal_dot_product as cpu_kernels
+from cakeops_numba.cpu import rmsnorm_silu_gate as norm_kernels
 
 pytestmark = pytest.mark.skipif(
     SIMULATOR, reason="NUMBA_ENABLE_CUDASIM=1 sends CPU tensors to the simulated CUDA kernels"
@@ -87,8 +92,108 @@ def test_automatic_choice_on_cpu():
         t = q.to(dtype)
         picked = registry.select("causal_dot_product", causal.Inputs(t, t, t))
         assert picked.name == expected, dtype
-    reasons = numba_backend.not_supported_reasons("rmsnorm_silu_gate", rmsnorm.Inputs(q, q, q))
+    reasons = numba_backend.not_supported_reasons("gated_delta_rule", rmsnorm.Inputs(q, q, q))
     assert any("serves devices cuda" in r for r in reasons)
+
+
+def test_norm_cpu_kernel_is_chosen_for_a_decode_steps_inputs():
+    """rmsnorm_silu_gate's njit kernel is the implicit CPU choice for float32 inputs of up to
+    CPU_NORM_ELEMENTS elements (explain says why it is passed over for the others); named, it
+    runs any input."""
+    from cakeops_numba import CPU_NORM_ELEMENTS
+
+    def inputs(rows, dtype=torch.float32):
+        x = torch.randn(rows, 1024, dtype=dtype)
+        return rmsnorm.Inputs(x, x, torch.ones(1024, dtype=dtype), group_size=1024)
+
+    op, rows = "rmsnorm_silu_gate", CPU_NORM_ELEMENTS // 1024
+    assert registry.select(op, inputs(rows)).name == "numba"
+    for wide_or_bf16 in (inputs(rows + 1), inputs(1, torch.bfloat16)):
+        assert registry.select(op, wide_or_bf16).name == "torch"
+    why = registry.explain_inputs(op, inputs(rows + 1))
+    assert why.reasons["numba"] == [
+        f"its CPU kernel is chosen implicitly for up to {CPU_NORM_ELEMENTS} elements (a decode "
+        f"step's), got {CPU_NORM_ELEMENTS + 1024}"
+    ]
+    with cakeops.use_backend("numba"):
+        assert registry.select(op, inputs(rows + 1)).name == "numba"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nbg", [True, False])
+def test_norm_rows_on_threads_in_blocks_match_reference(monkeypatch, dtype, nbg):
+    """At SERIAL_BELOW elements and more the rows run on numba's threads, a block of
+    BLOCK_ELEMENTS at a time (converted to float32 when they are not): every block, a shorter
+    last one too, lands in its place, and dweight sums every block's rows."""
+    calls = []
+
+    def counting(name):
+        kernel = getattr(norm_kernels, name)
+
+        def run(*args):
+            calls.append(name)
+            return kernel(*args)
+
+        return run
+
+    for name in ("_forward_parallel", "_backward_parallel"):
+        monkeypatch.setattr(norm_kernels, name, counting(name))
+    monkeypatch.setattr(norm_kernels, "SERIAL_BELOW", 1)
+    monkeypatch.setattr(norm_kernels, "BLOCK_ELEMENTS", 2 * 32)  # two rows a block
+    x, z, w, g = norm_suite.make_inputs((5, 32), dtype, "cpu")
+    with cakeops.use_backend("numba"):
+        got = norm_suite.run(x, z, w, g, 8, nbg)
+    norm_suite.check_against_reference(x, z, w, g, 8, nbg, got)
+    assert calls == ["_forward_parallel"] * 3 + ["_backward_parallel"] * 3
+
+
+def test_norm_dweight_is_the_same_on_any_number_of_threads(monkeypatch):
+    """The backward sums dweight over fixed ranges of rows, then the ranges in order: the
+    same bits on one thread as on two."""
+    monkeypatch.setattr(norm_kernels, "SERIAL_BELOW", 1)
+    x, z, w, g = (t.detach() for t in norm_suite.make_inputs((40, 64), torch.float32, "cpu"))
+    threads, got = torch.get_num_threads(), []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got.append(norm_kernels.backward(g, x, z, w, 1e-6, 16, True)[2])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[0], got[1])
+
+
+def test_norm_cpu_kernels_leave_their_arguments_storage_resizable():
+    """The kernels read tensors by address, not through ``Tensor.numpy()``, which marks a
+    storage as never to be resized again: FSDP2 frees a parameter's unsharded storage by
+    resizing it to 0."""
+    x, z, w, g = norm_suite.make_inputs((2, 32), torch.float32, "cpu")
+    with cakeops.use_backend("numba"):
+        norm_suite.run(x, z, w, g)
+    for t in (x, z, w, g):
+        t.untyped_storage().resize_(0)
+
+
+def test_norm_exp_is_within_two_ulp_of_float64():
+    """The norm kernel's vectorisable float32 ``exp``: within 2 ulp of float64's where the
+    result is a normal float32, inf above its range, 0 below, NaN for NaN."""
+    exp = norm_kernels._exp
+
+    @numba.njit
+    def exp_all(a, out):
+        for i in range(a.shape[0]):
+            out[i] = exp(a[i])
+
+    a = np.concatenate([np.linspace(-90, 90, 400_001, dtype=np.float32),
+                        np.array([88.72, 88.73, -87.33, -87.34, np.inf, -np.inf, np.nan],
+                                 np.float32)])  # fmt: skip
+    out = np.empty_like(a)
+    exp_all(a, out)
+    want = np.exp(a.astype(np.float64))
+    normal = (want >= np.finfo(np.float32).tiny) & (want <= np.finfo(np.float32).max)
+    ulp = np.spacing(want[normal].astype(np.float32)).astype(np.float64)
+    assert (np.abs(out[normal] - want[normal]) <= 2 * ulp).all()
+    assert np.isinf(out[a > 88.7228394]).all() and (out[a < -87.3365402] == 0).all()
+    assert out[-3] == np.inf and out[-2] == 0 and np.isnan(out[-1])
 
 
 def test_cuda_reason_is_reported_without_a_device():
@@ -173,21 +278,21 @@ def test_concurrent_calls_from_threads():
 def test_compiles_without_a_writable_cache(monkeypatch):
     """Where numba finds no place to cache (read-only install, no home directory), the kernels
     still compile, once per process."""
-    real_njit = cpu_kernels.njit
+    real_njit = njit_module.njit
 
     def njit(**options):
         if options.get("cache"):
             raise RuntimeError("cannot cache function 'f': no locator available for file 'x.py'")
         return real_njit(**options)
 
-    monkeypatch.setattr(cpu_kernels, "njit", njit)
+    monkeypatch.setattr(njit_module, "njit", njit)
 
     def double(a):
         for i in cpu_kernels.prange(a.shape[0]):
             a[i] *= 2
 
     a = np.arange(4.0)
-    cpu_kernels._compiled(parallel=True)(double)(a)
+    njit_module.compiled(parallel=True)(double)(a)
     assert a.tolist() == [0.0, 2.0, 4.0, 6.0]
 
 

@@ -162,6 +162,13 @@ class Backend:
             )
         return reasons
 
+    def not_preferred_reasons(self, op: str, inputs: OpInputs) -> list[str]:
+        """Every reason implicit selection passes this backend over for ``inputs`` it supports
+        (empty when it does not): kernels that beat the next backend's on some signatures
+        only, such as a decode step's. Named explicitly, the backend still runs them. Like
+        :meth:`not_supported_reasons`, the answer depends on the signature only."""
+        return []
+
     def kernels(self, op: str) -> ModuleType:
         """The imported kernel module for ``op`` (imported once, on first use); one without a
         callable ``forward`` and ``backward`` is refused with a clear error."""
@@ -520,7 +527,8 @@ def explain_inputs(op: str, inputs: Mapping[str, Any]) -> Explanation:
     else:
         source = "priority"
         for backend in _implicit_candidates(op, device_type):
-            reasons[backend.name] = backend.not_supported_reasons(op, inputs)
+            why = backend.not_supported_reasons(op, inputs)
+            reasons[backend.name] = why or backend.not_preferred_reasons(op, inputs)
             if not reasons[backend.name]:
                 chosen = backend.name
                 break
@@ -541,7 +549,10 @@ def select(op: str, inputs: Mapping[str, Any]) -> Backend:
     if forced is None:
         # Fast path: the first implicit candidate usually accepts the inputs.
         for backend in _implicit_candidates(op, _device_type(inputs)):
-            if not backend.not_supported_reasons(op, inputs):
+            if not (
+                backend.not_supported_reasons(op, inputs)
+                or backend.not_preferred_reasons(op, inputs)
+            ):
                 return backend
     else:
         installed = backends()

@@ -5,6 +5,9 @@ reduced by the whole block (a fixed shared-memory tree, so the sum is the same e
 narrower groups belong to one thread each, which walks its group alone. Either way a column is
 always handled by the same thread of a block, so the backward accumulates ``dweight`` per
 (block, column) in float32 without atomics, and the host sums the block partials in block order.
+
+CPU tensors go to the ``njit`` kernels of :mod:`cakeops_numba.cpu.rmsnorm_silu_gate` (in the
+simulator, to the CUDA kernels above).
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import math
 import torch
 from numba import cuda, float32
 
+from cakeops_numba import SIMULATOR
 from cakeops_numba._elements import sigmoid, store, widen
 from cakeops_numba._launch import THREADS, blocks_for, on_stream, view
+from cakeops_numba.cpu import rmsnorm_silu_gate as cpu
 
 SMALL_GROUP = 32
 SIM_SWITCH_INTERVAL_S = 1e-3  # long loops between barriers: see _launch
@@ -170,6 +175,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def forward(x, z, weight, eps, group_size, norm_before_gate):
+    if x.device.type == "cpu" and not SIMULATOR:
+        return cpu.forward(x, z, weight, eps, group_size, norm_before_gate)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     xr = _rows(x)
     if xr.numel() == 0:
@@ -184,6 +191,8 @@ def forward(x, z, weight, eps, group_size, norm_before_gate):
 
 
 def backward(g, x, z, weight, eps, group_size, norm_before_gate):
+    if x.device.type == "cpu" and not SIMULATOR:
+        return cpu.backward(g, x, z, weight, eps, group_size, norm_before_gate)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
     xr = _rows(x)

@@ -21,56 +21,17 @@ to float32 a block of heads at a time, so those copies stay bounded.
 
 from __future__ import annotations
 
-import threading
-
-import numba
 import numpy as np
 import torch
-from llvmlite import ir
 from numba import njit, prange, types
-from numba.core.extending import intrinsic, overload
+from numba.core.extending import overload
 
-# Reassociation lets the inner loops vectorise; no "nnan"/"ninf", so NaN and inf propagate.
-FASTMATH = {"reassoc", "contract", "arcp"}
+from cakeops_numba.cpu._njit import compiled as _compiled
+from cakeops_numba.cpu._njit import float_as_int as _float_as_int
+from cakeops_numba.cpu._njit import int_as_float as _int_as_float
+from cakeops_numba.cpu._njit import launching
+
 BLOCK_ELEMENTS = 1 << 21  # per converted float32 block of one tensor
-# numba's "workqueue" threading layer (used when neither OpenMP nor TBB is found) aborts on
-# concurrent launches from two Python threads: launches take turns.
-_LAUNCH = threading.Lock()
-
-
-def _compiled(parallel: bool):
-    """A decorator: ``fn`` compiled on first use (``parallel``: its ``prange`` loop runs on
-    numba's threads), cached on disk (in ``__pycache__`` or numba's user cache directory) so
-    later processes skip the seconds of compiling; without a writable cache location, compiled
-    once per process."""
-
-    def compile_(fn):
-        try:
-            return njit(parallel=parallel, fastmath=FASTMATH, cache=True)(fn)
-        except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-            return njit(parallel=parallel, fastmath=FASTMATH)(fn)
-
-    return compile_
-
-
-@intrinsic
-def _int_as_float(typingctx, bits):
-    """The float32 with the bits of an int32."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.int32), codegen
-
-
-@intrinsic
-def _float_as_int(typingctx, value):
-    """The int32 with the bits of a float32."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.int32(types.float32), codegen
 
 
 def _widen(v):  # compiled through the overload below
@@ -286,8 +247,7 @@ def _run(kernel, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, 
     tensors = (*inputs, *outputs)
     in_place = all(t.dtype in _IN_PLACE and t.is_contiguous() for t in tensors)
     widest = max(t.shape[-1] for t in tensors)
-    with _LAUNCH:
-        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    with launching():
         if in_place:
             kernel(*(_in_place(t) for t in tensors))
             return
@@ -675,9 +635,7 @@ def _heads(t: torch.Tensor) -> np.ndarray:
 
 def _launch(kernel, work: int, *args, serial_below: int = SERIAL_BELOW) -> None:
     """``kernel`` on numba's threads, or one of them below ``serial_below`` units of ``work``."""
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    with _LAUNCH:
-        numba.set_num_threads(1 if work < serial_below else threads)
+    with launching(serial=work < serial_below):
         kernel(*args)
 
 

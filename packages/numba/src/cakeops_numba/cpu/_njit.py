@@ -1,0 +1,76 @@
+"""What the CPU kernel modules share: the fast-math flags, the compile decorator, the launch lock
+with the thread count, float32 bit casts and a tensor's address as a pointer."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numba
+import torch
+from llvmlite import ir
+from numba import njit, types
+from numba.core.extending import intrinsic
+
+# Reassociation lets the inner loops vectorise; no "nnan"/"ninf", so NaN and inf propagate.
+FASTMATH = {"reassoc", "contract", "arcp"}
+# numba's "workqueue" threading layer (used when neither OpenMP nor TBB is found) aborts on
+# concurrent launches from two Python threads: launches take turns, whichever op they run.
+LAUNCH = threading.Lock()
+
+
+def compiled(parallel: bool, fastmath: set[str] = FASTMATH):
+    """A decorator: ``fn`` compiled on first use (``parallel``: its ``prange`` loop runs on
+    numba's threads), cached on disk (in ``__pycache__`` or numba's user cache directory) so
+    later processes skip the seconds of compiling; without a writable cache location, compiled
+    once per process. Division follows IEEE (``error_model="numpy"``): Python's check for a
+    zero divisor, a branch per division, would keep every loop that divides scalar."""
+
+    def compile_(fn):
+        options = {"parallel": parallel, "fastmath": fastmath, "error_model": "numpy"}
+        try:
+            return njit(**options, cache=True)(fn)
+        except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+            return njit(**options)(fn)
+
+    return compile_
+
+
+@contextmanager
+def launching(serial: bool = False) -> Iterator[None]:
+    """Hold the launch lock, numba's threads set to PyTorch's count (one with ``serial``)."""
+    with LAUNCH:
+        threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(1 if serial else threads)
+        yield
+
+
+@intrinsic
+def int_as_float(typingctx, bits):
+    """The float32 with the bits of an int32."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@intrinsic
+def float_as_int(typingctx, value):
+    """The int32 with the bits of a float32."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def float_pointer(typingctx, address):
+    """A float32 pointer to ``address`` (a tensor's ``data_ptr()``), for ``numba.carray``."""
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+
+    return types.CPointer(types.float32)(types.intp), codegen
