@@ -11,7 +11,8 @@ scalar (four times slower here), and numba vectorises it only with Intel's SVML 
 fusing ``exp`` with a division is left scalar by LLVM's cost model, hence the separate passes.
 
 Inputs of ``SERIAL_BELOW`` elements or more run their rows on numba's threads (``prange``, under
-the launch lock); smaller ones on the calling thread, with no lock. The backward sums
+the launch lock), a block of rows at a time; smaller ones in one call on the calling thread,
+with no lock (converted to float32 whole: at most 128 KiB). The backward sums
 ``dweight`` in ``CHUNKS`` contiguous ranges of rows, then the ranges in order: deterministic,
 whatever the number of threads.
 
@@ -22,8 +23,6 @@ never be resized again, which breaks FSDP2, whose parameters' storage is freed b
 """
 
 from __future__ import annotations
-
-from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -214,36 +213,33 @@ def _float32(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _in_place(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a decode step's input the serial kernels read in place: small,
-    contiguous, float32 (no blocks, no copies, no launch lock)."""
-    return x.numel() < SERIAL_BELOW and x.dtype is torch.float32 and x.is_contiguous()
-
-
 def _row_blocks(rows: int, D: int):
     step = max(1, BLOCK_ELEMENTS // D)
     for start in range(0, rows, step):
         yield slice(start, min(start + step, rows))
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype is dtype else t.to(dtype)
+
+
 def forward(x, z, weight, eps, group_size, norm_before_gate):
     D, w = x.shape[-1], _float32(weight)
     options = (eps, group_size, norm_before_gate)
-    if _in_place(x):
-        y, zf = torch.empty_like(x), _float32(z)  # (empty_like: a third of torch.empty's cost)
-        _forward_serial(x.data_ptr(), zf.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // D,
+    if x.numel() < SERIAL_BELOW:  # a decode step's: one call on this thread, no lock, no blocks
+        xf, zf = _float32(x), _float32(z)
+        y = torch.empty_like(xf)  # (a third of torch.empty(shape, dtype=...)'s cost)
+        _forward_serial(xf.data_ptr(), zf.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // D,
                         D, *options)  # fmt: skip
-        return y
+        return _as(y, x.dtype)
     y = torch.empty(x.shape, dtype=x.dtype)
     xr, zr, yr = x.reshape(-1, D), z.reshape(-1, D), y.view(-1, D)
-    serial = x.numel() < SERIAL_BELOW
-    kernel = _forward_serial if serial else _forward_parallel
-    with nullcontext() if serial else launching():
+    with launching():
         for b in _row_blocks(xr.shape[0], D):
             xb, zb, yb = _float32(xr[b]), _float32(zr[b]), yr[b]
             out = yb if y.dtype is torch.float32 else torch.empty(xb.shape)
-            kernel(xb.data_ptr(), zb.data_ptr(), w.data_ptr(), out.data_ptr(), xb.shape[0], D,
-                   *options)  # fmt: skip
+            _forward_parallel(xb.data_ptr(), zb.data_ptr(), w.data_ptr(), out.data_ptr(),
+                              xb.shape[0], D, *options)  # fmt: skip
             if out is not yb:
                 yb.copy_(out)
     return y
@@ -253,26 +249,25 @@ def backward(g, x, z, weight, eps, group_size, norm_before_gate):
     D, w = x.shape[-1], _float32(weight)
     options = (eps, group_size, norm_before_gate)
     dweight = torch.zeros(D, dtype=torch.float32)
-    if _in_place(x):
-        dx, dz, gf, zf = torch.empty_like(x), torch.empty_like(x), _float32(g), _float32(z)
-        addresses = (gf, x, zf, w, dx, dz, dweight)
+    if x.numel() < SERIAL_BELOW:
+        gf, xf, zf = _float32(g), _float32(x), _float32(z)
+        dx, dz = torch.empty_like(xf), torch.empty_like(xf)
+        addresses = (gf, xf, zf, w, dx, dz, dweight)
         _backward_serial(*(t.data_ptr() for t in addresses), x.numel() // D, D, *options)
-        return dx, dz, dweight.to(weight.dtype)
+        return _as(dx, x.dtype), _as(dz, z.dtype), _as(dweight, weight.dtype)
     dx = torch.empty(x.shape, dtype=x.dtype)
     dz = torch.empty(z.shape, dtype=z.dtype)
     gr, xr, zr = g.reshape(-1, D), x.reshape(-1, D), z.reshape(-1, D)
     dxr, dzr = dx.view(-1, D), dz.view(-1, D)
-    serial = x.numel() < SERIAL_BELOW
-    kernel = _backward_serial if serial else _backward_parallel
-    with nullcontext() if serial else launching():
+    with launching():
         for b in _row_blocks(xr.shape[0], D):
             gb, xb, zb = _float32(gr[b]), _float32(xr[b]), _float32(zr[b])
             outs = (dxr[b], dzr[b])
             if x.dtype is not torch.float32:
                 outs = (torch.empty(xb.shape), torch.empty(xb.shape))
-            kernel(gb.data_ptr(), xb.data_ptr(), zb.data_ptr(), w.data_ptr(), outs[0].data_ptr(),
-                   outs[1].data_ptr(), dweight.data_ptr(), xb.shape[0], D, *options)  # fmt: skip
+            addresses = (gb, xb, zb, w, *outs, dweight)
+            _backward_parallel(*(t.data_ptr() for t in addresses), xb.shape[0], D, *options)
             if x.dtype is not torch.float32:
                 dxr[b].copy_(outs[0])
                 dzr[b].copy_(outs[1])
-    return dx, dz, dweight.to(weight.dtype)
+    return dx, dz, _as(dweight, weight.dtype)
