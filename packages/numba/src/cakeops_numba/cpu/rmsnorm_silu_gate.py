@@ -2,7 +2,7 @@
 
 A decode step's call (a row of a model's width) is what this serves: the ``torch`` backend runs
 it as seven small ops forward and fifteen backward, a microsecond each, where here the math of a
-row of 1024 costs about one, and the call numba's dispatch and the arrays' conversions.
+row of 1024 costs about one, and the call numba's dispatch of the tensors' addresses.
 
 Each row takes a pass for the gate's ``exp``, one for ``sigmoid``, one for each group's sum of
 squares (and in the backward its dot product) and one for the results. ``exp`` is
@@ -52,7 +52,7 @@ def _exp(x):  # pragma: no cover - compiled
     ln(2) / 2`` and ``e^r`` from its Taylor polynomial to ``r^7`` (truncation below 1e-8);
     ``2^k`` as two powers of two, each built from its exponent bits, so ``k = 128`` still
     gives a finite result. inf above ``_EXP_MAX``, 0 below ``_EXP_MIN``, NaN for NaN."""
-    xc = x if x < _EXP_MAX else _EXP_MAX  # (NaN: _EXP_MIN, replaced below)
+    xc = x if x < _EXP_MAX else _EXP_MAX  # (NaN: _EXP_MAX, replaced below)
     xc = xc if xc > _EXP_MIN else _EXP_MIN
     kf = np.floor(xc * _LOG2E + np.float32(0.5))
     r = xc - kf * _LN2_HI - kf * _LN2_LO
@@ -94,7 +94,7 @@ def _rstd(v, eps):  # pragma: no cover - compiled
 
 @compiled(parallel=False)
 def _normed(x, z, sig, v, norm_before_gate):  # pragma: no cover - compiled
-    """``sig[:] = sigmoid(z)`` and ``v[:]`` the normalised vector: ``x``, or ``x * silu(z)``."""
+    """``sig[:] = sigmoid(z)``, ``v[:]`` the vector the norm scales: ``x`` or ``x * silu(z)``."""
     _sigmoid_row(z, sig)
     for i in range(x.shape[0]):
         v[i] = x[i] if norm_before_gate else x[i] * (z[i] * sig[i])
