@@ -93,7 +93,7 @@ def _have(module: str) -> bool:
 
 
 #: The whole run's stop, in seconds (on a GPU; ``--dry-run``): the steps' limits fit within it.
-TOTAL_S = {False: 540, True: 200}
+TOTAL_S = {False: 540, True: 230}
 
 
 def plan(out: Path, dry_run: bool) -> list[Step]:
@@ -124,8 +124,10 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
             pytest("suite-numba", *suite, "--cakeops-backend=numba", "-k",
                    "test_saves_exactly_the_inputs"),
         ]  # fmt: skip
-        limits = {"preflight": 40, "bench": 60, "conformance": 80, "hf": 20}
-        bench += ["--quick", "--budget", "40"]
+        # the bench's budget stops it starting a contender, not one running: a CPU's compile of
+        # a torch.compile contender ran 20 s past a 40 s budget (a 60 s limit cut it short)
+        limits = {"preflight": 40, "bench": 90, "conformance": 80, "hf": 20}
+        bench += ["--quick", "--budget", "30"]
         hf += ["--quick"]
     else:
         conformance = [

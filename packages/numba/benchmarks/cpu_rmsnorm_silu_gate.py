@@ -5,7 +5,7 @@ choice for float32 inputs of up to ``CPU_NORM_ELEMENTS`` elements, a decode step
 times both backends' kernels, called directly, on the same float32 inputs, from one row of a
 model's width to the benchmark shapes, and says which one implicit selection takes::
 
-    python packages/numba/benchmarks/cpu_rmsnorm_silu_gate.py [--quick]
+    python packages/numba/benchmarks/cpu_rmsnorm_silu_gate.py [--quick] [--dtype bfloat16]
 
 Medians of the two timed in alternation, forward and forward+backward, numba's time over
 torch's. ``--quick``: two tiny shapes (CI runs it so that it keeps running).
@@ -25,10 +25,10 @@ from cakeops_torch import rmsnorm_silu_gate as torch_kernels
 EPS = 1e-6
 
 
-def compare(rows: int, D: int, repeats: int) -> None:
+def compare(rows: int, D: int, repeats: int, dtype: torch.dtype) -> None:
     """Prints both kernels' medians at ``(rows, D)`` and numba's over torch's."""
-    x, z, g = (torch.randn(rows, D) for _ in range(3))
-    w = torch.rand(D) + 0.5
+    x, z, g = (torch.randn(rows, D, dtype=dtype) for _ in range(3))
+    w = torch.rand(D, dtype=dtype) + 0.5
     options = (EPS, D, True)
     contenders = {}
     for name, kernels in (("numba", numba_kernels), ("torch", torch_kernels)):
@@ -40,12 +40,12 @@ def compare(rows: int, D: int, repeats: int) -> None:
     for a, b in zip(
         contenders["numba fwd+bwd"]()[1], contenders["torch fwd+bwd"]()[1], strict=True
     ):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a, b, rtol=1e-4 if dtype == torch.float32 else 1e-2, atol=1e-4)
     us = {
         k: t * 1e6
         for k, t in alternating_medians(contenders, torch.device("cpu"), repeats, warmup=2).items()
     }
-    chosen = "numba" if rows * D <= CPU_NORM_ELEMENTS else "torch"
+    chosen = "numba" if rows * D <= CPU_NORM_ELEMENTS and dtype == torch.float32 else "torch"
     print(
         f"| {rows} x {D} | {us['numba fwd']:.0f} | {us['torch fwd']:.0f} | "
         f"{us['numba fwd'] / us['torch fwd']:.2f} | {us['numba fwd+bwd']:.0f} | "
@@ -56,8 +56,10 @@ def compare(rows: int, D: int, repeats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two tiny shapes")
-    quick = parser.parse_args().quick
-    print(f"torch {torch.get_num_threads()} threads, float32, microseconds (medians)\n")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    args = parser.parse_args()
+    quick, dtype = args.quick, getattr(torch, args.dtype)
+    print(f"torch {torch.get_num_threads()} threads, {args.dtype}, microseconds (medians)\n")
     print("| rows x D | numba fwd | torch fwd | ratio | numba fwd+bwd | torch fwd+bwd | ratio "
           "| implicit choice |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
@@ -66,7 +68,7 @@ def main() -> None:
         (8, 4096), (512, 1024), (8192, 4096), (32768, 128),
     ]  # fmt: skip
     for rows, D in shapes:
-        compare(rows, D, repeats=5 if quick or rows * D > 1 << 22 else 200)
+        compare(rows, D, repeats=5 if quick or rows * D > 1 << 22 else 200, dtype=dtype)
 
 
 if __name__ == "__main__":
