@@ -97,9 +97,9 @@ def test_automatic_choice_on_cpu():
 
 
 def test_norm_cpu_kernel_is_chosen_for_a_decode_steps_inputs():
-    """rmsnorm_silu_gate's njit kernel is the implicit CPU choice for float32 inputs of up to
-    CPU_NORM_ELEMENTS elements (explain says why it is passed over for the others); named, it
-    runs any input."""
+    """rmsnorm_silu_gate's njit kernel is the implicit CPU choice for inputs of up to
+    CPU_NORM_ELEMENTS elements in every dtype it takes (explain says why it is passed over for
+    the others); named, it runs any input."""
     from cakeops_numba import CPU_NORM_ELEMENTS
 
     def inputs(rows, dtype=torch.float32):
@@ -107,9 +107,10 @@ def test_norm_cpu_kernel_is_chosen_for_a_decode_steps_inputs():
         return rmsnorm.Inputs(x, x, torch.ones(1024, dtype=dtype), group_size=1024)
 
     op, rows = "rmsnorm_silu_gate", CPU_NORM_ELEMENTS // 1024
-    assert registry.select(op, inputs(rows)).name == "numba"
-    for wide_or_bf16 in (inputs(rows + 1), inputs(1, torch.bfloat16)):
-        assert registry.select(op, wide_or_bf16).name == "torch"
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert registry.select(op, inputs(rows, dtype)).name == "numba"
+    assert registry.select(op, inputs(rows + 1)).name == "torch"
+    assert registry.select(op, inputs(1, torch.float64)).name == "torch"
     why = registry.explain_inputs(op, inputs(rows + 1))
     assert why.reasons["numba"] == [
         f"its CPU kernel is chosen implicitly for up to {CPU_NORM_ELEMENTS} elements (a decode "

@@ -1,9 +1,10 @@
 """Where does the numba CPU kernel for ``rmsnorm_silu_gate`` beat the torch backend's?
 
 The backend ships the kernel (:mod:`cakeops_numba.cpu.rmsnorm_silu_gate`) as the implicit CPU
-choice for float32 inputs of up to ``CPU_NORM_ELEMENTS`` elements, a decode step's: this script
-times both backends' kernels, called directly, on the same float32 inputs, from one row of a
-model's width to the benchmark shapes, and says which one implicit selection takes::
+choice for inputs of up to ``CPU_NORM_ELEMENTS`` elements, a decode step's: this script times
+both backends' kernels, called directly, on the same inputs (float32 unless ``--dtype``), from
+one row of a model's width to the benchmark shapes, and says which one implicit selection
+takes::
 
     python packages/numba/benchmarks/cpu_rmsnorm_silu_gate.py [--quick] [--dtype bfloat16]
 
@@ -45,7 +46,7 @@ def compare(rows: int, D: int, repeats: int, dtype: torch.dtype) -> None:
         k: t * 1e6
         for k, t in alternating_medians(contenders, torch.device("cpu"), repeats, warmup=2).items()
     }
-    chosen = "numba" if rows * D <= CPU_NORM_ELEMENTS and dtype == torch.float32 else "torch"
+    chosen = "numba" if rows * D <= CPU_NORM_ELEMENTS else "torch"
     print(
         f"| {rows} x {D} | {us['numba fwd']:.0f} | {us['torch fwd']:.0f} | "
         f"{us['numba fwd'] / us['torch fwd']:.2f} | {us['numba fwd+bwd']:.0f} | "

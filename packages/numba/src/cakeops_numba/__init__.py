@@ -10,8 +10,8 @@ many times faster, and run on numba only when it is asked for by name.
 On the CPU, ``njit`` kernels serve the ops where they beat the ``torch`` backend on the op's
 benchmark shapes (``causal_dot_product``, in every dtype; see ``packages/numba/benchmarks``),
 as the automatic choice there; ``rmsnorm_silu_gate``'s is the automatic choice for a decode
-step's inputs (up to ``CPU_NORM_ELEMENTS`` elements in float32, ``spec/benchmarks``'
-``call_overhead.py``), and runs the others when named.
+step's inputs (up to ``CPU_NORM_ELEMENTS`` elements; ``packages/numba/benchmarks``'
+``cpu_rmsnorm_silu_gate.py``), and runs the others when named.
 
 The CUDA kernels need numba-cuda (``pip install 'cakeops-numba[cuda]'``); the CPU kernels need
 numba only. With ``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported) the CUDA kernels run
@@ -47,9 +47,10 @@ if not SIMULATOR and importlib.util.find_spec("numba_cuda") is not None:
 CUDA_PRIORITY = 50  # below triton (100), above torch (10): memory-bound kernels
 CUDA_MATMUL_PRIORITY = 5  # below torch (10): products on FMA against torch's tensor cores
 CPU_PRIORITY = 20  # above torch (10), for the ops with a CPU kernel
-#: The largest float32 ``rmsnorm_silu_gate`` input chosen implicitly on the CPU: a decode step's
-#: rows (16 of 1024, 4 of 4096), where the njit kernel's pass beats the torch backend's dozen ops;
-#: wider inputs, where torch's vectorised ops (then its compiled kernel) win, go to torch.
+#: The largest ``rmsnorm_silu_gate`` input chosen implicitly on the CPU: a decode step's rows (16
+#: of 1024, 4 of 4096), where the njit kernel's passes beat the torch backend's dozen ops in
+#: float32, bfloat16 and float16 alike; wider inputs, where torch's vectorised ops (then its
+#: compiled kernel) win the forward, go to torch.
 CPU_NORM_ELEMENTS = 1 << 14
 
 
@@ -119,9 +120,6 @@ class NumbaBackend(Backend):
         if op != "rmsnorm_silu_gate" or inputs.device_type != "cpu" or SIMULATOR:
             return []
         x = inputs.x
-        if x.dtype != torch.float32:
-            got = str(x.dtype).removeprefix("torch.")
-            return [f"its CPU kernel is chosen implicitly for float32 only, got {got}"]
         if x.numel() > CPU_NORM_ELEMENTS:
             return [
                 f"its CPU kernel is chosen implicitly for up to {CPU_NORM_ELEMENTS} elements "
@@ -143,7 +141,7 @@ backend = NumbaBackend(
             "routed_experts": {"devices": devices(cpu_kernel=False, cuda=CUDA_MATMUL_PRIORITY)},
             # one thread per value column, step by step, no tensor cores: by name only on CUDA
             "gated_delta_rule": {"devices": devices(cpu_kernel=False, cuda=CUDA_MATMUL_PRIORITY)},
-            # the njit CPU kernel computes in float32 (other dtypes converted in blocks)
+            # the njit CPU kernel computes in float32 (other dtypes converted)
             "rmsnorm_silu_gate": {"devices": devices(cpu_kernel=True)},
             "causal_dot_product": {
                 "devices": devices(cpu_kernel=True, cuda=CUDA_MATMUL_PRIORITY),
