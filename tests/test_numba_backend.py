@@ -174,6 +174,30 @@ def test_norm_cpu_kernels_leave_their_arguments_storage_resizable():
         t.untyped_storage().resize_(0)
 
 
+def test_cpu_kernels_step_aside_when_numba_runs_python():
+    """Under NUMBA_DISABLE_JIT numba runs ``njit`` functions as Python, where the CPU kernels'
+    intrinsics do not exist: torch runs both ops, and numba named gives every reason."""
+    code = textwrap.dedent(
+        """
+        import torch, cakeops
+        x, q = torch.randn(2, 64), torch.randn(1, 2, 5, 8)
+        assert cakeops.explain(cakeops.rmsnorm_silu_gate, x, x, torch.ones(64)).backend == "torch"
+        assert cakeops.explain(cakeops.causal_dot_product, q, q, q).backend == "torch"
+        cakeops.rmsnorm_silu_gate(x, x, torch.ones(64)), cakeops.causal_dot_product(q, q, q)
+        try:
+            with cakeops.use_backend("numba"):
+                cakeops.rmsnorm_silu_gate(x, x, torch.ones(64))
+        except cakeops.BackendError as e:
+            assert "NUMBA_DISABLE_JIT is set" in str(e), e
+        else:
+            raise AssertionError("numba ran as Python")
+        """
+    )
+    env = {**os.environ, "NUMBA_DISABLE_JIT": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_norm_exp_is_within_two_ulp_of_float64():
     """The norm kernel's vectorisable float32 ``exp``: within 2 ulp of float64's where the
     result is a normal float32, inf above its range, 0 below, NaN for NaN."""

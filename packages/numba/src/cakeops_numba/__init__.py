@@ -62,6 +62,14 @@ def devices(cpu_kernel: bool, cuda: int = CUDA_PRIORITY) -> dict[str, int | None
     return {"cuda": cuda, **({"cpu": CPU_PRIORITY} if cpu_kernel else {})}
 
 
+def _jit_disabled() -> bool:
+    """Whether numba runs ``njit`` functions as Python (``NUMBA_DISABLE_JIT``), where the CPU
+    kernels' intrinsics and overloads do not exist."""
+    from numba.core import config
+
+    return bool(config.DISABLE_JIT)
+
+
 def _first_compile() -> None:
     """Compile and run a one-thread kernel: what every numba-cuda kernel needs first (its
     target, NVVM, the driver's linker), on the device PyTorch uses."""
@@ -114,6 +122,8 @@ class NumbaBackend(Backend):
         reasons = super().not_supported_reasons(op, inputs)
         if inputs.device_type == "cuda" and self.cuda_unavailable_reason is not None:
             reasons.append(self.cuda_unavailable_reason)
+        if inputs.device_type == "cpu" and not SIMULATOR and not reasons and _jit_disabled():
+            reasons.append("NUMBA_DISABLE_JIT is set: its CPU kernels run only compiled")
         return reasons
 
     def not_preferred_reasons(self, op: str, inputs: OpInputs) -> list[str]:
