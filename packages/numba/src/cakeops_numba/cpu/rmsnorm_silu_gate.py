@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from numba import carray, njit, prange
 
+from cakeops.helpers import as_dtype
 from cakeops_numba.cpu._njit import FASTMATH, compiled, float_pointer, int_as_float, launching
 
 BLOCK_ELEMENTS = 1 << 20
@@ -219,10 +220,6 @@ def _row_blocks(rows: int, D: int):
         yield slice(start, min(start + step, rows))
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype is dtype else t.to(dtype)
-
-
 def forward(x, z, weight, eps, group_size, norm_before_gate):
     D, w = x.shape[-1], _float32(weight)
     options = (eps, group_size, norm_before_gate)
@@ -231,7 +228,7 @@ def forward(x, z, weight, eps, group_size, norm_before_gate):
         y = torch.empty_like(xf)  # (a third of torch.empty(shape, dtype=...)'s cost)
         _forward_serial(xf.data_ptr(), zf.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // D,
                         D, *options)  # fmt: skip
-        return _as(y, x.dtype)
+        return as_dtype(y, x.dtype)
     y = torch.empty(x.shape, dtype=x.dtype)
     xr, zr, yr = x.reshape(-1, D), z.reshape(-1, D), y.view(-1, D)
     with launching():
@@ -254,7 +251,7 @@ def backward(g, x, z, weight, eps, group_size, norm_before_gate):
         dx, dz = torch.empty_like(xf), torch.empty_like(xf)
         addresses = (gf, xf, zf, w, dx, dz, dweight)
         _backward_serial(*(t.data_ptr() for t in addresses), x.numel() // D, D, *options)
-        return _as(dx, x.dtype), _as(dz, z.dtype), _as(dweight, weight.dtype)
+        return as_dtype(dx, x.dtype), as_dtype(dz, z.dtype), as_dtype(dweight, weight.dtype)
     dx = torch.empty(x.shape, dtype=x.dtype)
     dz = torch.empty(z.shape, dtype=z.dtype)
     gr, xr, zr = g.reshape(-1, D), x.reshape(-1, D), z.reshape(-1, D)
@@ -270,4 +267,4 @@ def backward(g, x, z, weight, eps, group_size, norm_before_gate):
             if x.dtype is not torch.float32:
                 dxr[b].copy_(outs[0])
                 dzr[b].copy_(outs[1])
-    return dx, dz, _as(dweight, weight.dtype)
+    return dx, dz, as_dtype(dweight, weight.dtype)
