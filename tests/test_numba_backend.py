@@ -24,6 +24,7 @@ import cakeops
 from cakeops import registry
 from cakeops.ops import causal_dot_product as causal
 from cakeops.ops import rmsnorm_silu_gate as rmsnorm
+from cakeops.testing import assert_default_dtype_changes_nothing
 from cakeops.testing import test_causal_dot_product as suite
 from cakeops.testing import test_rmsnorm_silu_gate as norm_suite
 from cakeops_numba import SIMULATOR
@@ -171,6 +172,48 @@ def test_norm_cpu_kernels_leave_their_arguments_storage_resizable():
     with cakeops.use_backend("numba"):
         norm_suite.run(x, z, w, g)
     for t in (x, z, w, g):
+        t.untyped_storage().resize_(0)
+
+
+def test_norm_rows_on_threads_under_another_default_dtype(monkeypatch):
+    """The threads' path converts bfloat16 blocks to float32 scratch: allocated as float32,
+    whatever PyTorch's default dtype (a bfloat16 default gave garbage there)."""
+    monkeypatch.setattr(norm_kernels, "SERIAL_BELOW", 1)
+    x, z, w, g = norm_suite.make_inputs((5, 32), torch.bfloat16, "cpu")
+    with cakeops.use_backend("numba"):
+        assert_default_dtype_changes_nothing(
+            lambda *t: cakeops.rmsnorm_silu_gate(*t, group_size=8), (x, z, w), (g,)
+        )
+
+
+@pytest.mark.parametrize("threads", [False, True])
+def test_decode_step_backward_on_the_calling_thread_and_on_threads(monkeypatch, threads):
+    """A decode step's backward runs on the calling thread below STEP_SERIAL_BELOW state
+    elements, on numba's threads from there: both against the float64 scan, every option."""
+    calls = []
+    for name in ("_step_serial", "_step_parallel"):
+        kernel = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name,
+                            lambda *a, n=name, k=kernel: calls.append(n) or k(*a))  # fmt: skip
+    if threads:
+        monkeypatch.setattr(cpu_kernels, "STEP_SERIAL_BELOW", 1)
+    given = suite.OPTION_CASES["all"]
+    (q, k, v), tensors, fixed, g, g_final = suite._option_inputs(given, torch.float32, "cpu", L=1)
+    with cakeops.use_backend("numba"):
+        suite.check_against_scan((q, k, v), tensors, fixed, g, g_final, plain_logs=True)
+    assert calls == ["_step_parallel" if threads else "_step_serial"]
+
+
+def test_decode_step_leaves_its_arguments_storage_resizable():
+    """A decode step's backward reads its tensors by address, not ``Tensor.numpy()``: the
+    initial state and the log decay may be FSDP2 parameters, whose storage it resizes."""
+    given = suite.OPTION_CASES["all"]
+    (q, k, v), tensors, fixed, g, g_final = suite._option_inputs(given, torch.float32, "cpu", L=1)
+    with cakeops.use_backend("numba"):
+        out, final = cakeops.causal_dot_product(q, k, v, **tensors, **fixed,
+                                                output_final_state=True)  # fmt: skip
+    torch.autograd.backward((out, final), (g, g_final.float()))
+    for t in (q, k, v, *tensors.values(), g):
         t.untyped_storage().resize_(0)
 
 

@@ -15,6 +15,7 @@ from cakeops.testing import (
     EMULATED,
     assert_bad_input_raises,
     assert_compiled_matches,
+    assert_default_dtype_changes_nothing,
     assert_matches,
     assert_opcheck_and_compile_with_state,
     check_with_state,
@@ -147,6 +148,21 @@ class TestCausalConv1d:
             dx, dinitial = packed[2], packed[-1]
             assert_matches(dx[:, :, s:e], got[2], "dx", dtype)
             assert_matches(dinitial[i : i + 1], got[-1], "dinitial_state", dtype)
+
+    @pytest.mark.parametrize("length", [L, 1])
+    def test_default_dtype_changes_nothing(self, backend, device, length):
+        """Every option, a prefill and a decode step: PyTorch's default dtype (bfloat16 in many
+        inference scripts) reaches no kernel."""
+        given = OPTION_CASES["together"]
+        given = given if length == L else tuple(g for g in given if g != "packed")
+        tensors, fixed, g_out, g_final = make_inputs(given, device=device, L=length)
+        names = list(tensors)
+
+        def op(*ts):
+            return cakeops.causal_conv1d(**dict(zip(names, ts, strict=True)), **fixed)
+
+        grads = (g_out, g_final.float())
+        assert_default_dtype_changes_nothing(op, tuple(tensors.values()), grads)
 
     def test_prefill_then_continuation_equals_the_whole(self, backend, dtype, device):
         """Prefill, then continuing from its final state (one step at a time, then a block)

@@ -13,6 +13,7 @@ from cakeops.testing import (
     EMULATED,
     assert_bad_input_raises,
     assert_compiled_matches,
+    assert_default_dtype_changes_nothing,
     assert_matches,
     peak_memory,
     reference_outputs,
@@ -345,6 +346,21 @@ class TestCausalOptions:
         given = OPTION_CASES[case]
         (q, k, v), tensors, fixed, g, g_final = _option_inputs(given, dtype, device, L=1)
         check_against_scan((q, k, v), tensors, fixed, g, g_final, plain_logs=True)
+
+    @pytest.mark.parametrize("case, L", [("all", 45), ("packed", 45), ("all", 1)])
+    def test_default_dtype_changes_nothing(self, backend, device, case, L):
+        """Every option, a prefill and a decode step: PyTorch's default dtype (bfloat16 in many
+        inference scripts) reaches no kernel."""
+        qkv, tensors, fixed, g, g_final = _option_inputs(OPTION_CASES[case], torch.float32,
+                                                         device, L=L)  # fmt: skip
+        names = ["q", "k", "v", *tensors]
+
+        def op(*ts):
+            return cakeops.causal_dot_product(**dict(zip(names, ts, strict=True)), **fixed,
+                                              output_final_state=True)  # fmt: skip
+
+        leaves = (*(t.detach().requires_grad_() for t in qkv), *tensors.values())
+        assert_default_dtype_changes_nothing(op, leaves, (g, g_final.float()))
 
     def test_no_positions_hand_the_initial_state_on(self, backend, dtype, device):
         """L = 0: the final states are the initial ones, and their gradient reaches them."""

@@ -19,6 +19,7 @@ from cakeops.testing import (
     assert_autocast_changes_nothing,
     assert_bad_input_raises,
     assert_compiled_matches,
+    assert_default_dtype_changes_nothing,
     assert_func_grad_matches_autograd,
     assert_matches,
     assert_saves_exactly,
@@ -85,6 +86,11 @@ class Contract:
         the float32 results and gradients, forward and backward alike."""
         tensors, g, op, _ = example(self.spec, device)
         assert_autocast_changes_nothing(op, tensors, g)
+
+    def test_default_dtype_changes_nothing(self, backend, device):
+        """PyTorch's default dtype (bfloat16 in many inference scripts) reaches no kernel."""
+        tensors, g, op, _ = example(self.spec, device)
+        assert_default_dtype_changes_nothing(op, tensors, (g,))
 
     def test_torch_func_grad(self, backend, device):
         tensors, g, op, _ = example(self.spec, device)

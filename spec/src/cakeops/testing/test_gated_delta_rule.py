@@ -15,6 +15,7 @@ from cakeops.reference import gated_delta_rule as ref
 from cakeops.testing import (
     EMULATED,
     assert_bad_input_raises,
+    assert_default_dtype_changes_nothing,
     assert_matches,
     assert_opcheck_and_compile_with_state,
     check_with_state,
@@ -205,6 +206,21 @@ class TestGatedDeltaRule:
                 whole = packed[2 + j]
                 part = whole[i : i + 1] if name == "initial_state" else whole[:, :, s:e]
                 assert_matches(part, got[2 + j], f"d{name}", dtype)
+
+    @pytest.mark.parametrize("length", [L, 1])
+    def test_default_dtype_changes_nothing(self, backend, device, length):
+        """Every option, a prefill and a decode step: PyTorch's default dtype (bfloat16 in many
+        inference scripts) reaches no kernel."""
+        given = OPTION_CASES["together-kda"]
+        given = given if length == L else tuple(g for g in given if g != "packed")
+        tensors, fixed, g_out, g_final = make_inputs(given, device=device, L=length)
+        names = list(tensors)
+
+        def op(*ts):
+            return cakeops.gated_delta_rule(**dict(zip(names, ts, strict=True)), **fixed)
+
+        grads = (g_out, g_final.float())
+        assert_default_dtype_changes_nothing(op, tuple(tensors.values()), grads)
 
     def test_prefill_then_continuation_equals_the_whole(self, backend, dtype, device):
         """Prefill, then continuing from its final state (one step, then a chunk) gives the

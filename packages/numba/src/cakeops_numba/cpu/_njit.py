@@ -1,5 +1,6 @@
 """What the CPU kernel modules share: the fast-math flags, the compile decorator, the launch lock
-with the thread count, float32 bit casts and a tensor's address as a pointer."""
+with the thread count, float32 bit casts, a tensor's address as an array, and the float32 CPU
+tensors the kernels read and write."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from contextlib import contextmanager
 import numba
 import torch
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, njit, types
 from numba.core.extending import intrinsic
 
 # Reassociation lets the inner loops vectorise; no "nnan"/"ninf", so NaN and inf propagate.
@@ -18,6 +19,9 @@ FASTMATH = {"reassoc", "contract", "arcp"}
 # numba's "workqueue" threading layer (used when neither OpenMP nor TBB is found) aborts on
 # concurrent launches from two Python threads: launches take turns, whichever op they run.
 LAUNCH = threading.Lock()
+#: What the kernels' scratch and results are allocated as: never PyTorch's default dtype
+#: (bfloat16 in many inference scripts) or device.
+F32 = {"dtype": torch.float32, "device": torch.device("cpu")}
 
 
 def compiled(parallel: bool, fastmath: set[str] = FASTMATH):
@@ -74,3 +78,16 @@ def float_pointer(typingctx, address):
         return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
 
     return types.CPointer(types.float32)(types.intp), codegen
+
+
+@njit(inline="always")
+def floats(address, shape):  # pragma: no cover - compiled
+    """The C-contiguous float32 array of ``shape`` at ``address`` (a tensor's ``data_ptr()``)."""
+    return carray(float_pointer(address), shape)
+
+
+def as_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as float32 and C-contiguous (a copy only when needed)."""
+    if t.dtype is not torch.float32 or not t.is_contiguous():
+        return t.float().contiguous()
+    return t

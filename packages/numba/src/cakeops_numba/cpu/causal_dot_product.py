@@ -26,10 +26,11 @@ import torch
 from numba import njit, prange, types
 from numba.core.extending import overload
 
+from cakeops_numba.cpu._njit import F32 as _F32
+from cakeops_numba.cpu._njit import as_float32, floats, launching
 from cakeops_numba.cpu._njit import compiled as _compiled
 from cakeops_numba.cpu._njit import float_as_int as _float_as_int
 from cakeops_numba.cpu._njit import int_as_float as _int_as_float
-from cakeops_numba.cpu._njit import launching
 
 BLOCK_ELEMENTS = 1 << 21  # per converted float32 block of one tensor
 
@@ -262,7 +263,7 @@ def _run(kernel, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     N, H, L, _ = q.shape
-    out = torch.empty((N, H, L, v.shape[-1]), dtype=q.dtype)
+    out = torch.empty((N, H, L, v.shape[-1]), dtype=q.dtype, device=q.device)
     _run(_forward, (q, k, v), (out,))
     return out
 
@@ -270,7 +271,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def backward(
     g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     _run(_backward, (g, q, k, v), (dq, dk, dv))
     return dq, dk, dv
 
@@ -643,8 +644,8 @@ def _layout(q, v, lm, cu_seqlens):
     """The kernels' log multipliers ``(value heads, L)`` float32 (zeros without any) and
     offsets."""
     N, H, L = v.shape[:3]
-    lm = torch.zeros((N, H, L)) if lm is None else lm.float().contiguous()
-    cu = torch.tensor([0, L]) if cu_seqlens is None else cu_seqlens.long()
+    lm = torch.zeros((N, H, L), **_F32) if lm is None else as_float32(lm)
+    cu = torch.tensor([0, L], device=_F32["device"]) if cu_seqlens is None else cu_seqlens.long()
     return lm.view(N * H, L), cu
 
 
@@ -653,7 +654,7 @@ def _scratch(x, tasks: int, shape=None, transpose: bool = False) -> torch.Tensor
     with ``transpose``), which the kernels overwrite; zeros of ``shape`` when None."""
     if x is None:
         E, M = shape
-        return torch.zeros((tasks, M, E) if transpose else (tasks, E, M))
+        return torch.zeros((tasks, M, E) if transpose else (tasks, E, M), **_F32)
     x = x.float().reshape(tasks, *x.shape[-2:])
     x = x.transpose(-1, -2) if transpose else x
     return x.clone(memory_format=torch.contiguous_format)
@@ -668,7 +669,7 @@ def forward_options(q, k, v, lm, initial_state, cu_seqlens, scale):
     S = cu.numel() - 1
     # transposed: the kernel's XT = S^T (a final state handed back is laid out so already)
     states = _scratch(initial_state, N * S * H, (E, M), transpose=True)
-    out = torch.empty((N, H, L, M))
+    out = torch.empty((N, H, L, M), **_F32)
     if N * H * L:
         s = np.float32(1.0 if scale is None else scale)
         _launch(_forward_options, N * H * L * E * M, _heads(q), _heads(k), _heads(v), lm.numpy(),
@@ -690,9 +691,9 @@ def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
     grads = _scratch(g_final, N * S * H, (E, M))  # R_T
     # a group's value heads add their dq, dk to P slabs, P only as large as the threads need
     P = min(G, max(1, -(-GROUP_TASKS // (N * Hk * S))))
-    dqs, dks = torch.zeros((P, N, Hk, L, E)), torch.zeros((P, N, Hk, L, E))
-    dv = torch.empty((N, H, L, M))
-    dlm = torch.zeros((N, H, L))
+    dqs, dks = torch.zeros((P, N, Hk, L, E), **_F32), torch.zeros((P, N, Hk, L, E), **_F32)
+    dv = torch.empty((N, H, L, M), **_F32)
+    dlm = torch.zeros((N, H, L), **_F32)
     if N * H * L:
         outs = (t.view(-1, L, t.shape[-1]).numpy() for t in (dqs, dks, dv))
         _launch(_backward_options, N * H * L * E * M, *(_heads(t) for t in (g, q, k, v)),
@@ -703,7 +704,7 @@ def backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens):
         dq.add_(dqs[p])
         dk.add_(dks[p])
     # the gradient reaching S_0 is exp(lm_first) R_first (R_first itself for an empty sequence)
-    first = torch.zeros((N, S, H))
+    first = torch.zeros((N, S, H), **_F32)
     if L:
         starts = cu[:-1].clamp(max=L - 1)
         lead = lm.view(N, H, L)[:, :, starts].transpose(1, 2)  # (N, S, H)
@@ -729,104 +730,93 @@ def _multiplier(ld, lg, has_ld, has_lg, H, i):  # pragma: no cover - compiled
     return np.exp(x)
 
 
-@_compiled(parallel=True)
-def _step_backward(g, q, k, v, ld, lg, has_ld, has_lg, H, s0, has_s0, gf, has_gf, G, scale,
-                   dq, dk, dv, d_init, dlm):  # fmt: skip  # pragma: no cover - compiled
+def _step_grads(g, q, k, v, ld, lg, s0, gf, dq, dk, dv, d_init, dlm, NH, G, H, E, M, has_ld,
+                has_lg, has_s0, has_gf, scale):  # fmt: skip  # pragma: no cover - compiled
     """Value head ``i``'s gradients, with ``R = scale q g^T + G_f`` (the gradient reaching its
     state): ``dq = scale (a S_0 g + k (v . g))``, ``dk = R v``, ``dv = R^T k``, the initial
     state's ``a R`` and the log multiplier's ``a <R, S_0>`` (0 where ``a`` is); ``dq``, ``dk``
-    per value head (a key head's group summed after)."""
-    E, M = q.shape[2], v.shape[2]
-    for i in prange(v.shape[0]):
+    per value head (a key head's group summed after).
+
+    The addresses of C-contiguous float32 arrays: ``g``, ``v``, ``dv`` ``(NH, M)``; ``q``,
+    ``k`` ``(NH // G, E)``; ``dq``, ``dk`` ``(NH, E)``; ``ld`` ``(H,)``; ``lg``, ``dlm``
+    ``(NH,)``; ``s0``, ``gf``, ``d_init`` ``(NH, E, M)``, each read or written only when given
+    (``has_*``; ``d_init`` with ``s0``)."""
+    g, v, dv = floats(g, (NH, M)), floats(v, (NH, M)), floats(dv, (NH, M))
+    q, k = floats(q, (NH // G, E)), floats(k, (NH // G, E))
+    dq, dk, dlm = floats(dq, (NH, E)), floats(dk, (NH, E)), floats(dlm, (NH,))
+    ld, lg = floats(ld, (H if has_ld else 0,)), floats(lg, (NH if has_lg else 0,))
+    s0, d_init = (
+        floats(s0, (NH if has_s0 else 0, E, M)),
+        floats(d_init, (NH if has_s0 else 0, E, M)),
+    )
+    gf = floats(gf, (NH if has_gf else 0, E, M))
+    for i in prange(NH):
         j = i // G
         ai = _multiplier(ld, lg, has_ld, has_lg, H, i)
         vg = np.float32(0.0)
         for m in range(M):
-            vg += v[i, 0, m] * g[i, 0, m]
+            vg += v[i, m] * g[i, m]
         qk = np.float32(0.0)
         for e in range(E):
-            qk += q[j, 0, e] * k[j, 0, e]
+            qk += q[j, e] * k[j, e]
         for m in range(M):
-            dv[i, 0, m] = scale * qk * g[i, 0, m]
+            dv[i, m] = scale * qk * g[i, m]
         dot = np.float32(0.0)
         for e in range(E):
-            sqe, ke = scale * q[j, 0, e], k[j, 0, e]
+            sqe, ke = scale * q[j, e], k[j, e]
             s0g = np.float32(0.0)
             fv = np.float32(0.0)
             for m in range(M):
-                r = sqe * g[i, 0, m]
+                r = sqe * g[i, m]
                 if has_gf:
                     f = gf[i, e, m]
                     r += f
-                    fv += f * v[i, 0, m]
-                    dv[i, 0, m] += f * ke
+                    fv += f * v[i, m]
+                    dv[i, m] += f * ke
                 if has_s0:
                     x = s0[i, e, m]
-                    s0g += x * g[i, 0, m]
+                    s0g += x * g[i, m]
                     dot += r * x
                     d_init[i, e, m] = ai * r
-            dq[i, 0, e] = scale * (ai * s0g + ke * vg)
-            dk[i, 0, e] = sqe * vg + fv
+            dq[i, e] = scale * (ai * s0g + ke * vg)
+            dk[i, e] = sqe * vg + fv
         dlm[i] = 0.0 if ai == 0.0 else ai * dot
 
 
-def _rows(t: torch.Tensor, rows: int) -> np.ndarray:
-    """A float32 ``(rows, 1, d)`` numpy view of a step's ``(N, h, 1, d)`` vectors (a copy only
-    when they are not contiguous float32: a few hundred elements)."""
-    if t.dtype != torch.float32 or not t.is_contiguous():
-        t = t.float().contiguous()
-    return t.view(rows, 1, -1).numpy()
-
-
-def _states(x: torch.Tensor | None, heads: int) -> tuple[np.ndarray, bool]:
-    """``(float32 (heads, E, M) numpy view of the states x, given)``: a copy only when ``x`` is
-    not contiguous float32; a placeholder when None."""
-    if x is None:
-        return _NO_STATE, False
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        x = x.float().contiguous()
-    return x.view(heads, *x.shape[-2:]).numpy(), True
-
-
-_NO_STATE = np.zeros((1, 1, 1), np.float32)
-
-
-def _logs(t: torch.Tensor | None, n: int) -> tuple[np.ndarray, bool]:
-    """``(float32 numpy view of n log multipliers, given)``; a placeholder when None."""
-    if t is None:
-        return _NO_LOGS, False
-    if t.dtype != torch.float32 or not t.is_contiguous():
-        t = t.float().contiguous()
-    return t.view(n).numpy(), True
-
-
-_NO_LOGS = np.zeros(1, np.float32)
-#: A step's backward below this many state elements runs on one thread: its numba threads,
-#: asleep after the model's matrix products between two steps, took longer to wake than the
-#: step (a MiniMax layer's decode, 8 heads of 128: ~60 us a token slower in parallel).
+# One Python function, compiled twice: on the calling thread (``prange`` runs as ``range``, no
+# launch lock) and on numba's threads.
+_step_serial, _step_parallel = (_compiled(p)(_step_grads) for p in (False, True))
+#: A step's backward below this many state elements runs on the calling thread: numba's
+#: threads, asleep after the model's matrix products between two steps, took longer to wake
+#: than the step (a MiniMax layer's decode, 8 heads of 128: ~60 us a token slower in parallel).
 STEP_SERIAL_BELOW = 1 << 21
 
 
 def step_backward(g, g_final, q, k, v, log_decay, log_gates, initial_state, scale):
     """``(dq, dk, dv per value head, float32; the initial state's gradient float32, or None;
     the log multipliers' gradient (N, H, 1) float32, 0 where a multiplier is)`` of one
-    position (:func:`step`; ``g_final`` None for none)."""
+    position (:func:`step`; ``g_final`` None for none).
+
+    The kernel takes the tensors' addresses: ``Tensor.numpy()`` costs several times as much
+    (a dozen arrays a step), and marks a tensor's storage as never resizable again, which
+    FSDP2 does to a parameter's (``initial_state`` or ``log_decay`` may be one)."""
     N, Hk, _, E = q.shape
     H, M = v.shape[1], v.shape[-1]
     NH = N * H
-    dq, dk = torch.empty((N, H, 1, E)), torch.empty((N, H, 1, E))
-    dv = torch.empty((N, H, 1, M))
-    d_init = None if initial_state is None else torch.empty((N, H, E, M))
-    dlm = torch.empty((N, H, 1))
+    dq, dk = torch.empty((N, H, 1, E), **_F32), torch.empty((N, H, 1, E), **_F32)
+    dv = torch.empty((N, H, 1, M), **_F32)
+    d_init = None if initial_state is None else torch.empty((N, H, E, M), **_F32)
+    dlm = torch.empty((N, H, 1), **_F32)
     if NH:
-        s0, has_s0 = _states(initial_state, NH)
-        gf, has_gf = _states(g_final, NH)
-        ld, has_ld = _logs(log_decay, H)
-        lg, has_lg = _logs(log_gates, NH)
-        _launch(_step_backward, NH * E * M, _rows(g, NH), _rows(q, N * Hk), _rows(k, N * Hk),
-                _rows(v, NH), ld, lg, has_ld, has_lg, H, s0, has_s0, gf, has_gf, H // Hk,
-                np.float32(1.0 if scale is None else scale), dq.view(NH, 1, E).numpy(),
-                dk.view(NH, 1, E).numpy(), dv.view(NH, 1, M).numpy(),
-                s0 if d_init is None else d_init.view(NH, E, M).numpy(), dlm.view(NH).numpy(),
-                serial_below=STEP_SERIAL_BELOW)  # fmt: skip
+        given = (g, q, k, v, log_decay, log_gates, initial_state, g_final)
+        inputs = [None if t is None else as_float32(t) for t in given]
+        addresses = (*inputs, dq, dk, dv, d_init, dlm)
+        args = (*(0 if t is None else t.data_ptr() for t in addresses), NH, H // Hk, H, E, M,
+                log_decay is not None, log_gates is not None, initial_state is not None,
+                g_final is not None, np.float32(1.0 if scale is None else scale))  # fmt: skip
+        if NH * E * M < STEP_SERIAL_BELOW:
+            _step_serial(*args)
+        else:
+            with launching():
+                _step_parallel(*args)
     return dq, dk, dv, d_init, dlm

@@ -26,10 +26,18 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import carray, njit, prange
+from numba import njit, prange
 
 from cakeops.helpers import as_dtype
-from cakeops_numba.cpu._njit import FASTMATH, compiled, float_pointer, int_as_float, launching
+from cakeops_numba.cpu._njit import (
+    F32,
+    FASTMATH,
+    as_float32,
+    compiled,
+    floats,
+    int_as_float,
+    launching,
+)
 
 BLOCK_ELEMENTS = 1 << 20
 #: Inputs smaller than this run on the calling thread, with no launch lock: waking numba's threads
@@ -123,16 +131,11 @@ def _forward_row(x, z, w, y, v, sig, eps, group_size, norm_before_gate):  # prag
         _forward_group(v[g], z[g], sig[g], w[g], y[g], eps, norm_before_gate)
 
 
-@njit(inline="always")
-def _matrix(address, rows, D):  # pragma: no cover - compiled
-    return carray(float_pointer(address), (rows, D))
-
-
 def _forward_rows(x, z, w, y, rows, D, eps, group_size, norm_before_gate):  # pragma: no cover
     """``y`` from ``x`` and ``z``: the addresses of C-contiguous float32 ``(rows, D)`` arrays
     (``w``: ``(D,)``)."""
-    x2, z2, y2 = _matrix(x, rows, D), _matrix(z, rows, D), _matrix(y, rows, D)
-    w1 = carray(float_pointer(w), (D,))
+    x2, z2, y2 = floats(x, (rows, D)), floats(z, (rows, D)), floats(y, (rows, D))
+    w1 = floats(w, (D,))
     chunks = min(CHUNKS, rows)
     for c in prange(chunks):
         v, sig = np.empty(D, np.float32), np.empty(D, np.float32)
@@ -186,9 +189,9 @@ def _backward_row(g, x, z, w, dx, dz, dw, v, sig, eps, group_size, norm_before_g
 
 def _backward_rows(g, x, z, w, dx, dz, dw, rows, D, eps, group_size, norm_before_gate):
     """``dx``, ``dz`` and ``dweight`` added to ``dw``: addresses as :func:`_forward_rows`'."""
-    g2, x2, z2 = _matrix(g, rows, D), _matrix(x, rows, D), _matrix(z, rows, D)
-    dx2, dz2 = _matrix(dx, rows, D), _matrix(dz, rows, D)
-    w1, dw1 = carray(float_pointer(w), (D,)), carray(float_pointer(dw), (D,))
+    g2, x2, z2 = floats(g, (rows, D)), floats(x, (rows, D)), floats(z, (rows, D))
+    dx2, dz2 = floats(dx, (rows, D)), floats(dz, (rows, D))
+    w1, dw1 = floats(w, (D,)), floats(dw, (D,))
     chunks = min(CHUNKS, rows)
     partials = np.zeros((chunks, D), np.float32)
     for c in prange(chunks):
@@ -207,13 +210,6 @@ _forward_serial, _forward_parallel = (compiled(p)(_forward_rows) for p in (False
 _backward_serial, _backward_parallel = (compiled(p)(_backward_rows) for p in (False, True))
 
 
-def _float32(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as float32 and C-contiguous (a copy only when needed)."""
-    if t.dtype is not torch.float32 or not t.is_contiguous():
-        return t.float().contiguous()
-    return t
-
-
 def _row_blocks(rows: int, D: int):
     step = max(1, BLOCK_ELEMENTS // D)
     for start in range(0, rows, step):
@@ -221,20 +217,20 @@ def _row_blocks(rows: int, D: int):
 
 
 def forward(x, z, weight, eps, group_size, norm_before_gate):
-    D, w = x.shape[-1], _float32(weight)
+    D, w = x.shape[-1], as_float32(weight)
     options = (eps, group_size, norm_before_gate)
     if x.numel() < SERIAL_BELOW:  # a decode step's: one call on this thread, no lock, no blocks
-        xf, zf = _float32(x), _float32(z)
+        xf, zf = as_float32(x), as_float32(z)
         y = torch.empty_like(xf)  # (a third of torch.empty(shape, dtype=...)'s cost)
         _forward_serial(xf.data_ptr(), zf.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // D,
                         D, *options)  # fmt: skip
         return as_dtype(y, x.dtype)
-    y = torch.empty(x.shape, dtype=x.dtype)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     xr, zr, yr = x.reshape(-1, D), z.reshape(-1, D), y.view(-1, D)
     with launching():
         for b in _row_blocks(xr.shape[0], D):
-            xb, zb, yb = _float32(xr[b]), _float32(zr[b]), yr[b]
-            out = yb if y.dtype is torch.float32 else torch.empty(xb.shape)
+            xb, zb, yb = as_float32(xr[b]), as_float32(zr[b]), yr[b]
+            out = yb if y.dtype is torch.float32 else torch.empty(xb.shape, **F32)
             _forward_parallel(xb.data_ptr(), zb.data_ptr(), w.data_ptr(), out.data_ptr(),
                               xb.shape[0], D, *options)  # fmt: skip
             if out is not yb:
@@ -243,25 +239,25 @@ def forward(x, z, weight, eps, group_size, norm_before_gate):
 
 
 def backward(g, x, z, weight, eps, group_size, norm_before_gate):
-    D, w = x.shape[-1], _float32(weight)
+    D, w = x.shape[-1], as_float32(weight)
     options = (eps, group_size, norm_before_gate)
-    dweight = torch.zeros(D, dtype=torch.float32)
+    dweight = torch.zeros(D, **F32)
     if x.numel() < SERIAL_BELOW:
-        gf, xf, zf = _float32(g), _float32(x), _float32(z)
+        gf, xf, zf = as_float32(g), as_float32(x), as_float32(z)
         dx, dz = torch.empty_like(xf), torch.empty_like(xf)
         addresses = (gf, xf, zf, w, dx, dz, dweight)
         _backward_serial(*(t.data_ptr() for t in addresses), x.numel() // D, D, *options)
         return as_dtype(dx, x.dtype), as_dtype(dz, z.dtype), as_dtype(dweight, weight.dtype)
-    dx = torch.empty(x.shape, dtype=x.dtype)
-    dz = torch.empty(z.shape, dtype=z.dtype)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
     gr, xr, zr = g.reshape(-1, D), x.reshape(-1, D), z.reshape(-1, D)
     dxr, dzr = dx.view(-1, D), dz.view(-1, D)
     with launching():
         for b in _row_blocks(xr.shape[0], D):
-            gb, xb, zb = _float32(gr[b]), _float32(xr[b]), _float32(zr[b])
+            gb, xb, zb = as_float32(gr[b]), as_float32(xr[b]), as_float32(zr[b])
             outs = (dxr[b], dzr[b])
             if x.dtype is not torch.float32:
-                outs = (torch.empty(xb.shape), torch.empty(xb.shape))
+                outs = (torch.empty(xb.shape, **F32), torch.empty(xb.shape, **F32))
             addresses = (gb, xb, zb, w, *outs, dweight)
             _backward_parallel(*(t.data_ptr() for t in addresses), xb.shape[0], D, *options)
             if x.dtype is not torch.float32:
