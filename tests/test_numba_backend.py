@@ -204,6 +204,23 @@ def test_decode_step_backward_on_the_calling_thread_and_on_threads(monkeypatch, 
     assert calls == ["_step_parallel" if threads else "_step_serial"]
 
 
+@pytest.mark.parametrize("numba_pass", [True, False])
+def test_decode_step_forward_below_and_above_its_threshold(monkeypatch, numba_pass):
+    """A decode step's forward is numba's one pass below STEP_FORWARD_BELOW state elements,
+    PyTorch's few ops from there: both against the float64 scan, every option, grouped heads."""
+    calls = []
+    step = cpu_kernels.step
+    monkeypatch.setattr(cpu_kernels, "step", lambda *a: calls.append("step") or step(*a))
+    if not numba_pass:
+        monkeypatch.setattr(cpu_kernels, "STEP_FORWARD_BELOW", 1)
+    given = suite.OPTION_CASES["all"]
+    for inputs in (suite._option_inputs(given, torch.float32, "cpu", L=1),
+                   suite._grouped_inputs(given, torch.float32, "cpu", 1, L=1)):  # fmt: skip
+        with cakeops.use_backend("numba"):
+            suite.check_against_scan(*inputs, plain_logs=True)
+    assert calls == (["step"] * 2 if numba_pass else [])
+
+
 def test_decode_step_leaves_its_arguments_storage_resizable():
     """A decode step's backward reads its tensors by address, not ``Tensor.numpy()``: the
     initial state and the log decay may be FSDP2 parameters, whose storage it resizes."""

@@ -198,11 +198,11 @@ def _plain(scale, lm, initial_state, output_final_state, cu_seqlens) -> bool:
 
 def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=None,
             output_final_state=False, cu_seqlens=None):  # fmt: skip
-    if _on_cpu_kernels(q) and q.shape[2] == 1 and cu_seqlens is None:
-        # a decode step: the spec's few PyTorch ops, faster on a CPU than a numba pass over the
-        # state, hot and cold, at every size measured (4 heads of 8 to 64 of 128)
-        return causal_step(q, k, v, scale, log_decay, log_gates, initial_state,
-                           output_final_state)  # fmt: skip
+    if _on_cpu_kernels(q) and q.shape[2] == 1 and cu_seqlens is None:  # a decode step
+        options = (scale, log_decay, log_gates, initial_state, output_final_state)
+        if v.shape[0] * v.shape[1] * q.shape[-1] * v.shape[-1] < cpu.STEP_FORWARD_BELOW:
+            return cpu.step(q, k, v, *options)  # one pass over each head's state
+        return causal_step(q, k, v, *options)  # the spec's few ops, on PyTorch's threads
     lm = log_multipliers(q, log_decay, log_gates)
     if not _on_cpu_kernels(q):  # the CUDA kernel reads one key head per value head
         q, k = value_heads(q, v.shape[1]), value_heads(k, v.shape[1])

@@ -8,9 +8,10 @@ whose update and reads are rank-4 products in registers, see :func:`_forward_hea
 backward runs two scans per head: the forward's on ``(g, v, k)`` gives ``dq`` (``dq_i =
 sum_{j<=i} (g_i . v_j) k_j``), a reverse-time scan ``dk_j = R_j v_j`` and ``dv_j = R_j^T k_j``
 with ``R_j = sum_{i>=j} q_i g_i^T``, also four positions per pass (:func:`_reverse_head`). Every
-sum runs in a fixed order: deterministic. A decode step's backward (one position from a state)
-reads and writes each head's state once (:func:`step_backward`); its forward is the spec's few
-PyTorch ops (``cakeops.helpers.causal_step``), faster than one pass here.
+sum runs in a fixed order: deterministic. A decode step (one position from a state)
+reads and writes each head's state once, forward (:func:`step`, below ``STEP_FORWARD_BELOW``
+state elements; from there PyTorch's few ops on its threads take less time) and backward
+(:func:`step_backward`), handed the tensors' addresses.
 
 The kernels take ``(heads, L, E)`` arrays of float32, or of bfloat16 as the ``int16`` view of its
 bits (numpy has no bfloat16): each element is widened to float32 as it loads and each result
@@ -728,6 +729,66 @@ def _multiplier(ld, lg, has_ld, has_lg, H, i):  # pragma: no cover - compiled
     if has_lg:
         x += lg[i]
     return np.exp(x)
+
+
+@_compiled(parallel=False)
+def _step_forward(q, k, v, ld, lg, s0, out, state, NH, G, H, E, M, has_ld, has_lg, has_s0,
+                  scale):  # fmt: skip  # pragma: no cover - compiled
+    """Value head ``i``'s ``S = a S_0 + k^T v`` and ``out = scale q S`` in one pass over its
+    state, ``out`` summed along the state's rows as they are written. Addresses of C-contiguous
+    float32 arrays: ``q``, ``k`` ``(NH // G, E)``; ``v``, ``out`` ``(NH, M)``; ``ld`` ``(H,)``,
+    ``lg`` ``(NH,)``, ``s0`` ``(NH, E, M)`` read only when given; ``state`` ``(NH, E, M)``."""
+    q, k = floats(q, (NH // G, E)), floats(k, (NH // G, E))
+    v, out = floats(v, (NH, M)), floats(out, (NH, M))
+    ld, lg = floats(ld, (H if has_ld else 0,)), floats(lg, (NH if has_lg else 0,))
+    s0, state = floats(s0, (NH if has_s0 else 0, E, M)), floats(state, (NH, E, M))
+    acc = np.empty(M, np.float32)
+    for i in range(NH):
+        j = i // G
+        a = _multiplier(ld, lg, has_ld, has_lg, H, i)
+        vi = v[i]
+        acc[:] = 0.0
+        for e in range(E):
+            ke, qe, row = k[j, e], q[j, e], state[i, e]
+            if has_s0:
+                before = s0[i, e]
+                for m in range(M):
+                    x = a * before[m] + ke * vi[m]
+                    row[m] = x
+                    acc[m] += qe * x
+            else:
+                for m in range(M):
+                    x = ke * vi[m]
+                    row[m] = x
+                    acc[m] += qe * x
+        for m in range(M):
+            out[i, m] = scale * acc[m]
+
+
+#: A decode step's forward below this many state elements runs here, on the calling thread; from
+#: there PyTorch's few ops (``cakeops.helpers.causal_step``), on its threads, take less time.
+STEP_FORWARD_BELOW = 1 << 16
+
+
+def step(q, k, v, scale, log_decay, log_gates, initial_state, output_final_state):
+    """``(out in q's dtype, final state in initial_state's dtype (float32 without one), empty
+    unless output_final_state)`` of one position, as ``cakeops.helpers.causal_step``."""
+    N, Hk, _, E = q.shape
+    H, M = v.shape[1], v.shape[-1]
+    NH = N * H
+    out = torch.empty((N, H, 1, M), **_F32)
+    state = torch.empty((N, H, E, M), **_F32)
+    if NH:
+        given = (q, k, v, log_decay, log_gates, initial_state)
+        inputs = [None if t is None else as_float32(t) for t in given]
+        addresses = (0 if t is None else t.data_ptr() for t in (*inputs, out, state))
+        flags = (log_decay is not None, log_gates is not None, initial_state is not None)
+        s = np.float32(1.0 if scale is None else scale)
+        _step_forward(*addresses, NH, H // Hk, H, E, M, *flags, s)
+    out = out.to(q.dtype)
+    if not output_final_state:
+        return out, out.new_empty(0)
+    return out, state if initial_state is None else state.to(initial_state.dtype)
 
 
 def _step_grads(g, q, k, v, ld, lg, s0, gf, dq, dk, dv, d_init, dlm, NH, G, H, E, M, has_ld,
