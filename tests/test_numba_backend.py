@@ -181,9 +181,7 @@ def test_norm_rows_on_threads_under_another_default_dtype(monkeypatch):
     monkeypatch.setattr(norm_kernels, "SERIAL_BELOW", 1)
     x, z, w, g = norm_suite.make_inputs((5, 32), torch.bfloat16, "cpu")
     with cakeops.use_backend("numba"):
-        assert_default_dtype_changes_nothing(
-            lambda *t: cakeops.rmsnorm_silu_gate(*t, group_size=8), (x, z, w), (g,)
-        )
+        assert_default_dtype_changes_nothing(lambda: norm_suite.run(x, z, w, g, 8))
 
 
 @pytest.mark.parametrize("threads", [False, True])

@@ -347,20 +347,22 @@ class TestCausalOptions:
         (q, k, v), tensors, fixed, g, g_final = _option_inputs(given, dtype, device, L=1)
         check_against_scan((q, k, v), tensors, fixed, g, g_final, plain_logs=True)
 
-    @pytest.mark.parametrize("case, L", [("all", 45), ("packed", 45), ("all", 1)])
+    @pytest.mark.parametrize("case, L", [("all", 45), ("packed", 45), ("initial", 45), ("all", 1)])
     def test_default_dtype_changes_nothing(self, backend, device, case, L):
         """Every option, a prefill and a decode step: PyTorch's default dtype (bfloat16 in many
         inference scripts) reaches no kernel."""
         qkv, tensors, fixed, g, g_final = _option_inputs(OPTION_CASES[case], torch.float32,
                                                          device, L=L)  # fmt: skip
-        names = ["q", "k", "v", *tensors]
+        leaves = [*qkv, *tensors.values()]
 
-        def op(*ts):
-            return cakeops.causal_dot_product(**dict(zip(names, ts, strict=True)), **fixed,
-                                              output_final_state=True)  # fmt: skip
+        def run():
+            out, final = cakeops.causal_dot_product(*qkv, **tensors, **fixed,
+                                                    output_final_state=True)  # fmt: skip
+            g_state = torch.ones_like(final) if g_final is None else g_final.float()
+            grads = torch.autograd.grad((out, final), leaves, (g, g_state))
+            return out.detach(), final.detach(), *grads
 
-        leaves = (*(t.detach().requires_grad_() for t in qkv), *tensors.values())
-        assert_default_dtype_changes_nothing(op, leaves, (g, g_final.float()))
+        assert_default_dtype_changes_nothing(run)
 
     def test_no_positions_hand_the_initial_state_on(self, backend, dtype, device):
         """L = 0: the final states are the initial ones, and their gradient reaches them."""
