@@ -203,7 +203,7 @@ def experts_backward(g, x, routing: Routing, ew: ExpertWeights) -> tuple[torch.T
     d_up = _grad(dhu, None, x, idx, tables, E)
     d_gate = None if dhg is None else _grad(dhg, None, x, idx, tables, E)
     # the biases' gradients: each expert's rows summed, as a weight gradient against ones
-    ones = torch.ones((idx.numel(), 1), device=x.device)
+    ones = torch.ones((idx.numel(), 1), dtype=torch.float32, device=x.device)
     db_gate, db_up, db_down = (
         None if b is None else _grad(rows, None, ones, None, tables, E)[..., 0]
         for b, rows in ((ew.b_gate, dhg), (ew.b_up, dhu), (ew.b_down, gw))

@@ -156,6 +156,15 @@ class TestRoutedExperts:
         got = run(tensors, g, **options)
         check_against_reference(tensors, g, got, **options)
 
+    @pytest.mark.parametrize("form", ["biases", "no-gate-biases"])
+    def test_default_dtype_changes_nothing(self, backend, device, form):
+        """The forms with biases (their gradients sum rows a backend may sum as a product
+        with ones): PyTorch's default dtype (bfloat16 in many inference scripts) reaches no
+        kernel."""
+        options, make = FORMS[form]
+        tensors, g = make_inputs(*FORM_SHAPE, torch.float32, device, **make)
+        t.assert_default_dtype_changes_nothing(lambda: run(tensors, g, **options))
+
     @pytest.mark.cakeops_dtypes(torch.float32, torch.float64)
     @pytest.mark.parametrize("form", [f for f in FORMS if FORMS[f][1].get("kink")])
     def test_forms_with_a_kink(self, backend, dtype, device, form):
