@@ -806,10 +806,8 @@ def _step_grads(g, q, k, v, ld, lg, s0, gf, dq, dk, dv, d_init, dlm, NH, G, H, E
     q, k = floats(q, (NH // G, E)), floats(k, (NH // G, E))
     dq, dk, dlm = floats(dq, (NH, E)), floats(dk, (NH, E)), floats(dlm, (NH,))
     ld, lg = floats(ld, (H if has_ld else 0,)), floats(lg, (NH if has_lg else 0,))
-    s0, d_init = (
-        floats(s0, (NH if has_s0 else 0, E, M)),
-        floats(d_init, (NH if has_s0 else 0, E, M)),
-    )
+    states = (NH if has_s0 else 0, E, M)
+    s0, d_init = floats(s0, states), floats(d_init, states)
     gf = floats(gf, (NH if has_gf else 0, E, M))
     for i in prange(NH):
         j = i // G
