@@ -169,10 +169,11 @@ def assert_default_dtype_changes_nothing(run: Callable[[], Sequence[Any]]) -> No
     """Under PyTorch's default dtype set to bfloat16 (as many inference scripts do) or
     float64, ``run()`` (a call of an op on float32 inputs, returning its results and
     gradients) gives exactly what it gives under float32's: no kernel allocates what it
-    computes in with the default dtype."""
+    computes in with the default dtype. Under an emulator bfloat16 alone (a scratch tensor
+    taking the default dtype shows there too, by error or rounding)."""
     plain = run()
     previous = torch.get_default_dtype()
-    for default in (torch.bfloat16, torch.float64):
+    for default in (torch.bfloat16,) if EMULATED else (torch.bfloat16, torch.float64):
         torch.set_default_dtype(default)
         try:
             got = run()
