@@ -229,8 +229,9 @@ def causal_step(q, k, v, scale, log_decay, log_gates, initial_state, output_fina
     ``final`` the state in ``initial_state``'s dtype (the compute dtype without one), empty
     unless ``output_final_state``. A decode step in the fewest ops: the outer product broadcast
     from ``k`` transposed and ``v`` as they come, added in place to the decayed state just
-    written (on a CPU, on PyTorch's threads: faster than numba's one pass over the state from
-    8 heads of 128; below, the numba backend makes that pass)."""
+    written (on a CPU, on PyTorch's threads: from 8 heads of 128 faster than numba's one pass
+    over the state on a hot loop, not with caches cold; below, the numba backend makes that
+    pass)."""
     ct, out_dtype = compute_dtype(q.dtype), q.dtype
     H = v.shape[1]
     if q.shape[1] != H:
