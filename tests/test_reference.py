@@ -14,7 +14,7 @@ import cakeops
 
 INTERRUPTED = textwrap.dedent(
     """
-    import os, signal, threading, time
+    import signal, threading, time
     import torch, cakeops
     from cakeops.reference import routed_experts as ref
 
@@ -24,12 +24,14 @@ INTERRUPTED = textwrap.dedent(
     sent = []
 
     def expert(*args):
-        # The first expert of the backward's recomputation: one Ctrl-C, which arrives in the
-        # caller's thread (while it waits for the worker, or still starts it), then this waits
-        # until the caller has seen it (or the op cancelled the work).
+        # The first expert of the backward's recomputation: one Ctrl-C (while the caller waits
+        # for the worker, or still starts it), which the kernel hands to the caller's thread or
+        # to this one (a process-wide SIGINT goes to either), then this waits until the caller
+        # has seen it (or the op cancelled the work).
         if threading.current_thread() is not threading.main_thread() and not sent:
             sent.append(1)
-            os.kill(os.getpid(), signal.SIGINT)
+            to = threading.main_thread() if TO == "caller" else threading.current_thread()
+            signal.pthread_kill(to.ident, signal.SIGINT)
             cancel = getattr(ref, "_worker", None)
             while not main_saw.is_set() and not (
                 getattr(cancel, "cancel", None) is not None and cancel.cancel.is_set()
@@ -69,14 +71,17 @@ INTERRUPTED = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("when", ["waiting", "starting"])
+@pytest.mark.parametrize(
+    ("when", "to"), [("waiting", "caller"), ("waiting", "worker"), ("starting", "caller")]
+)
 @pytest.mark.parametrize("op", ["routed", "moe"])
-def test_interrupted_reference_backward_leaves_no_thread(op, when):
+def test_interrupted_reference_backward_leaves_no_thread(op, when, to):
     """Ctrl-C during a reference backward of the expert ops, while the caller waits for the
-    worker or still starts it: a KeyboardInterrupt in the caller, no worker thread left, a
-    clean exit (it aborted at exit with SIGABRT before)."""
+    worker or still starts it, delivered to the caller's thread or to the worker's: a
+    KeyboardInterrupt in the caller, no worker thread left, a clean exit (it aborted at exit
+    with SIGABRT before; a signal handed to the worker left the caller waiting forever)."""
     proc = subprocess.run(
-        [sys.executable, "-c", f"OP, WHEN = {op!r}, {when!r}\n" + INTERRUPTED],
+        [sys.executable, "-c", f"OP, WHEN, TO = {op!r}, {when!r}, {to!r}\n" + INTERRUPTED],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]

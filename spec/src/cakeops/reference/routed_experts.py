@@ -63,6 +63,7 @@ def forward(x, top_k_index, top_k_weights, *rest):
 
 
 _worker = threading.local()
+_POLL_S = 0.05
 
 
 def _check_cancelled() -> None:
@@ -106,16 +107,20 @@ def grads_by_autograd(fn, g, inputs, fixed):
     thread = threading.Thread(target=work, name="cakeops-reference-backward")
     # Events, not Thread.join: an interrupted join marks a live thread as finished (CPython
     # 3.10-3.12), and the process then aborts at exit. The interruption may come while start()
-    # waits for the thread to run, too.
+    # waits for the thread to run, too. The wait polls: a Ctrl-C that the kernel hands to
+    # another thread does not wake a blocked wait, and Python runs its handler in this thread
+    # only once it runs bytecode again.
     try:
         thread.start()
-        done.wait()
+        while not done.wait(_POLL_S):
+            pass
     except BaseException:
         cancel.set()
         if thread.ident is not None:  # it runs, and sets `done` whatever happens
             while True:
                 try:
-                    done.wait()
+                    while not done.wait(_POLL_S):
+                        pass
                     break
                 except KeyboardInterrupt:  # another Ctrl-C: it stops at its next expert
                     continue
