@@ -200,7 +200,7 @@ def test_use_backend_beats_env_and_nests(spies, monkeypatch):
 
 
 def test_use_backend_is_private_to_each_thread(spies):
-    barrier = threading.Barrier(2)
+    barrier = threading.Barrier(2, timeout=120)  # a failing worker breaks it: no hang
     seen: dict[str, set[str]] = {}
     errors = []
 
@@ -405,6 +405,26 @@ HOSTILE = {
             "rmsnorm_silu_gate": OpKernels(module="cakeops.reference.rmsnorm_silu_gate",
                                            devices={"cpu": 1000}, dtypes=(torch.float32,))})
         """,
+    "picky": """
+        import torch
+        from cakeops import Backend, OpKernels
+        class Picky(Backend):
+            def not_supported_reasons(self, op, inputs):
+                raise KeyError("no shape")
+        backend = Picky(name="picky", distribution="picky", ops={
+            "rmsnorm_silu_gate": OpKernels(module="cakeops.reference.rmsnorm_silu_gate",
+                                           devices={"cpu": 1000}, dtypes=(torch.float32,))})
+        """,
+    "fussy": """
+        import torch
+        from cakeops import Backend, OpKernels
+        class Fussy(Backend):
+            def not_preferred_reasons(self, op, inputs):
+                raise ValueError("no taste")
+        backend = Fussy(name="fussy", distribution="fussy", ops={
+            "rmsnorm_silu_gate": OpKernels(module="cakeops.reference.rmsnorm_silu_gate",
+                                           devices={"cpu": 1000}, dtypes=(torch.float32,))})
+        """,
     "hollow": """
         import torch
         from cakeops import Backend, OpKernels
@@ -417,8 +437,9 @@ HOSTILE = {
 
 def test_hostile_backend_packages_break_nothing(tmp_path, monkeypatch):
     """A package that claims a first-party name, exits on import, raises in
-    ``unavailable_reason`` or lacks its kernel module: each is reported, none is chosen, the
-    automatic choice and ``cakeops info`` still work."""
+    ``unavailable_reason``, ``not_supported_reasons`` or ``not_preferred_reasons`` or lacks its
+    kernel module: each is reported, none is chosen, the automatic choice and ``cakeops info``
+    still work (a raising ``not_supported_reasons`` failed every call)."""
     for module, source in HOSTILE.items():
         (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
         info = tmp_path / f"{module}-0.1.dist-info"
@@ -438,6 +459,13 @@ def test_hostile_backend_packages_break_nothing(tmp_path, monkeypatch):
         cakeops.rmsnorm_silu_gate(*x)
         why = cakeops.explain(cakeops.rmsnorm_silu_gate, *x).reasons
         assert "unavailable_reason() raised RuntimeError: no idea" in why["moody"][0]
+        assert why["picky"] == ["not_supported_reasons() raised KeyError: 'no shape'"]
+        assert why["fussy"] == ["not_preferred_reasons() raised ValueError: no taste"]
+        with (
+            cakeops.use_backend("picky"),
+            pytest.raises(cakeops.BackendError, match="raised KeyError: 'no shape'"),
+        ):
+            cakeops.rmsnorm_silu_gate(*x)
         with (
             cakeops.use_backend("hollow"),
             pytest.raises(cakeops.BackendError, match="hollow_kernels_missing"),

@@ -232,27 +232,43 @@ def test_decode_step_leaves_its_arguments_storage_resizable():
         t.untyped_storage().resize_(0)
 
 
-def test_cpu_kernels_step_aside_when_numba_runs_python():
-    """Under NUMBA_DISABLE_JIT numba runs ``njit`` functions as Python, where the CPU kernels'
-    intrinsics do not exist: torch runs both ops, and numba named gives every reason."""
+@pytest.mark.parametrize(
+    ("setting", "reason"),
+    [
+        ("NUMBA_DISABLE_JIT=1", "NUMBA_DISABLE_JIT is set"),
+        ("NUMBA_NUM_THREADS=0", "numba does not import here: ValueError: Number of threads"),
+        ("NUMBA_THREADING_LAYER=bogus", "numba's threads do not start here: ValueError: The "
+                                        "threading layer requested 'bogus' is unknown"),
+    ],
+)  # fmt: skip
+def test_cpu_kernels_step_aside_when_numba_cannot_run_them(setting, reason):
+    """numba's environment can leave its CPU kernels unable to run: as Python under
+    ``NUMBA_DISABLE_JIT`` (where their intrinsics do not exist), numba failing its import
+    (``NUMBA_NUM_THREADS=0``), its threads failing to start (an unknown or missing
+    ``NUMBA_THREADING_LAYER``; these two failed every call with numba's traceback). torch runs
+    both ops, forward and backward, and numba named gives the reason."""
     code = textwrap.dedent(
-        """
+        f"""
         import torch, cakeops
-        x, q = torch.randn(2, 64), torch.randn(1, 2, 5, 8)
+        x = torch.randn(2, 64, requires_grad=True)
+        q = torch.randn(1, 2, 5, 8, requires_grad=True)
         assert cakeops.explain(cakeops.rmsnorm_silu_gate, x, x, torch.ones(64)).backend == "torch"
         assert cakeops.explain(cakeops.causal_dot_product, q, q, q).backend == "torch"
-        cakeops.rmsnorm_silu_gate(x, x, torch.ones(64)), cakeops.causal_dot_product(q, q, q)
+        cakeops.rmsnorm_silu_gate(x, x, torch.ones(64)).sum().backward()
+        cakeops.causal_dot_product(q, q, q, log_decay=torch.tensor([-0.1, -0.2])).sum().backward()
         try:
             with cakeops.use_backend("numba"):
                 cakeops.rmsnorm_silu_gate(x, x, torch.ones(64))
         except cakeops.BackendError as e:
-            assert "NUMBA_DISABLE_JIT is set" in str(e), e
+            assert {reason!r} in str(e), e
         else:
-            raise AssertionError("numba ran as Python")
+            raise AssertionError("numba ran")
         """
     )
-    env = {**os.environ, "NUMBA_DISABLE_JIT": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    name, value = setting.split("=")
+    env = {**os.environ, name: value}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
 
 

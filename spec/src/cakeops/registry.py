@@ -490,7 +490,17 @@ def _reasons(backend: Backend | None, name: str, op: str, inputs: Mapping[str, A
     missing = _kernels_missing(backend, op) if op in backend.ops else None
     if missing is not None:
         return [missing]
-    return backend.not_supported_reasons(op, inputs)
+    return asked(backend, "not_supported_reasons", op, inputs)
+
+
+def asked(backend: Backend, method: str, op: str, inputs: Mapping[str, Any]) -> list[str]:
+    """``backend.<method>(op, inputs)`` (``not_supported_reasons`` or ``not_preferred_reasons``);
+    a method that raises gives its error as the one reason: a broken backend is passed over,
+    and named, refused with the cause, instead of failing every call."""
+    try:
+        return getattr(backend, method)(op, inputs)
+    except Exception as exc:
+        return [f"{method}() raised {type(exc).__name__}: {exc}"]
 
 
 @dataclass(frozen=True)
@@ -527,8 +537,8 @@ def explain_inputs(op: str, inputs: Mapping[str, Any]) -> Explanation:
     else:
         source = "priority"
         for backend in _implicit_candidates(op, device_type):
-            why = backend.not_supported_reasons(op, inputs)
-            reasons[backend.name] = why or backend.not_preferred_reasons(op, inputs)
+            why = asked(backend, "not_supported_reasons", op, inputs)
+            reasons[backend.name] = why or asked(backend, "not_preferred_reasons", op, inputs)
             if not reasons[backend.name]:
                 chosen = backend.name
                 break
@@ -550,8 +560,8 @@ def select(op: str, inputs: Mapping[str, Any]) -> Backend:
         # Fast path: the first implicit candidate usually accepts the inputs.
         for backend in _implicit_candidates(op, _device_type(inputs)):
             if not (
-                backend.not_supported_reasons(op, inputs)
-                or backend.not_preferred_reasons(op, inputs)
+                asked(backend, "not_supported_reasons", op, inputs)
+                or asked(backend, "not_preferred_reasons", op, inputs)
             ):
                 return backend
     else:

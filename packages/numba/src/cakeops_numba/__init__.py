@@ -62,14 +62,6 @@ def devices(cpu_kernel: bool, cuda: int = CUDA_PRIORITY) -> dict[str, int | None
     return {"cuda": cuda, **({"cpu": CPU_PRIORITY} if cpu_kernel else {})}
 
 
-def _jit_disabled() -> bool:
-    """Whether numba runs ``njit`` functions as Python (``NUMBA_DISABLE_JIT``), where the CPU
-    kernels' intrinsics and overloads do not exist."""
-    from numba.core import config
-
-    return bool(config.DISABLE_JIT)
-
-
 def _first_compile() -> None:
     """Compile and run a one-thread kernel: what every numba-cuda kernel needs first (its
     target, NVVM, the driver's linker), on the device PyTorch uses."""
@@ -118,12 +110,34 @@ class NumbaBackend(Backend):
             return f"numba-cuda cannot compile a kernel here: {type(exc).__name__}: {exc}"
         return None
 
+    @functools.cached_property
+    def cpu_unavailable_reason(self) -> str | None:
+        """Why the ``njit`` CPU kernels cannot run here. numba reads its environment as it is
+        imported (``NUMBA_NUM_THREADS=0`` fails the import), runs ``njit`` functions as Python
+        under ``NUMBA_DISABLE_JIT`` (where the kernels' intrinsics do not exist), and starts
+        its threads at the first launch (an unknown ``NUMBA_THREADING_LAYER`` fails only
+        then): asked once, before a choice, so that numba is passed over with the cause
+        instead of failing the call."""
+        try:
+            import numba
+        except Exception as exc:  # numba's own check of its environment, with its message
+            return f"numba does not import here: {type(exc).__name__}: {exc}"
+        if numba.config.DISABLE_JIT:
+            return "NUMBA_DISABLE_JIT is set: its CPU kernels run only compiled"
+        try:
+            numba.get_num_threads()  # starts numba's threads, as a kernel's first launch would
+        except Exception as exc:
+            return f"numba's threads do not start here: {type(exc).__name__}: {exc}"
+        return None
+
     def not_supported_reasons(self, op: str, inputs: OpInputs) -> list[str]:
         reasons = super().not_supported_reasons(op, inputs)
         if inputs.device_type == "cuda" and self.cuda_unavailable_reason is not None:
             reasons.append(self.cuda_unavailable_reason)
-        if inputs.device_type == "cpu" and not SIMULATOR and not reasons and _jit_disabled():
-            reasons.append("NUMBA_DISABLE_JIT is set: its CPU kernels run only compiled")
+        if inputs.device_type == "cpu" and not SIMULATOR and not reasons:
+            why = self.cpu_unavailable_reason
+            if why is not None:
+                reasons.append(why)
         return reasons
 
     def not_preferred_reasons(self, op: str, inputs: OpInputs) -> list[str]:

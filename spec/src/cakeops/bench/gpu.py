@@ -80,7 +80,7 @@ def _backends_for(op: str, inputs) -> list[str]:
     names = []
     for name, backend in registry.backends().items():
         usable = registry.why_unavailable(backend) is None
-        usable = usable and not backend.not_supported_reasons(op, inputs)
+        usable = usable and not registry.asked(backend, "not_supported_reasons", op, inputs)
         if name != "reference" and usable:
             names.append(name)
     return names
