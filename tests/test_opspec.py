@@ -487,6 +487,65 @@ def test_a_known_signature_runs_in_one_function(name, monkeypatch):
     assert taken == [True]
 
 
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_fx_symbolic_trace_records_the_custom_op(name):
+    """``torch.fx.symbolic_trace`` (FX quantisation and other tools trace models) records a
+    call as one node of the op's custom op, with the second output's node when the call asks for
+    it; the traced function gives the eager call's results and gradients, and its bad inputs
+    the op's own errors. (A ``Proxy`` is no tensor: the call raised a ``TypeError`` before.)"""
+    spec = SPECS[name]
+    inputs = dict(spec.example())
+    names = [n for n, v in inputs.items() if isinstance(v, torch.Tensor)]
+    fixed = {n: v for n, v in inputs.items() if n not in names}
+    if spec.second is not None:
+        fixed[spec.second_flag] = True
+    op = getattr(cakeops, name)
+    # a function of named tensors (symbolic_trace takes no *args)
+    fn = eval(f"lambda {', '.join(names)}: op({', '.join(f'{n}={n}' for n in names)}, **fixed)",
+              {"op": op, "fixed": fixed})  # fmt: skip
+    traced = torch.fx.symbolic_trace(fn)
+    called = [n.target for n in traced.graph.nodes if n.op == "call_function"]
+    custom = getattr(torch.ops.cakeops, name).default
+    assert called[0] == custom and all(t is not custom for t in called[1:])
+    leaves = [inputs[n].detach().clone().requires_grad_(n in spec.differentiable) for n in names]
+    results = []
+    for run in (fn, traced):
+        args = [t.detach().clone().requires_grad_(t.requires_grad) for t in leaves]
+        out = run(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        g = [torch.ones_like(o) for o in outs if o.requires_grad]
+        wrt = [a for a in args if a.requires_grad]
+        grads = torch.autograd.grad([o for o in outs if o.requires_grad], wrt, g, allow_unused=True)
+        results.append([*(o.detach() for o in outs), *(d for d in grads if d is not None)])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(b, a)
+    bad = [t.detach().int() if i == 0 else t for i, t in enumerate(leaves)]
+    with pytest.raises((ValueError, TypeError), match=f"^{name}: "):
+        traced(*bad)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_torch_export_records_the_custom_op(name):
+    """``torch.export`` (deployment, AOTInductor) of a module that calls the op: one node of its
+    custom op in the exported graph, and the exported module gives the eager call's result."""
+    spec = SPECS[name]
+    inputs = dict(spec.example())
+    names = [n for n, v in inputs.items() if isinstance(v, torch.Tensor)]
+    fixed = {n: v for n, v in inputs.items() if n not in names}
+    op = getattr(cakeops, name)
+
+    class Model(torch.nn.Module):
+        def forward(self, *tensors):
+            return op(**dict(zip(names, tensors, strict=True)), **fixed)
+
+    args = tuple(inputs[n] for n in names)
+    exported = torch.export.export(Model(), args)
+    called = [n.target for n in exported.graph.nodes if n.op == "call_function"]
+    assert called.count(getattr(torch.ops.cakeops, name).default) == 1, called
+    with torch.no_grad():
+        torch.testing.assert_close(exported.module()(*args), Model()(*args))
+
+
 def _spy(ran, name, kernel, *args):
     ran.append(name)
     return kernel(*args)

@@ -679,6 +679,12 @@ class OpSpec:
             result = self._lean(arguments)
             if result is not _NOT_LEAN:
                 return result
+        if any(isinstance(v, torch.fx.Proxy) for v in arguments.values()):
+            # torch.fx.symbolic_trace: one node of the custom op, which checks its arguments
+            # when the traced module runs
+            return self.forward_op(
+                *(arguments.get(name, default) for name, _, default, _ in self.arguments)
+            )
         try:
             given = self.inputs(**arguments)  # the defaults; a missing argument is a TypeError
         except TypeError as exc:
