@@ -272,6 +272,48 @@ def test_cpu_kernels_step_aside_when_numba_cannot_run_them(setting, reason):
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_a_child_forked_after_numbas_openmp_threads_runs_the_ops_on_torch():
+    """GNU OpenMP does not survive a fork: numba terminates a forked child at its first parallel
+    launch (SIGTERM; a DataLoader worker or a server's preforked worker died at its first
+    call, choices remembered from the parent included). In such a child the CPU kernels give
+    that reason and torch runs the ops; numba named is a ``BackendError`` saying so."""
+    code = textwrap.dedent(
+        """
+        import os, traceback
+        import numba, torch, cakeops
+        x, w = torch.randn(4, 64), torch.ones(64)
+        q = torch.randn(2, 4, 300, 16)
+        for _ in range(2):  # the second call of each signature: a remembered choice
+            cakeops.causal_dot_product(q, q, q), cakeops.rmsnorm_silu_gate(x, x, w)
+        assert cakeops.explain(cakeops.causal_dot_product, q, q, q).backend == "numba"
+        assert numba.threading_layer() == "omp", numba.threading_layer()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                torch.set_num_threads(1)  # (PyTorch's own OpenMP needs it in a fork)
+                cakeops.causal_dot_product(q, q, q), cakeops.rmsnorm_silu_gate(x, x, w)
+                assert cakeops.explain(cakeops.causal_dot_product, q, q, q).backend == "torch"
+                try:
+                    with cakeops.use_backend("numba"):
+                        cakeops.causal_dot_product(q, q, q)
+                except cakeops.BackendError as e:
+                    assert "forked after numba's OpenMP threads started" in str(e), e
+                else:
+                    raise AssertionError("numba ran")
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+        """
+    )
+    env = {**os.environ, "NUMBA_THREADING_LAYER": "omp"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "child 0", done.stderr[-3000:]
+
+
 def test_norm_exp_is_within_two_ulp_of_float64():
     """The norm kernel's vectorisable float32 ``exp``: within 2 ulp of float64's where the
     result is a normal float32, inf above its range, 0 below, NaN for NaN."""

@@ -321,6 +321,17 @@ def rediscover() -> dict[str, Backend]:
     return backends()
 
 
+def _choose_again() -> None:
+    """In a forked child: every remembered choice is made again, since a backend can say it
+    cannot run in a fork (numba's CPU kernels, whose OpenMP threads do not survive one)."""
+    global _generation
+    _generation += 1
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows, which does not fork)
+    os.register_at_fork(after_in_child=_choose_again)
+
+
 def register_backend(backend: Backend, *, replace: bool = False) -> None:
     """Add a backend without an entry point (tests, notebooks)."""
     found = backends()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -79,6 +80,33 @@ def _first_compile() -> None:
     torch.cuda.current_stream().synchronize()
     if out.item() != 1.0:
         raise RuntimeError("a one-thread test kernel ran but did not write its output")
+
+
+#: Why the CPU kernels cannot run in this process when it was forked after numba's threads
+#: started on GNU OpenMP (numba's ``omp`` layer on Linux): that runtime does not survive a
+#: fork, and numba terminates such a child at its first parallel launch.
+FORKED_FROM_OPENMP = (
+    "this process was forked after numba's OpenMP threads started (GNU OpenMP does not survive "
+    "a fork; numba terminates the child at its first parallel launch): start the process with "
+    "spawn or forkserver, or set NUMBA_THREADING_LAYER=workqueue or tbb"
+)
+_forked_from_openmp = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked_from_openmp
+    numba = sys.modules.get("numba")
+    if numba is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # its threads had not started: this process starts its own
+        return
+    _forked_from_openmp = _forked_from_openmp or layer == "omp"
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class NumbaBackend(Backend):
@@ -135,7 +163,7 @@ class NumbaBackend(Backend):
         if inputs.device_type == "cuda" and self.cuda_unavailable_reason is not None:
             reasons.append(self.cuda_unavailable_reason)
         if inputs.device_type == "cpu" and not SIMULATOR and not reasons:
-            why = self.cpu_unavailable_reason
+            why = FORKED_FROM_OPENMP if _forked_from_openmp else self.cpu_unavailable_reason
             if why is not None:
                 reasons.append(why)
         return reasons
