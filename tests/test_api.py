@@ -113,3 +113,16 @@ def test_public_functions_pass_their_arguments_by_name():
         tree = ast.parse(inspect.getsource(module))
         calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
         assert not [c for c in calls if getattr(c.func, "id", None) == "locals"], name
+
+
+def test_a_norm_eps_below_float32s_range_is_refused_only_below_float64():
+    """The kernels normalise float32, float16 and bfloat16 inputs in float32, where an eps below
+    its smallest normal number is a subnormal or 0 (a zero row's output NaN, where the math's is
+    0): refused for those; float64 inputs, computed in float64, take it."""
+    x = torch.zeros(2, 8, dtype=torch.float64)
+    out = cakeops.rmsnorm_silu_gate(x, x, torch.ones(8, dtype=torch.float64), eps=1e-300)
+    assert out.eq(0).all()
+    tiny = torch.finfo(torch.float32).tiny
+    assert cakeops.rmsnorm_silu_gate(x.float(), x.float(), torch.ones(8), eps=tiny).eq(0).all()
+    with pytest.raises(ValueError, match=r"argument 'eps' expected at least 1\.17549e-38"):
+        cakeops.rmsnorm_silu_gate(x.bfloat16(), x.bfloat16(), torch.ones(8), eps=tiny / 2)

@@ -55,6 +55,15 @@ def check(a: Inputs) -> Inputs:
     if a.x.dim() < 1:
         raise ValueError(f"{OP}: argument 'x' expected at least 1 dimension (..., D), got a scalar")
     _spec.check_float_dtype(OP, "x", a.x)
+    tiny = torch.finfo(torch.float32).tiny
+    if a.x.dtype != torch.float64 and a.eps < tiny:
+        # below it eps is a float32 subnormal, or 0 where a GPU flushes those: a zero row's
+        # rsqrt(0 + eps) is then inf, and its output NaN where the math's is 0
+        raise ValueError(
+            f"{OP}: argument 'eps' expected at least {tiny:.6g} (float32's smallest normal "
+            f"number: {_spec.dtype_name(a.x.dtype)} inputs are normalised in float32), "
+            f"got {a.eps!r}"
+        )
     _spec.check_dtype_like(OP, "z", a.z, "x", a.x)
     if a.weight.dtype not in (a.x.dtype, torch.float32):
         raise TypeError(

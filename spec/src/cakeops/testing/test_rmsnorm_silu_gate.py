@@ -196,6 +196,8 @@ def _bad_inputs(device):
         "group-float": ((x, x, w), {"group_size": 4.0}, TypeError, "group_size"),
         "eps-zero": ((x, x, w, 0.0), {}, ValueError, "eps"),
         "eps-negative": ((x, x, w, -1e-6), {}, ValueError, "eps"),
+        # a float32 subnormal, or 0 where a GPU flushes those: a zero row's output was NaN
+        "eps-subnormal": ((x, x, w, 1e-40), {}, ValueError, "eps"),
         "eps-nan": ((x, x, w, float("nan")), {}, ValueError, "eps"),
         "eps-inf": ((x, x, w, float("inf")), {}, ValueError, "eps"),
         "eps-str": ((x, x, w, "1e-6"), {}, TypeError, "eps"),
