@@ -219,15 +219,31 @@ def test_decode_step_forward_below_and_above_its_threshold(monkeypatch, numba_pa
     assert calls == (["step"] * 2 if numba_pass else [])
 
 
-def test_decode_step_leaves_its_arguments_storage_resizable():
-    """A decode step's backward reads its tensors by address, not ``Tensor.numpy()``: the
-    initial state and the log decay may be FSDP2 parameters, whose storage it resizes."""
-    given = suite.OPTION_CASES["all"]
-    (q, k, v), tensors, fixed, g, g_final = suite._option_inputs(given, torch.float32, "cpu", L=1)
+@pytest.mark.parametrize(
+    ("L", "options", "layout"),
+    [(1, True, "contiguous"), (45, True, "contiguous"), (45, True, "transposed"),
+     (45, False, "contiguous"), (45, False, "bfloat16"), (45, False, "transposed")],
+)  # fmt: skip
+def test_calls_leave_their_arguments_storage_resizable(L, options, layout):
+    """The CPU kernels read the caller's tensors by address or through numpy views made from
+    addresses, never ``Tensor.numpy()``, which marks a storage as never resizable: q, k, v, the
+    initial state and the log decay may be FSDP2 parameters (or views of them), whose storage
+    it resizes. A decode step, a prefill with every option and without (the kernels' in-place
+    and blocked paths, bfloat16 as its bits), forward and backward."""
+    given = suite.OPTION_CASES["all"] if options else ()
+    (q, k, v), tensors, fixed, g, g_final = suite._option_inputs(given, torch.float32, "cpu", L=L)
+    if layout == "bfloat16":
+        q, k, v = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+    if layout == "transposed":  # (N, H, L, E) views of (N, L, H, E) tensors
+        q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+                   for t in (q, k, v))  # fmt: skip
     with cakeops.use_backend("numba"):
-        out, final = cakeops.causal_dot_product(q, k, v, **tensors, **fixed,
-                                                output_final_state=True)  # fmt: skip
-    torch.autograd.backward((out, final), (g, g_final.float()))
+        result = cakeops.causal_dot_product(q, k, v, **tensors, **fixed,
+                                            output_final_state=options)  # fmt: skip
+    if options:
+        torch.autograd.backward(result, (g, g_final.float()))
+    else:
+        result.backward(g.to(result.dtype))
     for t in (q, k, v, *tensors.values(), g):
         t.untyped_storage().resize_(0)
 

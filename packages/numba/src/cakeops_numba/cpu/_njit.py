@@ -4,11 +4,13 @@ tensors the kernels read and write."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numba
+import numpy as np
 import torch
 from llvmlite import ir
 from numba import carray, njit, types
@@ -91,3 +93,18 @@ def as_float32(t: torch.Tensor) -> torch.Tensor:
     if t.dtype is not torch.float32 or not t.is_contiguous():
         return t.float().contiguous()
     return t
+
+
+_NUMPY = {torch.float32: np.float32, torch.int16: np.int16, torch.int64: np.int64}
+
+
+def array_at(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``t``'s memory (float32, int16 bits or int64), made from its address and
+    strides. ``Tensor.numpy()`` marks the storage as never resizable again, which breaks FSDP2
+    when ``t`` is a parameter or a view of one (it frees a parameter's storage by resizing)."""
+    if t.numel() == 0:
+        return np.empty(t.shape, _NUMPY[t.dtype])
+    size = t.element_size()
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    memory = (ctypes.c_char * (extent * size)).from_address(t.data_ptr())
+    return np.ndarray(t.shape, _NUMPY[t.dtype], memory, strides=[s * size for s in t.stride()])

@@ -28,7 +28,7 @@ from numba import njit, prange, types
 from numba.core.extending import overload
 
 from cakeops_numba.cpu._njit import F32 as _F32
-from cakeops_numba.cpu._njit import as_float32, floats, launching
+from cakeops_numba.cpu._njit import array_at, as_float32, floats, launching
 from cakeops_numba.cpu._njit import compiled as _compiled
 from cakeops_numba.cpu._njit import float_as_int as _float_as_int
 from cakeops_numba.cpu._njit import int_as_float as _int_as_float
@@ -211,17 +211,28 @@ def _backward(g, q, k, v, dq, dk, dv):  # pragma: no cover - compiled
 _IN_PLACE = (torch.float32, torch.bfloat16)
 
 
-def _in_place(t: torch.Tensor) -> np.ndarray:
+def _numpy(view: torch.Tensor, given: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``view``: by address where it is the memory of ``given``, a caller's
+    tensor (``Tensor.numpy()`` would mark its storage as never resizable: FSDP2 resizes a
+    parameter's, and q, k or v may be one or a view of one), else by ``numpy()`` (a copy of
+    ours, a few microseconds cheaper)."""
+    if view.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
+        return array_at(view)
+    return view.numpy()
+
+
+def _in_place(t: torch.Tensor, ours: bool = False) -> np.ndarray:
     """``(heads, L, d)`` numpy view of a contiguous float32 or bfloat16 ``(n, h, L, d)`` tensor,
-    sharing its memory (bfloat16 as ``int16`` bits)."""
-    t = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-    return t.view(-1, *t.shape[-2:]).numpy()
+    sharing its memory (bfloat16 as ``int16`` bits); ``ours``: an output the op allocated."""
+    bits = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    view = bits.view(-1, *t.shape[-2:])
+    return view.numpy() if ours else array_at(view)
 
 
 def _as_float32(t: torch.Tensor) -> np.ndarray:
     """A float32 C-contiguous ``(heads, L, d)`` numpy view of a ``(n, h, L, d)`` block (a copy
     only when needed)."""
-    return t.float().contiguous().view(-1, *t.shape[-2:]).numpy()
+    return _numpy(t.float().contiguous().view(-1, *t.shape[-2:]), t)
 
 
 def _blocks(N: int, H: int, heads: int):
@@ -251,7 +262,7 @@ def _run(kernel, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, 
     widest = max(t.shape[-1] for t in tensors)
     with launching():
         if in_place:
-            kernel(*(_in_place(t) for t in tensors))
+            kernel(*(_in_place(t) for t in inputs), *(_in_place(t, ours=True) for t in outputs))
             return
         heads = max(1, BLOCK_ELEMENTS // max(1, L * widest))
         for block in _blocks(N, H, heads):
@@ -626,13 +637,13 @@ def _heads(t: torch.Tensor) -> np.ndarray:
     the tensor itself where its strides allow (a transposed view, or heads sharing one tensor
     through a stride of 0 as Mamba2's B and C do: no copy per head), else a contiguous copy. The
     kernels read each position's row into a local buffer before their loops."""
-    t = t.float()
-    if t.stride(-1) == 1:
+    f = t.float()
+    if f.stride(-1) == 1:
         try:
-            return t.view(-1, *t.shape[-2:]).numpy()
+            return _numpy(f.view(-1, *f.shape[-2:]), t)
         except RuntimeError:  # rows and heads not one stride apart
             pass
-    return t.contiguous().view(-1, *t.shape[-2:]).numpy()
+    return f.contiguous().view(-1, *f.shape[-2:]).numpy()
 
 
 def _launch(kernel, work: int, *args, serial_below: int = SERIAL_BELOW) -> None:
