@@ -385,6 +385,21 @@ def test_a_malformed_backend_variable_is_named_in_the_error(value, monkeypatch):
         pass
 
 
+def _raising(name: str, method: str, error: str) -> str:
+    """The source of a backend package whose ``method`` raises ``error`` (it serves the norm
+    with the reference's kernels, first in the automatic choice)."""
+    return f"""
+        import torch
+        from cakeops import Backend, OpKernels
+        class Hostile(Backend):
+            def {method}(self, *args):
+                raise {error}
+        backend = Hostile(name="{name}", distribution="{name}", ops={{
+            "rmsnorm_silu_gate": OpKernels(module="cakeops.reference.rmsnorm_silu_gate",
+                                           devices={{"cpu": 1000}}, dtypes=(torch.float32,))}})
+        """
+
+
 HOSTILE = {
     # module name -> source; each one's entry point is named after the module
     "impostor": """
@@ -395,36 +410,9 @@ HOSTILE = {
                                            devices={"cpu": 1000}, dtypes=(torch.float32,))})
         """,
     "quitter": "raise SystemExit(3)",
-    "moody": """
-        import torch
-        from cakeops import Backend, OpKernels
-        class Moody(Backend):
-            def unavailable_reason(self):
-                raise RuntimeError("no idea")
-        backend = Moody(name="moody", distribution="moody", ops={
-            "rmsnorm_silu_gate": OpKernels(module="cakeops.reference.rmsnorm_silu_gate",
-                                           devices={"cpu": 1000}, dtypes=(torch.float32,))})
-        """,
-    "picky": """
-        import torch
-        from cakeops import Backend, OpKernels
-        class Picky(Backend):
-            def not_supported_reasons(self, op, inputs):
-                raise KeyError("no shape")
-        backend = Picky(name="picky", distribution="picky", ops={
-            "rmsnorm_silu_gate": OpKernels(module="cakeops.reference.rmsnorm_silu_gate",
-                                           devices={"cpu": 1000}, dtypes=(torch.float32,))})
-        """,
-    "fussy": """
-        import torch
-        from cakeops import Backend, OpKernels
-        class Fussy(Backend):
-            def not_preferred_reasons(self, op, inputs):
-                raise ValueError("no taste")
-        backend = Fussy(name="fussy", distribution="fussy", ops={
-            "rmsnorm_silu_gate": OpKernels(module="cakeops.reference.rmsnorm_silu_gate",
-                                           devices={"cpu": 1000}, dtypes=(torch.float32,))})
-        """,
+    "moody": _raising("moody", "unavailable_reason", 'RuntimeError("no idea")'),
+    "picky": _raising("picky", "not_supported_reasons", 'KeyError("no shape")'),
+    "fussy": _raising("fussy", "not_preferred_reasons", 'ValueError("no taste")'),
     "hollow": """
         import torch
         from cakeops import Backend, OpKernels
