@@ -487,6 +487,13 @@ def test_a_known_signature_runs_in_one_function(name, monkeypatch):
     assert taken == [True]
 
 
+def _tensors_and_the_rest(spec: OpSpec) -> tuple[dict, list[str], dict]:
+    """The spec's example inputs, the names of its tensors, and its other arguments."""
+    inputs = dict(spec.example())
+    names = [n for n, v in inputs.items() if isinstance(v, torch.Tensor)]
+    return inputs, names, {n: v for n, v in inputs.items() if n not in names}
+
+
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_fx_symbolic_trace_records_the_custom_op(name):
     """``torch.fx.symbolic_trace`` (FX quantisation and other tools trace models) records a
@@ -494,9 +501,7 @@ def test_fx_symbolic_trace_records_the_custom_op(name):
     it; the traced function gives the eager call's results and gradients, and its bad inputs
     the op's own errors. (A ``Proxy`` is no tensor: the call raised a ``TypeError`` before.)"""
     spec = SPECS[name]
-    inputs = dict(spec.example())
-    names = [n for n, v in inputs.items() if isinstance(v, torch.Tensor)]
-    fixed = {n: v for n, v in inputs.items() if n not in names}
+    inputs, names, fixed = _tensors_and_the_rest(spec)
     if spec.second is not None:
         fixed[spec.second_flag] = True
     op = getattr(cakeops, name)
@@ -529,9 +534,7 @@ def test_torch_export_records_the_custom_op(name):
     """``torch.export`` (deployment, AOTInductor) of a module that calls the op: one node of its
     custom op in the exported graph, and the exported module gives the eager call's result."""
     spec = SPECS[name]
-    inputs = dict(spec.example())
-    names = [n for n, v in inputs.items() if isinstance(v, torch.Tensor)]
-    fixed = {n: v for n, v in inputs.items() if n not in names}
+    inputs, names, fixed = _tensors_and_the_rest(spec)
     op = getattr(cakeops, name)
 
     class Model(torch.nn.Module):

@@ -668,23 +668,22 @@ class OpSpec:
                 _set_grad_enabled(True)
         return _recorded(self, plan, choice, values)
 
+    def _one_node(self, arguments: dict[str, Any]) -> Any:
+        """The custom op on ``arguments`` (defaults filled): one node of a graph, with the op's
+        registered autograd, which validates its arguments when it runs."""
+        return self.forward_op(
+            *(arguments.get(name, default) for name, _, default, _ in self.arguments)
+        )
+
     def _call(self, arguments: dict[str, Any]) -> Any:
         if torch.compiler.is_compiling():
-            # One graph node, with the op's registered autograd; the op validates its arguments
-            # (Dynamo does not trace the Inputs dataclass).
-            return self.forward_op(
-                *(arguments.get(name, default) for name, _, default, _ in self.arguments)
-            )
+            return self._one_node(arguments)  # (Dynamo does not trace the Inputs dataclass)
         if not torch._C._are_functorch_transforms_active():
             result = self._lean(arguments)
             if result is not _NOT_LEAN:
                 return result
         if any(isinstance(v, torch.fx.Proxy) for v in arguments.values()):
-            # torch.fx.symbolic_trace: one node of the custom op, which checks its arguments
-            # when the traced module runs
-            return self.forward_op(
-                *(arguments.get(name, default) for name, _, default, _ in self.arguments)
-            )
+            return self._one_node(arguments)  # torch.fx.symbolic_trace
         try:
             given = self.inputs(**arguments)  # the defaults; a missing argument is a TypeError
         except TypeError as exc:

@@ -105,22 +105,25 @@ def grads_by_autograd(fn, g, inputs, fixed):
             done.set()
 
     thread = threading.Thread(target=work, name="cakeops-reference-backward")
+
     # Events, not Thread.join: an interrupted join marks a live thread as finished (CPython
     # 3.10-3.12), and the process then aborts at exit. The interruption may come while start()
     # waits for the thread to run, too. The wait polls: a Ctrl-C that the kernel hands to
     # another thread does not wake a blocked wait, and Python runs its handler in this thread
     # only once it runs bytecode again.
-    try:
-        thread.start()
+    def wait() -> None:
         while not done.wait(_POLL_S):
             pass
+
+    try:
+        thread.start()
+        wait()
     except BaseException:
         cancel.set()
         if thread.ident is not None:  # it runs, and sets `done` whatever happens
             while True:
                 try:
-                    while not done.wait(_POLL_S):
-                        pass
+                    wait()
                     break
                 except KeyboardInterrupt:  # another Ctrl-C: it stops at its next expert
                     continue

@@ -95,11 +95,11 @@ def as_float32(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-_NUMPY = {torch.float32: np.float32, torch.int16: np.int16, torch.int64: np.int64}
+_NUMPY = {torch.float32: np.float32, torch.int16: np.int16}
 
 
 def array_at(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of ``t``'s memory (float32, int16 bits or int64), made from its address and
+    """A numpy view of ``t``'s memory (float32, or bfloat16's int16 bits), made from its address and
     strides. ``Tensor.numpy()`` marks the storage as never resizable again, which breaks FSDP2
     when ``t`` is a parameter or a view of one (it frees a parameter's storage by resizing)."""
     if t.numel() == 0:
