@@ -257,6 +257,95 @@ def test_bfloat16_combines_in_float32(tmp_path):
         assert err <= 1.5 * own, f"{name}: {err:.3g} against the single-process op's {own:.3g}"
 
 
+#: case -> what rank 1 changes in its call, and the error every rank raises: the argument and
+#: the ranks' values, or (a "refused" case) rank 1's own error from the single-process op's
+#: checks and the others' pointing at it
+DISAGREEMENTS = {
+    "width": (lambda c: c.update(x=torch.randn(T, 2 * D), w_gate=torch.randn(E // 2, FF, 2 * D),
+                                 w_up=torch.randn(E // 2, FF, 2 * D),
+                                 w_down=torch.randn(E // 2, 2 * D, FF)), "x", "width D", "[8, 16]"),
+    "dtype": (lambda c: c.update(x=c["x"].bfloat16()), "x", "dtype", "bfloat16"),
+    "slots": (lambda c: c.update(index=c["index"][:, :1], weights=c["weights"][:, :1]),
+              "top_k_index", "number of slots k", "[2, 1]"),
+    "gate": (lambda c: c.update(w_gate=None), "w_gate", "presence", "[True, False]"),
+    "bias": (lambda c: c.update(b_up=torch.zeros(E // 2, FF)), "b_up", "presence",
+             "[False, True]"),
+    "activation": (lambda c: c.update(activation="gelu"), "activation", "value",
+                   "['silu', 'gelu']"),
+    "limit": (lambda c: c.update(limit=7.0), "limit", "value", "[inf, 7.0]"),
+    "gradient": (lambda c: c.update(x=c["x"].detach(), weights=c["weights"].detach()), "x",
+                 "need of a gradient", "[True, False]"),
+    "refused-option": (lambda c: c.update(activation="bogus"), "activation", None,
+                       "expected one of"),
+    "refused-id": (lambda c: c["index"].__setitem__((0, 0), -5), "top_k_index", None,
+                   "got -5"),
+}  # fmt: skip
+
+
+def _disagree_worker(rank: int, init: str, out: str) -> None:
+    """Every case of :data:`DISAGREEMENTS` in turn in one process group, then a call both ranks
+    make alike: the errors, and whether that call still runs (no rank left in an exchange)."""
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(rank)
+
+    def call(case):
+        c = {"x": torch.randn(T, D, generator=g).requires_grad_(),
+             "index": torch.randint(0, E, (T, K), generator=g),
+             "weights": torch.softmax(torch.randn(T, K, generator=g), -1).requires_grad_(),
+             "w_gate": torch.randn(E // 2, FF, D, generator=g).requires_grad_(),
+             "w_up": torch.randn(E // 2, FF, D, generator=g).requires_grad_(),
+             "w_down": torch.randn(E // 2, D, FF, generator=g).requires_grad_()}  # fmt: skip
+        if case is not None and rank == 1:
+            DISAGREEMENTS[case][0](c)
+        options = {k: c.pop(k) for k in list(c) if k not in ("x", "index", "weights", "w_gate",
+                                                              "w_up", "w_down")}  # fmt: skip
+        return cd.routed_experts(c["x"], c["index"], c["weights"], c["w_gate"], c["w_up"],
+                                 c["w_down"], **options)  # fmt: skip
+
+    errors = {}
+    for case in DISAGREEMENTS:
+        try:
+            call(case)
+            errors[case] = None
+        except (ValueError, TypeError) as exc:
+            errors[case] = str(exc)
+    y = call(None)
+    y.sum().backward()
+    torch.save((errors, torch.isfinite(y).all().item()), f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+    _leave()
+
+
+@pytest.mark.timeout(300)
+def test_ranks_that_disagree_all_raise_the_same_error(tmp_path):
+    """A rank whose call differs from the others' in what the exchange or the experts' form
+    depend on, or whose arguments the single-process op refuses, makes every rank raise, naming
+    the argument and each rank's value, and leaves the group usable. Before: a width apart
+    aborted the process, a dtype or k apart read the rows as garbage (k: silently), a gate,
+    bias or activation apart gave a token rank-dependent experts, an id of -5 was dropped
+    silently, and a rank refused alone or recording no backward left the others waiting."""
+    out = str(tmp_path / "rank")
+    mp.spawn(_disagree_worker, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
+    (errors0, finite0), (errors1, finite1) = (torch.load(f"{out}.{r}") for r in range(2))
+    assert finite0 and finite1
+    for case, (_, name, what, shown) in DISAGREEMENTS.items():
+        first, second = errors0[case], errors1[case]
+        assert first is not None and second is not None, case
+        if what is None:  # rank 1's own error, the other rank's pointing at it
+            assert second.startswith(f"routed_experts: argument '{name}'"), (case, second)
+            assert shown in second, (case, second)
+            pointing = ("distributed.routed_experts: the arguments of rank(s) [1] were refused "
+                        "(each raised why there): no rank runs the call")  # fmt: skip
+            assert first == pointing, first
+        else:
+            assert first == second, case
+            assert first.startswith(f"distributed.routed_experts: argument '{name}' expected "
+                                    f"the same {what}"), (case, first)  # fmt: skip
+            assert shown in first, (case, first)
+
+
 class Model(torch.nn.Module):
     """A projection, a router and the experts (this rank's block under expert parallelism),
     then an output projection."""

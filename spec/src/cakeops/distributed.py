@@ -14,8 +14,10 @@ there (and computes the weights' gradient from them) as the single-process op do
 rank's partial sum comes back in a second all-to-all, summed at home in float32, rank by rank.
 A token goes to at most ``min(k, W)`` ranks instead of as ``k`` rows (top-4 of 16 experts
 over 2 ranks: to the other rank 0.96 times on average instead of 2).
-Every rank must hold the same number of experts (checked within the exchange of the counts: all
-ranks raise alike); a rank may have no tokens. Autograd
+Every rank must hold the same number of experts, and the ranks' calls must agree on what the
+exchange and the experts' form depend on (checked within the exchange of the counts, with whether
+each rank's arguments passed the single-process op's checks: all ranks raise alike, none is left
+waiting); a rank may have no tokens. Autograd
 flows back through both exchanges (each the reverse all-to-all of the other): ``x``, the local
 experts' weights and biases, and ``top_k_weights``. Only the split sizes cross to the host
 (one small all-to-all of counts, run while the rank prepares its rows); rows never do.
@@ -30,12 +32,17 @@ by hand after a backward.
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from cakeops._spec import FLOAT_DTYPES
+from cakeops.ops.routed_experts import ACTIVATIONS, SPEC
 from cakeops.ops.routed_experts import routed_experts as _routed_experts
+from cakeops.opspec import OpInputs
 
 OP = "distributed.routed_experts"
 
@@ -122,22 +129,83 @@ class _Dispatch(torch.autograd.Function):
         return d_rows, None, d_weights, None, None, None
 
 
-def _check(x, top_k_index, top_k_weights, w_up, group) -> int:
-    """The world size, after the checks the single-process op does not make (it checks the
-    rest when it runs)."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(f"{OP}: torch.distributed is not initialised (init_process_group)")
-    if not isinstance(w_up, torch.Tensor) or w_up.dim() != 3:
-        raise ValueError(f"{OP}: argument 'w_up' expected this rank's (E/W, F, D) experts")
-    for name, t in (("x", x), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{OP}: argument '{name}' expected a torch.Tensor, got {type(t)}")
-    if top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape:
-        raise ValueError(
-            f"{OP}: arguments 'top_k_index' and 'top_k_weights' expected the same (T, k) shape, "
-            f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
-        )
-    return dist.get_world_size(group)
+#: What every rank's call must agree on, as ``(argument, what)``: the rows' layout on the wire,
+#: the experts' form (a token's experts must not depend on their rank), and whether the backward
+#: exchanges (a rank that records no backward would leave the others waiting in it).
+_AGREED = (
+    ("x", "width D"),
+    ("x", "dtype"),
+    ("top_k_index", "number of slots k"),
+    ("top_k_weights", "dtype"),
+    *((name, "presence (None or not)") for name in ("w_gate", "b_gate", "b_up", "b_down")),
+    ("activation", "value"),
+    ("alpha", "value"),
+    ("limit", "value (None as inf)"),
+    ("up_offset", "value"),
+    ("x", "need of a gradient (grad mode, and x or top_k_weights requiring one)"),
+    ("w_up", "need of a gradient (grad mode, and any argument requiring one)"),
+)
+
+
+def _agreed(inputs: OpInputs) -> list[Any]:
+    """This rank's values of :data:`_AGREED`."""
+    grad = torch.is_grad_enabled()
+    rows = grad and (inputs["x"].requires_grad or inputs["top_k_weights"].requires_grad)
+    experts = [inputs[name] for name in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")]
+    back = rows or (grad and any(t is not None and t.requires_grad for t in experts))
+    limit = inputs["limit"]
+    return [
+        inputs["x"].shape[1],
+        inputs["x"].dtype,
+        inputs["top_k_index"].shape[1],
+        inputs["top_k_weights"].dtype,
+        *(inputs[name] is not None for name in ("w_gate", "b_gate", "b_up", "b_down")),
+        inputs["activation"],
+        float(inputs["alpha"]),
+        math.inf if limit is None else float(limit),
+        float(inputs["up_offset"]),
+        rows,
+        back,
+    ]
+
+
+def _encoded(value: Any) -> int:
+    """A value of :func:`_agreed` as an int64 for the exchange (:func:`_decoded` reads it)."""
+    if isinstance(value, float):
+        return struct.unpack("<q", struct.pack("<d", value))[0]
+    if isinstance(value, torch.dtype):
+        return FLOAT_DTYPES.index(value)
+    if isinstance(value, str):
+        return ACTIVATIONS.index(value)
+    return int(value)
+
+
+def _decoded(like: Any, code: int) -> Any:
+    if isinstance(like, float):
+        return struct.unpack("<d", struct.pack("<q", code))[0]
+    if isinstance(like, torch.dtype):
+        return FLOAT_DTYPES[code]
+    if isinstance(like, str):
+        return ACTIVATIONS[code]
+    return type(like)(code)
+
+
+def _device(*candidates: Any) -> torch.device:
+    """Where the small exchange runs on a rank whose arguments were refused: the experts'
+    device (the group's), else the first tensor's."""
+    return next((t.device for t in candidates if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+
+def _disagreement(table: list[list[int]], mine: list[Any]) -> str | None:
+    """The first field of :data:`_AGREED` on which the ranks' rows of ``table`` differ, as an
+    error message (values read as this rank's ``mine``), or None."""
+    for column, ((name, what), like) in enumerate(zip(_AGREED, mine, strict=True)):
+        codes = [row[column] for row in table]
+        if len(set(codes)) > 1:
+            values = [_decoded(like, c) for c in codes]
+            return (f"{OP}: argument '{name}' expected the same {what} on every rank, got "
+                    f"{values} on ranks 0..{len(table) - 1}")  # fmt: skip
+    return None
 
 
 def routed_experts(
@@ -157,43 +225,65 @@ def routed_experts(
     ``w_gate``, ``w_up (E/W, F, D)``, ``w_down (E/W, D, F)`` and the biases in ``options`` are
     this rank's experts, the same number on every rank (``options``: those of
     :func:`cakeops.routed_experts`). Returns this rank's ``(T, D)``."""
-    world = _check(x, top_k_index, top_k_weights, w_up, group)
-    local = w_up.shape[0]
-    T = top_k_index.shape[0]
-    ids = top_k_index
-    # each slot's destination rank (world: a dropped slot), then the (rank, token) pairs: a
-    # token goes once to each rank that holds one of its experts, with all its slots there
-    dest = torch.where((ids >= 0) & (ids < local * world), ids // local, world)
-    wanted = torch.zeros((T, world + 1), dtype=torch.bool, device=x.device)
-    wanted.scatter_(1, dest, True)
-    wanted = wanted[:, :world].t()  # (world, T)
-    counts = wanted.sum(1)
-    # the pairs sorted by rank, then token, without waiting for the device: a stable sort of
-    # the flags puts the pairs first
-    order = torch.sort((~wanted).reshape(-1).to(torch.uint8), stable=True).indices
-    # the counts and this rank's number of experts to every rank, in one exchange: each rank
-    # then knows every block's size and refuses uneven ones, all ranks alike (no hang). It runs
-    # while this rank prepares what it sends, which needs only its own counts.
-    mine = torch.stack([counts, torch.full_like(counts, local)], 1)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{OP}: torch.distributed is not initialised (init_process_group)")
+    world = dist.get_world_size(group)
+    # This rank's arguments are checked as the single-process op checks them (global ids past
+    # this rank's block pass as dropped slots) before any exchange, and whether they were
+    # refused travels with the counts, beside what the ranks must agree on: every rank raises
+    # alike (a rank that raised alone would leave the others waiting in an exchange).
+    try:
+        inputs = SPEC.bind(x, top_k_index, top_k_weights, w_gate, w_up, w_down, **options)
+        agreed, refused = _agreed(inputs), None
+    except Exception as exc:
+        agreed, refused = [0] * len(_AGREED), exc
+    if refused is None:
+        local, T, ids = w_up.shape[0], top_k_index.shape[0], top_k_index
+        device = x.device
+        # each slot's destination rank (world: a dropped slot), then the (rank, token) pairs: a
+        # token goes once to each rank that holds one of its experts, with all its slots there
+        dest = torch.where((ids >= 0) & (ids < local * world), ids // local, world)
+        wanted = torch.zeros((T, world + 1), dtype=torch.bool, device=device)
+        wanted.scatter_(1, dest, True)
+        wanted = wanted[:, :world].t()  # (world, T)
+        counts = wanted.sum(1)
+    else:
+        local, device = 0, _device(w_up, x, w_down, top_k_index)
+        counts = torch.zeros(world, dtype=torch.int64, device=device)
+    # each block's size, this rank's number of experts, its refusal and what must agree, to
+    # every rank in one exchange, which runs while this rank prepares what it sends
+    head = [local, refused is not None, *map(_encoded, agreed)]
+    mine = torch.cat([counts[:, None], torch.tensor(head, device=device).expand(world, -1)], 1)
     theirs = torch.empty_like(mine)
     work = dist.all_to_all_single(theirs, mine, group=group, async_op=True)
-    split_in = counts.tolist()
-    pairs = order[: sum(split_in)]
-    rank, token = pairs // max(T, 1), pairs % max(T, 1)
-    # each pair's slots: those on its rank, with their local ids; the others dropped there
-    here = dest[token] == rank[:, None]
-    local_ids = torch.where(here, ids[token] - rank[:, None] * local, local).to(torch.int32)
-    pair_weights = torch.where(here, top_k_weights[token], 0)
-    rows = _gather_rows(x, token)
+    if refused is None:
+        split_in = counts.tolist()
+        # the pairs sorted by rank, then token, without waiting for the device: a stable sort
+        # of the flags puts the pairs first
+        order = torch.sort((~wanted).reshape(-1).to(torch.uint8), stable=True).indices
+        pairs = order[: sum(split_in)]
+        rank, token = pairs // max(T, 1), pairs % max(T, 1)
+        # each pair's slots: those on its rank, with their local ids; the others dropped there
+        here = dest[token] == rank[:, None]
+        local_ids = torch.where(here, ids[token] - rank[:, None] * local, local).to(torch.int32)
+        pair_weights = torch.where(here, top_k_weights[token], 0)
+        rows = _gather_rows(x, token)
     work.wait()
-    host = theirs.reshape(-1).tolist()
-    split_out, blocks = host[::2], host[1::2]
+    table = theirs.tolist()
+    if refused is not None:
+        raise refused
+    if refusers := [r for r, row in enumerate(table) if row[2]]:
+        raise ValueError(f"{OP}: the arguments of rank(s) {refusers} were refused (each raised "
+                         f"why there): no rank runs the call")  # fmt: skip
+    split_out, blocks = [row[0] for row in table], [row[1] for row in table]
     if any(b != local for b in blocks):
         raise ValueError(
             f"{OP}: argument 'w_up' expected the same number of experts on every rank (a "
             f"contiguous block of E / W each), got blocks of {blocks} experts on ranks "
             f"0..{world - 1}"
         )
+    if message := _disagreement([row[3:] for row in table], agreed):
+        raise ValueError(message)
     # each slot's local id and combine weight travel with its token's row, in one exchange:
     # the experts' op weighs its float32 slot outputs, sums a token's slots on that rank and
     # computes the weights' gradient from them, as the single-process op does
