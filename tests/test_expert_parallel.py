@@ -289,7 +289,7 @@ def _disagree_worker(rank: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(rank)
 
-    def call(case):
+    def call(case, group=None):
         c = {"x": torch.randn(T, D, generator=g).requires_grad_(),
              "index": torch.randint(0, E, (T, K), generator=g),
              "weights": torch.softmax(torch.randn(T, K, generator=g), -1).requires_grad_(),
@@ -301,7 +301,7 @@ def _disagree_worker(rank: int, init: str, out: str) -> None:
         options = {k: c.pop(k) for k in list(c) if k not in ("x", "index", "weights", "w_gate",
                                                               "w_up", "w_down")}  # fmt: skip
         return cd.routed_experts(c["x"], c["index"], c["weights"], c["w_gate"], c["w_up"],
-                                 c["w_down"], **options)  # fmt: skip
+                                 c["w_down"], group=group, **options)  # fmt: skip
 
     errors = {}
     for case in DISAGREEMENTS:
@@ -310,6 +310,11 @@ def _disagree_worker(rank: int, init: str, out: str) -> None:
             errors[case] = None
         except (ValueError, TypeError) as exc:
             errors[case] = str(exc)
+    alone = dist.new_group([0])
+    if rank == 1:
+        with pytest.raises(ValueError, match="'group' expected a process group this rank belongs "
+                           "to, got one without global rank 1"):  # fmt: skip
+            call(None, alone)
     y = call(None)
     y.sum().backward()
     torch.save((errors, torch.isfinite(y).all().item()), f"{out}.{rank}")
@@ -325,7 +330,8 @@ def test_ranks_that_disagree_all_raise_the_same_error(tmp_path):
     the argument and each rank's value, and leaves the group usable. Before: a width apart
     aborted the process, a dtype or k apart read the rows as garbage (k: silently), a gate,
     bias or activation apart gave a token rank-dependent experts, an id of -5 was dropped
-    silently, and a rank refused alone or recording no backward left the others waiting."""
+    silently, and a rank refused alone or recording no backward left the others waiting. A rank
+    outside the group it passes is told so (it raised an IndexError)."""
     out = str(tmp_path / "rank")
     mp.spawn(_disagree_worker, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
     (errors0, finite0), (errors1, finite1) = (torch.load(f"{out}.{r}") for r in range(2))

@@ -228,6 +228,11 @@ def routed_experts(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{OP}: torch.distributed is not initialised (init_process_group)")
     world = dist.get_world_size(group)
+    if world < 1:  # torch's answer for a rank outside the group
+        raise ValueError(
+            f"{OP}: argument 'group' expected a process group this rank belongs to, got one "
+            f"without global rank {dist.get_rank()}"
+        )
     # This rank's arguments are checked as the single-process op checks them (global ids past
     # this rank's block pass as dropped slots) before any exchange, and whether they were
     # refused travels with the counts, beside what the ranks must agree on: every rank raises
