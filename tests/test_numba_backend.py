@@ -330,6 +330,57 @@ def test_a_child_forked_after_numbas_openmp_threads_runs_the_ops_on_torch():
     assert done.returncode == 0 and done.stdout.strip() == "child 0", done.stderr[-3000:]
 
 
+@pytest.mark.parametrize("lock", ["numba's launch lock", "the registry's lock"])
+def test_a_child_forked_while_another_thread_holds_a_lock_runs(lock):
+    """A process forked while another of its threads held numba's launch lock (a kernel running)
+    or the registry's lock (discovering the backends) hands its child those locks held by no
+    thread there: the child's first call waited forever. Both are new locks in a forked child. (The
+    workqueue threading layer: numba runs in a forked child there, unlike GNU OpenMP's.)"""
+    code = textwrap.dedent(
+        f"""
+        import os, signal, threading, traceback
+        import torch, cakeops
+        from cakeops import registry
+        from cakeops_numba.cpu import _njit
+        x, w = torch.randn(64, 4096), torch.ones(4096)  # not a serial call: it takes the lock
+        cakeops.rmsnorm_silu_gate(x, x, w)  # numba's threads started
+        held = {{"numba's launch lock": _njit.LAUNCH, "the registry's lock": registry._lock}}
+        taken, release = threading.Event(), threading.Event()
+
+        def hold(lock):
+            with lock:
+                taken.set()
+                release.wait()
+
+        thread = threading.Thread(target=hold, args=(held[{lock!r}],))
+        thread.start()
+        taken.wait()
+        if {lock!r} == "the registry's lock":
+            registry._backends = None  # as in rediscover(), the other thread discovering
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(120)  # a wait forever fails the test instead of holding it
+            try:
+                torch.set_num_threads(1)
+                with cakeops.use_backend("numba"):
+                    cakeops.rmsnorm_silu_gate(x, x, w)
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+            os._exit(0)
+        release.set()
+        thread.join()
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+        """
+    )
+    env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "child 0", (done.stdout, done.stderr[-3000:])
+
+
 def test_norm_exp_is_within_two_ulp_of_float64():
     """The norm kernel's vectorisable float32 ``exp``: within 2 ulp of float64's where the
     result is a normal float32, inf above its range, 0 below, NaN for NaN."""

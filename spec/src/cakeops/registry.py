@@ -323,9 +323,11 @@ def rediscover() -> dict[str, Backend]:
 
 def _choose_again() -> None:
     """In a forked child: every remembered choice is made again, since a backend can say it
-    cannot run in a fork (numba's CPU kernels, whose OpenMP threads do not survive one)."""
-    global _generation
+    cannot run in a fork (numba's CPU kernels, whose OpenMP threads do not survive one); and
+    the discovery's lock is a new one (another thread of the parent may have held it)."""
+    global _generation, _lock
     _generation += 1
+    _lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):  # (not on Windows, which does not fork)

@@ -5,6 +5,7 @@ tensors the kernels read and write."""
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +22,17 @@ FASTMATH = {"reassoc", "contract", "arcp"}
 # numba's "workqueue" threading layer (used when neither OpenMP nor TBB is found) aborts on
 # concurrent launches from two Python threads: launches take turns, whichever op they run.
 LAUNCH = threading.Lock()
+
+
+def _new_launch_lock() -> None:
+    """In a forked child: a lock of its own (another thread of the parent may have held it at
+    the fork, and no thread of the child would ever release it)."""
+    global LAUNCH
+    LAUNCH = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows, which does not fork)
+    os.register_at_fork(after_in_child=_new_launch_lock)
 #: What the kernels' scratch and results are allocated as: never PyTorch's default dtype
 #: (bfloat16 in many inference scripts) or device.
 F32 = {"dtype": torch.float32, "device": torch.device("cpu")}
