@@ -118,6 +118,23 @@ def test_env_var_turns_compiling_off(compiled_path, monkeypatch):
     assert compiled_path == []
 
 
+@pytest.mark.parametrize("value, compiled", [("1", True), ("", True), (" 0 ", False),
+                                             ("false", None), ("off", None)])  # fmt: skip
+def test_env_var_is_0_or_1(compiled_path, monkeypatch, value, compiled):
+    """``CAKEOPS_TORCH_COMPILE`` is 0 or 1 (empty: the default): another value is a clear error
+    (``false`` and ``off`` read as on, silently)."""
+    monkeypatch.setenv(compile_.COMPILE_ENV, value)
+    x, z, w, g = make_inputs((4, 32), torch.float32, "cpu")
+    if compiled is None:
+        with pytest.raises(
+            ValueError, match=f"CAKEOPS_TORCH_COMPILE expected 0 or 1, got '{value}'"
+        ):
+            run(x, z, w, g)
+        return
+    check_against_reference(x, z, w, g, None, True, run(x, z, w, g))
+    assert bool(compiled_path) == compiled
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group_size, norm_before_gate", [(None, True), (8, False), (1, True)])
 def test_blocked_eager_kernels_beyond_one_block(monkeypatch, dtype, group_size, norm_before_gate):

@@ -128,15 +128,20 @@ def check_number(op: str, name: str, value: Any) -> float:
 CHECK_VALUES_ENV = "CAKEOPS_CHECK_VALUES"
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """The switch in environment variable ``name``: ``1`` on, ``0`` off, unset or empty
+    ``default``; anything else a ``ValueError`` (``false`` or ``off`` must not read as on)."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    if raw.strip() in ("0", "1"):
+        return raw.strip() == "1"
+    raise ValueError(f"cakeops: environment variable {name} expected 0 or 1, got {raw!r}")
+
+
 def device_values_checked() -> bool:
     """Whether :data:`CHECK_VALUES_ENV` asks for the checks that read a GPU tensor's values."""
-    raw = os.environ.get(CHECK_VALUES_ENV)
-    if raw is None or raw.strip() in ("", "0"):
-        return False
-    if raw.strip() == "1":
-        return True
-    raise ValueError(f"cakeops: environment variable {CHECK_VALUES_ENV} expected 0 or 1, got "
-                     f"{raw!r}")  # fmt: skip
+    return env_flag(CHECK_VALUES_ENV, False)
 
 
 def readable(t: torch.Tensor, on_device: bool) -> bool:

@@ -3,7 +3,8 @@ dozen elementwise passes over memory, with that eager code as the fallback.
 
 Each op decides when its inputs are big enough to gain (:func:`use_compiled`) and runs a plain
 function of tensors through :func:`run_compiled`. Rows (dim 0 of 2-D tensors) are marked dynamic,
-so a new row count does not recompile. ``CAKEOPS_TORCH_COMPILE=0`` turns every compiled path off;
+so a new row count does not recompile. ``CAKEOPS_TORCH_COMPILE=0`` turns every compiled path off
+(another value than ``0`` or ``1`` is an error);
 if compiling fails (no C++ compiler, an unsupported Python), a warning says so once and the eager
 code runs from then on.
 """
@@ -11,12 +12,13 @@ code runs from then on.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from cakeops._spec import env_flag
 
 COMPILE_ENV = "CAKEOPS_TORCH_COMPILE"
 _COMPILED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -41,7 +43,7 @@ def use_compiled(x: torch.Tensor, min_elements: int) -> bool:
         and x.device.type == "cpu"
         and x.dtype in _COMPILED_DTYPES
         and x.numel() >= min_elements
-        and os.environ.get(COMPILE_ENV, "1") != "0"
+        and env_flag(COMPILE_ENV, True)
     )
 
 
