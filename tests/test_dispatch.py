@@ -281,6 +281,7 @@ def test_use_backend_around_a_compiled_function_chooses_inside_it(spies):
     [
         ("nope", "nope: no backend of that name is installed"),
         ("tritn", "tritn: no backend of that name is installed; did you mean 'triton'?"),
+        ("TORCH", "TORCH: no backend of that name is installed; did you mean 'torch'?"),
         (
             "ghost",
             "ghost: not installed; install it with `pip install cakeops-ghost` (from a "

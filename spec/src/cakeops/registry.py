@@ -78,7 +78,8 @@ def install_hint(name: str) -> str:
 def did_you_mean(name: str) -> str:
     """``"; did you mean 'triton'?"`` for a near miss of a known backend name, else ``""``."""
     known = sorted({*KNOWN_DISTRIBUTIONS, *backends()})
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    by_case = [k for k in known if k.lower() == name.lower()]  # names are case-sensitive
+    close = by_case or difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
