@@ -73,3 +73,23 @@ def test_row_experts_and_the_module_kept():
     assert module.state_dict().keys() == before.keys()
     with pytest.raises(ValueError, match="num_tokens_per_expert"):
         grouped_experts(torch.randn(3, D), torch.ones(E + 1), module.w1, module.w2, module.w3)
+
+
+@pytest.mark.parametrize(
+    "counts, message",
+    [
+        ([2, -1, 3, 0], "whole counts >= 0, got -1 for expert 1"),
+        ([1.5, 1, 1, 0], "whole counts >= 0, got 1.5 for expert 0"),
+        ([1, float("nan"), 0, 0], "whole counts >= 0, got nan for expert 1"),
+        ([1, float("inf"), 0, 0], "whole counts >= 0, got inf for expert 1"),
+        ([2, 2, 2, 0], "counts summing to at most the 5 rows of x, got a sum of 6"),
+    ],
+)
+def test_counts_the_rows_cannot_hold_are_refused(counts, message):
+    """Counts that are negative, fractional or not finite, or that sum past the rows, are a
+    ValueError naming the argument (a CPU's; a GPU's with ``CAKEOPS_CHECK_VALUES=1``): they
+    misplaced or dropped rows silently."""
+    module = GroupedExperts()
+    num = torch.tensor(counts, dtype=torch.float32)
+    with pytest.raises(ValueError, match=f"'num_tokens_per_expert' expected {message}$"):
+        grouped_experts(torch.randn(5, D), num, module.w1, module.w2, module.w3)

@@ -18,10 +18,12 @@ Each row becomes a one-slot routing (its expert's id, weight 1; padding rows the
 
 from __future__ import annotations
 
+import math
 import types
 
 import torch
 
+from cakeops._spec import device_values_checked, readable
 from cakeops.ops.routed_experts import routed_experts
 
 
@@ -33,6 +35,23 @@ def row_experts(num_tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor:
     ends = torch.cumsum(counts, 0)
     positions = torch.arange(rows, device=counts.device)
     return torch.searchsorted(ends, positions, right=True).unsqueeze(1)
+
+
+def _check_counts(counts: torch.Tensor, rows: int) -> None:
+    """Whole, non-negative counts summing to at most ``rows``: checked on a CPU tensor, on a
+    GPU's only with ``CAKEOPS_CHECK_VALUES=1`` (a check would wait for the device). Counts
+    past the rows would drop the last experts' rows, fractional ones round down, negative ones
+    misplace every row after them: all silently."""
+    if not counts.numel() or not readable(counts, counts.is_cpu or device_values_checked()):
+        return
+    values = counts.tolist()
+    what = "grouped_experts: argument 'num_tokens_per_expert' expected"
+    for e, v in enumerate(values):
+        if not (v >= 0 and math.isfinite(v) and v == int(v)):
+            raise ValueError(f"{what} whole counts >= 0, got {v:g} for expert {e}")
+    if sum(values) > rows:
+        raise ValueError(f"{what} counts summing to at most the {rows} rows of x, got a sum of "
+                         f"{sum(values):g}")  # fmt: skip
 
 
 def grouped_experts(
@@ -54,6 +73,7 @@ def grouped_experts(
             f"grouped_experts: argument 'num_tokens_per_expert' expected shape "
             f"({w1.shape[0]},) (the experts of w1), got {tuple(num_tokens_per_expert.shape)}"
         )
+    _check_counts(num_tokens_per_expert, x.shape[0])
     index = row_experts(num_tokens_per_expert, x.shape[0])
     weights = torch.ones(index.shape, dtype=x.dtype, device=x.device)
     return routed_experts(x, index, weights, w1, w3, w2)
