@@ -384,11 +384,16 @@ def _fsdp_worker(rank: int, world: int, init: str, out: str, how: str) -> None:
         fully_shard(part)
     if how == "hook":
         cd.average_expert_grads(model.experts)
+        with pytest.raises(ValueError, match="an earlier call set up"):  # it divided again
+            cd.average_expert_grads(model.experts)
     x, target = _data(world)
     mine = slice(rank * T, (rank + 1) * T)
     F.mse_loss(model(x[mine]), target[mine]).backward()
     if how == "by hand":
         cd.scale_expert_grads(model.experts.parameters())
+    else:
+        with pytest.raises(ValueError, match="parameters average_expert_grads set up"):
+            cd.scale_expert_grads(model.experts.parameters())
     grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
              for n, p in model.named_parameters()}  # fmt: skip
     torch.save(grads, f"{out}.{rank}")

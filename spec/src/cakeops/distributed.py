@@ -307,6 +307,10 @@ def routed_experts(
     return out.to(x.dtype)
 
 
+#: the mark :func:`average_expert_grads` leaves on a module and its parameters
+_AVERAGED = "_cakeops_expert_grads_averaged"
+
+
 class _GatherRows(torch.autograd.Function):
     """``x[index]``, whose backward sums each row's gradients in float32 (rounded once, as the
     single-process op's ``dx``), not in ``x``'s dtype one slot at a time."""
@@ -348,7 +352,14 @@ def average_expert_grads(
     - without: a gradient hook on each parameter divides what reaches it by the EP group's size
       (before accumulation: correct with gradient accumulation too).
 
-    Returns ``experts``. Use it instead of :func:`scale_expert_grads`, not with it."""
+    Returns ``experts``. Use it instead of :func:`scale_expert_grads`, not with it, and once
+    (a second call, or :func:`scale_expert_grads` on these parameters, is a ``ValueError``: it
+    would divide the gradients again)."""
+    if getattr(experts, _AVERAGED, False):
+        raise ValueError(
+            "average_expert_grads: argument 'experts' expected a module whose gradients are not "
+            "averaged yet, got one an earlier call set up (a second would divide them again)"
+        )
     ep = dist.get_world_size(group)
     if fsdp_mesh is not None:
         from torch.distributed.fsdp import fully_shard
@@ -357,10 +368,12 @@ def average_expert_grads(
         experts.set_gradient_divide_factor(float(fsdp_mesh.size() * ep))  # type: ignore[operator]
         if dist.get_backend(fsdp_mesh.get_group()) == "gloo":  # no PREMUL_SUM: sum, then divide
             experts.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
-        return experts
-    for p in experts.parameters():
-        if p.requires_grad:
-            p.register_hook(lambda g, ep=ep: g / ep)
+    else:
+        for p in experts.parameters():
+            if p.requires_grad:
+                p.register_hook(lambda g, ep=ep: g / ep)
+    for owner in (experts, *experts.parameters()):
+        setattr(owner, _AVERAGED, True)
     return experts
 
 
@@ -368,6 +381,12 @@ def scale_expert_grads(parameters, group: dist.ProcessGroup | None = None) -> No
     """Divide the gradients of expert-parallel ``parameters`` by the world size: the average
     over ranks that DDP and FSDP2 apply to the other parameters (each rank's experts received
     every rank's gradient, the sum)."""
+    parameters = list(parameters)
+    if any(getattr(p, _AVERAGED, False) for p in parameters):
+        raise ValueError(
+            "scale_expert_grads: argument 'parameters' expected gradients not averaged yet, got "
+            "parameters average_expert_grads set up (scaling would divide them again)"
+        )
     world = dist.get_world_size(group)
     for p in parameters:
         if p.grad is not None:
