@@ -345,3 +345,43 @@ def test_every_plot_gives_a_contender_the_same_colour(tmp_path, monkeypatch):
     assert all(len(c) == 1 for c in seen.values()), seen
     assert len({next(iter(c)) for c in seen.values()}) == len(seen) == 5
     assert seen["cakeops [torch]"] == {plots.BACKEND_COLOURS["cakeops [torch]"]}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--device", "bogus"], "argument --device: expected a device such as cpu, cuda or cuda:1, "
+                                "got 'bogus'"),
+        (["--device", "cuda:x"], "got 'cuda:x'"),
+        (["--device", "meta"], "argument --device: no meta device here (got 'meta')"),
+        (["--from-json", "{missing}"], "argument --from-json: cannot read a record from {missing}"),
+        (["--from-json", "{garbage}"], "argument --from-json: cannot read a record from {garbage}"),
+        (["--from-json", "{other}"], "argument --from-json: expected a record 'cakeops bench "
+                                     "--json' wrote (an object with 'results'), got {other}"),
+        (["--markdown", "{file}/tables"], "cannot write to {file}/tables"),
+        (["--json", "{file}/x.json"], "cannot write to {file}"),
+    ],
+)  # fmt: skip
+def test_bench_arguments_it_cannot_use_stop_before_measuring(tmp_path, monkeypatch, capsys,
+                                                             args, message):  # fmt: skip
+    """A device this machine lacks, a record that cannot be read, an output folder that cannot
+    be written: a usage error naming the argument, before anything is measured (a traceback
+    came instead, for the folders after the whole run)."""
+    import cakeops.bench
+    from cakeops import cli
+
+    paths = {"missing": tmp_path / "none.json", "garbage": tmp_path / "garbage.json",
+             "other": tmp_path / "other.json", "file": tmp_path / "a-file"}  # fmt: skip
+    paths["garbage"].write_text("not json")
+    paths["other"].write_text('{"rows": []}')
+    paths["file"].write_text("")
+
+    def measured(*a, **k):
+        raise AssertionError("measured or rendered before checking the arguments")
+
+    monkeypatch.setattr(cakeops.bench, "run", measured)
+    monkeypatch.setattr(cakeops.bench, "rerender", measured)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", "--op", "rmsnorm_silu_gate", *(a.format(**paths) for a in args)])
+    assert stop.value.code == 2
+    assert message.format(**paths) in capsys.readouterr().err

@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import sys
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 #: the ops' names, for ``--op`` without importing torch (a test checks them against the specs)
@@ -139,6 +141,53 @@ def _print_info(info: dict[str, Any]) -> None:
             print(f"  {op:<20} {device:<5} {row}")
 
 
+def _device_problem(device: str) -> str | None:
+    """Why ``--device`` names no device this machine has, or None."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        return f"argument --device: expected a device such as cpu, cuda or cuda:1, got {device!r}"
+    if dev.type == "cpu":
+        return None
+    module = getattr(torch, dev.type, None)
+    available = getattr(module, "is_available", None)
+    count = module.device_count() if callable(available) and available() else 0
+    if not count:
+        return f"argument --device: no {dev.type} device here (got {device!r})"
+    if dev.index is not None and dev.index >= count:
+        return f"argument --device: {device!r} is past the {count} {dev.type} device(s) here"
+    return None
+
+
+def _record_problem(path: str | None) -> str | None:
+    """Why ``--from-json`` names no benchmark record, or None."""
+    if path is None:
+        return None
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"argument --from-json: cannot read a record from {path}: {exc}"
+    if not isinstance(record, dict) or not isinstance(record.get("results"), dict):
+        return (f"argument --from-json: expected a record 'cakeops bench --json' wrote (an object "
+                f"with 'results'), got {path}")  # fmt: skip
+    return None
+
+
+def _output_problem(json_path: str | None, *dirs: str | None) -> str | None:
+    """Why an output folder cannot be written (made here, as the run would), or None."""
+    folders = [*(d for d in dirs if d), *([str(Path(json_path).parent)] if json_path else [])]
+    for folder in folders:
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"cannot write to {folder}: {exc}"
+        if not os.access(folder, os.W_OK):
+            return f"cannot write to {folder}: not writable"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cakeops", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.plots and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plots needs matplotlib (pip install matplotlib); nothing was measured")
+    # what a run would fail on only after measuring, or with a traceback: said before it starts
+    problem = (_device_problem(args.device) or _record_problem(args.from_json)
+               or _output_problem(args.json, args.markdown, args.plots))  # fmt: skip
+    if problem:
+        p_bench.error(problem + "; nothing was measured")
     if args.from_json:
         return rerender(args.from_json, args.op, args.markdown, args.plots)
     return run(
