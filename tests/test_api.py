@@ -34,6 +34,32 @@ def test_module_dtype_and_device_arguments():
     assert norm(x, x).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: cakeops.nn.RMSNormSiLUGate(-2), ValueError,
+         "RMSNormSiLUGate: argument 'hidden_size' expected an int >= 0, got -2"),
+        (lambda: cakeops.nn.RMSNormSiLUGate(10, group_size=3), ValueError,
+         "rmsnorm_silu_gate: argument 'group_size' expected a positive divisor of D=10, got 3"),
+        (lambda: cakeops.nn.RMSNormSiLUGate(8, eps=-1.0), ValueError, "argument 'eps'"),
+        (lambda: cakeops.nn.MoEExperts(-1, 8, 4, 1), ValueError,
+         "MoEExperts: argument 'num_experts' expected an int >= 0, got -1"),
+        (lambda: cakeops.nn.MoEExperts(4, 8.0, 4, 1), TypeError,
+         "MoEExperts: argument 'hidden_size' expected an int, got float 8.0"),
+        (lambda: cakeops.nn.MoEExperts(4, 8, 4, 5), ValueError,
+         "moe_experts: argument 'top_k' expected an int in 1..4, got 5"),
+        (lambda: cakeops.nn.MoEExperts(4, 8, 4, 2, scale="x"), TypeError, "argument 'scale'"),
+    ],
+)  # fmt: skip
+def test_modules_refuse_what_their_op_would_when_made(make, error, message):
+    """A module's sizes and options are checked as it is made, with the op's own messages (a
+    negative size was torch's error naming no argument; a bad option waited for the first
+    forward)."""
+    with pytest.raises(error) as refused:
+        make()
+    assert message in str(refused.value)
+
+
 def test_readme_example_runs(capsys):
     runpy.run_path(str(ROOT / "docs" / "examples" / "quickstart.py"), run_name="__main__")
     out = capsys.readouterr().out

@@ -6,7 +6,9 @@ from typing import Any
 
 import torch
 
+from cakeops.ops.moe_experts import SPEC as SPEC_MOE
 from cakeops.ops.moe_experts import moe_experts
+from cakeops.ops.rmsnorm_silu_gate import SPEC as SPEC_NORM
 from cakeops.ops.rmsnorm_silu_gate import rmsnorm_silu_gate
 
 
@@ -16,6 +18,20 @@ def _options(module: torch.nn.Module, *names: str) -> dict[str, Any]:
 
 def _described(options: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in options.items())
+
+
+def _check_sizes(module: str, **sizes: Any) -> None:
+    """Each size an int >= 0, checked before a tensor is made (torch's own error names none)."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{module}: argument '{name}' expected an int, got "
+                            f"{type(value).__name__} {value!r}")  # fmt: skip
+        if value < 0:
+            raise ValueError(f"{module}: argument '{name}' expected an int >= 0, got {value}")
+
+
+def _meta(*shape: int) -> torch.Tensor:
+    return torch.empty(shape, device="meta")
 
 
 class RMSNormSiLUGate(torch.nn.Module):
@@ -35,6 +51,12 @@ class RMSNormSiLUGate(torch.nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        _check_sizes("RMSNormSiLUGate", hidden_size=hidden_size)
+        # the op's own checks of the options, on meta tensors of this size: an error now, not
+        # at the first forward
+        D = hidden_size
+        SPEC_NORM.bind(_meta(0, D), _meta(0, D), _meta(D), eps, group_size=group_size,
+                       norm_before_gate=norm_before_gate)  # fmt: skip
         self.hidden_size = hidden_size
         self.eps = eps
         self.group_size = group_size
@@ -77,10 +99,13 @@ class MoEExperts(torch.nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        E, D, F = num_experts, hidden_size, intermediate_size
+        _check_sizes("MoEExperts", num_experts=E, hidden_size=D, intermediate_size=F)
+        SPEC_MOE.bind(_meta(0, D), _meta(0, E), _meta(E, F, D), _meta(E, F, D), _meta(E, D, F),
+                      top_k=top_k, renormalize=renormalize, scale=scale)  # fmt: skip
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size, self.top_k = intermediate_size, top_k
         self.renormalize, self.scale = renormalize, scale
-        E, D, F = num_experts, hidden_size, intermediate_size
         kw = {"device": device, "dtype": dtype or torch.float32}
         self.w_gate = torch.nn.Parameter(torch.empty(E, F, D, **kw))
         self.w_up = torch.nn.Parameter(torch.empty(E, F, D, **kw))
