@@ -32,6 +32,10 @@ def test_module_dtype_and_device_arguments():
     assert norm.weight.dtype == torch.bfloat16
     x = torch.randn(2, 16, dtype=torch.bfloat16)
     assert norm(x, x).dtype == torch.bfloat16
+    # checked as made in its dtype: float64 takes an eps below float32's smallest normal
+    wide = cakeops.nn.RMSNormSiLUGate(8, eps=1e-300, dtype=torch.float64)
+    x = torch.randn(2, 8, dtype=torch.float64)
+    assert torch.isfinite(wide(x, x)).all()
 
 
 @pytest.mark.parametrize(

@@ -30,8 +30,8 @@ def _check_sizes(module: str, **sizes: Any) -> None:
             raise ValueError(f"{module}: argument '{name}' expected an int >= 0, got {value}")
 
 
-def _meta(*shape: int) -> torch.Tensor:
-    return torch.empty(shape, device="meta")
+def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, device="meta", dtype=dtype)
 
 
 class RMSNormSiLUGate(torch.nn.Module):
@@ -54,9 +54,9 @@ class RMSNormSiLUGate(torch.nn.Module):
         _check_sizes("RMSNormSiLUGate", hidden_size=hidden_size)
         # the op's own checks of the options, on meta tensors of this size: an error now, not
         # at the first forward
-        D = hidden_size
-        SPEC_NORM.bind(_meta(0, D), _meta(0, D), _meta(D), eps, group_size=group_size,
-                       norm_before_gate=norm_before_gate)  # fmt: skip
+        D, like = hidden_size, {"dtype": dtype or torch.get_default_dtype()}
+        SPEC_NORM.bind(_meta(0, D, **like), _meta(0, D, **like), _meta(D, **like), eps,
+                       group_size=group_size, norm_before_gate=norm_before_gate)  # fmt: skip
         self.hidden_size = hidden_size
         self.eps = eps
         self.group_size = group_size
@@ -101,7 +101,9 @@ class MoEExperts(torch.nn.Module):
         super().__init__()
         E, D, F = num_experts, hidden_size, intermediate_size
         _check_sizes("MoEExperts", num_experts=E, hidden_size=D, intermediate_size=F)
-        SPEC_MOE.bind(_meta(0, D), _meta(0, E), _meta(E, F, D), _meta(E, F, D), _meta(E, D, F),
+        like = {"dtype": dtype or torch.float32}
+        SPEC_MOE.bind(*(_meta(*shape, **like) for shape in ((0, D), (0, E), (E, F, D), (E, F, D),
+                                                             (E, D, F))),
                       top_k=top_k, renormalize=renormalize, scale=scale)  # fmt: skip
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size, self.top_k = intermediate_size, top_k
