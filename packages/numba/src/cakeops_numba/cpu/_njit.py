@@ -33,6 +33,7 @@ def _new_launch_lock() -> None:
 
 if hasattr(os, "register_at_fork"):  # (not on Windows, which does not fork)
     os.register_at_fork(after_in_child=_new_launch_lock)
+
 #: What the kernels' scratch and results are allocated as: never PyTorch's default dtype
 #: (bfloat16 in many inference scripts) or device.
 F32 = {"dtype": torch.float32, "device": torch.device("cpu")}
