@@ -19,8 +19,9 @@ exchange and the experts' form depend on (checked within the exchange of the cou
 each rank's arguments passed the single-process op's checks: all ranks raise alike, none is left
 waiting); a rank may have no tokens. Autograd
 flows back through both exchanges (each the reverse all-to-all of the other): ``x``, the local
-experts' weights and biases, and ``top_k_weights``. Only the split sizes cross to the host
-(one small all-to-all of counts, run while the rank prepares its rows); rows never do.
+experts' weights and biases, and ``top_k_weights``. Only the small all-to-all's integers cross
+to the host (the split sizes and what the ranks must agree on, run while the rank prepares its
+rows); rows never do.
 
 Gradients: each rank's expert weights receive the gradients of every rank's tokens, the sum of
 all the ranks' losses. A data-parallel setup that averages the other parameters' gradients
