@@ -308,10 +308,6 @@ def routed_experts(
     return out.to(x.dtype)
 
 
-#: the mark :func:`average_expert_grads` leaves on a module and its parameters
-_AVERAGED = "_cakeops_expert_grads_averaged"
-
-
 class _GatherRows(torch.autograd.Function):
     """``x[index]``, whose backward sums each row's gradients in float32 (rounded once, as the
     single-process op's ``dx``), not in ``x``'s dtype one slot at a time."""
@@ -333,6 +329,10 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if x.requires_grad and x.dtype in (torch.float16, torch.bfloat16) and torch.is_grad_enabled():
         return _GatherRows.apply(x, index)
     return x.index_select(0, index)
+
+
+#: the mark :func:`average_expert_grads` leaves on a module and its parameters
+_AVERAGED = "_cakeops_expert_grads_averaged"
 
 
 def average_expert_grads(

@@ -322,7 +322,7 @@ def rediscover() -> dict[str, Backend]:
     return backends()
 
 
-def _choose_again() -> None:
+def _after_fork_in_child() -> None:
     """In a forked child: every remembered choice is made again, since a backend can say it
     cannot run in a fork (numba's CPU kernels, whose OpenMP threads do not survive one); and
     the discovery's lock is a new one (another thread of the parent may have held it)."""
@@ -332,7 +332,7 @@ def _choose_again() -> None:
 
 
 if hasattr(os, "register_at_fork"):  # (not on Windows, which does not fork)
-    os.register_at_fork(after_in_child=_choose_again)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> None:
