@@ -318,42 +318,47 @@ def _own_forward(self, *args):
     return type(self).__mro__[1].forward(self, *args)
 
 
+def _gated_norm(self, x: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype, **options):
+    """:func:`cakeops.rmsnorm_silu_gate` with the models' dtype rule: their norms upcast ``x``
+    and the gate to float32 whatever each came as (a Mamba2 mixer passes its float32 scan output
+    with a 16-bit gate), so both are taken in the wider of their dtypes (the weight too, unless
+    it is float32), and the result is returned in ``out_dtype``, the model's own norm's."""
+    dtype = torch.promote_types(x.dtype, gate.dtype)
+    weight = self.weight
+    if weight.dtype not in (dtype, torch.float32):
+        weight = weight.to(dtype)
+    y = rmsnorm_silu_gate(x.to(dtype), gate.to(dtype), weight, self.variance_epsilon, **options)
+    return y.to(out_dtype)
+
+
 def _norm_then_gate_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None):
     """Qwen3-Next's norm and its copies (Qwen3.5, OLMo-Hybrid, ...): ``norm(x) * w * act(gate)``
-    over the last dim; a gate other than SiLU, or none, runs the model's own code."""
+    over the last dim, in ``x``'s dtype; a gate other than SiLU, or none, runs the model's own
+    code."""
     if gate is None or getattr(self, "activation", "silu") not in ("silu", "swish"):
         return _own_forward(self, hidden_states, gate)
-    return rmsnorm_silu_gate(hidden_states, gate, self.weight, self.variance_epsilon)
+    return _gated_norm(self, hidden_states, gate, hidden_states.dtype)
 
 
 def _mamba_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None):
     """Mamba2's grouped norm after the gate (and its copies: Bamba, Granite 4.0, Nemotron-H,
-    Zamba2); without a gate, a plain grouped RMSNorm: the model's own code."""
+    Zamba2), in the dtype of ``weight * x`` as the model's; without a gate, a plain grouped
+    RMSNorm: the model's own code."""
     if gate is None:
         return _own_forward(self, hidden_states)
-    return rmsnorm_silu_gate(
-        hidden_states,
-        gate,
-        self.weight,
-        self.variance_epsilon,
-        group_size=self.group_size,
-        norm_before_gate=False,
-    )
+    out_dtype = torch.promote_types(self.weight.dtype, hidden_states.dtype)
+    return _gated_norm(self, hidden_states, gate, out_dtype, group_size=self.group_size,
+                       norm_before_gate=False)  # fmt: skip
 
 
 def _falcon_h1_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None):
     """Falcon-H1's: ``n_groups`` groups, the gate before or after the norm (its
-    ``norm_before_gate``)."""
+    ``norm_before_gate``), in ``x``'s dtype."""
     if gate is None:
         return _own_forward(self, hidden_states, gate)
-    return rmsnorm_silu_gate(
-        hidden_states,
-        gate,
-        self.weight,
-        self.variance_epsilon,
-        group_size=hidden_states.shape[-1] // self.n_groups,
-        norm_before_gate=self.norm_before_gate,
-    )
+    return _gated_norm(self, hidden_states, gate, hidden_states.dtype,
+                       group_size=hidden_states.shape[-1] // self.n_groups,
+                       norm_before_gate=self.norm_before_gate)  # fmt: skip
 
 
 #: gated-norm class name -> the forward on cakeops. tests/test_transformers.py finds every
