@@ -149,6 +149,33 @@ def test_refused_family_is_refused_when_built(name):
         check_model(torch.nn.Sequential(module))
 
 
+@pytest.mark.parametrize("name", [n for n in NAMES if H.level(n) == "model"])
+def test_model_built_on_the_meta_device(name):
+    """Large-model loading builds on ``torch.device("meta")`` first: both routes to cakeops
+    (``experts_implementation="cakeops"``, ``apply_cakeops``) build there (a refused family is
+    refused with its reason), and the model, materialised on the CPU with the weights and
+    buffers of one built there, computes what that one computes."""
+    fam = H.family(name)
+    config = H.tiny(fam.causal.config_class())
+    if _refusal(fam) is not None:
+        with torch.device("meta"), pytest.raises(Unsupported, match="does not support"):
+            fam.causal._from_config(config, experts_implementation="cakeops")
+        return
+    with torch.device("meta"):
+        by_name = fam.causal._from_config(config, experts_implementation="cakeops")
+        applied = apply_cakeops(fam.causal._from_config(config))
+    want = apply_cakeops(H.build_model(fam)).eval()
+    for model in (by_name, applied):
+        assert all(p.is_meta for p in model.parameters())
+        model.to_empty(device="cpu").load_state_dict(want.state_dict())
+        buffers = dict(want.named_buffers())  # the rotary tables too, which are not saved
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+        model.eval()
+        ids = H.tokens()
+        assert cakeops.relative_error(model(ids).logits, want(ids).logits) <= TOLERANCE
+
+
 def test_expert_parallel_sentinels_are_dropped_slots():
     """transformers' expert parallelism sends ids past the local experts with zero weights:
     with cakeops they add nothing, as with the eager experts."""

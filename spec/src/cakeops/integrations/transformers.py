@@ -50,8 +50,9 @@ class Unsupported(NotImplementedError):
 
 def _probe(width: int = 16) -> torch.Tensor:
     """Float64 pre-activations from -12 to 12 (the clamps of every family bite inside that
-    range), ``(4, width)`` with ``width`` even."""
-    return torch.linspace(-12, 12, 4 * width, dtype=torch.float64).view(4, width)
+    range), ``(4, width)`` with ``width`` even, on the CPU whatever the default device (a model
+    built under ``torch.device("meta")`` is probed as any other)."""
+    return torch.linspace(-12, 12, 4 * width, dtype=torch.float64, device="cpu").view(4, width)
 
 
 def _matches(got: torch.Tensor, want: torch.Tensor) -> bool:
