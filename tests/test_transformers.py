@@ -16,7 +16,7 @@ import torch
 import transformers as tf
 
 import cakeops
-from cakeops.integrations.transformers import apply_cakeops
+from cakeops.integrations.transformers import Unsupported, apply_cakeops
 
 COMMON = {
     "vocab_size": 64,
@@ -120,6 +120,56 @@ def test_training_steps(mode, family):
     activation checkpointing (Qwen3-Next: its experts and gated norms on cakeops; MiniMax: its
     experts and lightning attention)."""
     assert_training_matches(*pair(family), mode, tokens())
+
+
+@pytest.mark.parametrize(
+    "family, before",
+    [(f, b) for f in ("Mixtral", "Qwen3-Next") for b in ("no-grad forward", "training step")]
+    # Qwen3-Next with only its experts on cakeops runs transformers' delta-rule fallback,
+    # whose backward fails compiled whole (unpatched too: a view of a non-contiguous tensor)
+    + [("Mixtral", "set by name")],
+)
+def test_compiles_whole_whatever_ran_before(family, before):
+    """``torch.compile(model, fullgraph=True)`` traces the patched model in one graph after
+    an eager no-grad forward (a decode's cached expert views: keyed on data pointers, which a
+    graph cannot compare), an eager training step, or ``set_experts_implementation
+    ("cakeops")`` (the experts' options then found eagerly: their probe compares values, which
+    a graph cannot); forward and backward as eager. The ``aot_eager`` backend: the tracing is
+    what is checked; inductor's code generation costs minutes and checks nothing of cakeops."""
+    model, patched = pair(family)
+    ids = tokens()
+    if before == "set by name":
+        patched = copy.deepcopy(model)
+        patched.set_experts_implementation("cakeops")
+    elif before == "no-grad forward":
+        with torch.no_grad():
+            patched(ids)
+    else:
+        patched(ids, labels=ids).loss.backward()
+    torch._dynamo.reset()
+    compiled = torch.compile(patched, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():  # a compiled decode's path, then a training step's
+        assert cakeops.relative_error(compiled(ids).logits, model(ids).logits) <= TOLERANCE
+    loss, grads = loss_and_grads(model, ids)
+    loss_c, grads_c = loss_and_grads(compiled, ids)
+    assert cakeops.relative_error(loss_c, loss) <= TOLERANCE
+    grads_c = {n.removeprefix("_orig_mod."): g for n, g in grads_c.items()}
+    assert grads_c.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert cakeops.relative_error(grads_c[name], grad) <= TOLERANCE, name
+    with cakeops.use_backend("nope", op="routed_experts"), pytest.raises(cakeops.BackendError):
+        compiled(ids)  # the experts run on cakeops, compiled
+
+
+def test_set_experts_implementation_refuses_before_it_switches():
+    """A model whose experts cakeops cannot run keeps its implementation when refused."""
+    model, _ = pair("Mixtral")
+    for m in model.modules():
+        if hasattr(m, "has_gate"):
+            m.act_fn = torch.nn.Softsign()  # none of cakeops' activations
+    with pytest.raises(Unsupported, match="does not support"):
+        model.set_experts_implementation("cakeops")
+    assert model.config._experts_implementation != "cakeops"
 
 
 def assert_training_matches(model, patched, mode: str, ids) -> None:

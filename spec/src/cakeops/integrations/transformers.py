@@ -120,6 +120,12 @@ def experts_options(module: torch.nn.Module) -> dict[str, Any]:
     cached = module.__dict__.get("_cakeops_options")
     if cached is not None:
         return cached
+    if torch.compiler.is_compiling():  # the probe compares values: it cannot be traced
+        raise RuntimeError(
+            f"experts_implementation='cakeops': {type(module).__name__}'s options are found by "
+            "running it eagerly once; call cakeops.integrations.transformers.check_model(model) "
+            "(apply_cakeops and set_experts_implementation('cakeops') do) before torch.compile"
+        )
     reasons = []
     if getattr(module, "has_post_expert_norm", False):
         norm = type(getattr(module, "post_expert_norm", None)).__name__
@@ -189,8 +195,10 @@ def _arguments(self: torch.nn.Module) -> tuple[Any, ...]:
     for the module (:func:`_weights` and :func:`experts_options`). Without grad mode (a decode
     step) they are kept on the module while its parameters are the same tensors on the same
     memory (an optimizer's in-place step keeps the views valid; a new parameter or ``.data``
-    does not): a decode step then skips the views' half-dozen ops."""
-    if torch.is_grad_enabled():
+    does not): a decode step then skips the views' half-dozen ops. Under ``torch.compile`` the
+    views are made each call: they are part of the graph, and a compiled graph cannot compare
+    data pointers."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return _made_arguments(self)
     key = tuple((id(p), p.data_ptr(), p.shape) for p in self._parameters.values() if p is not None)
     cached = self.__dict__.get("_cakeops_arguments")
@@ -237,7 +245,9 @@ def check_model(model: torch.nn.Module) -> None:
 def register() -> None:
     """Add ``"cakeops"`` to transformers' ``ExpertsInterface`` and have a model built with it
     (``from_config``/``from_pretrained(..., experts_implementation="cakeops")``) check its
-    experts at the end of its construction (idempotent)."""
+    experts at the end of its construction, and ``set_experts_implementation("cakeops")``
+    before it switches: each experts module's options are then found eagerly, never inside a
+    ``torch.compile`` trace (idempotent)."""
     from transformers import PreTrainedModel
     from transformers.integrations.moe import ExpertsInterface
 
@@ -256,6 +266,16 @@ def register() -> None:
 
     post_init_then_check._cakeops_checks = True  # type: ignore[attr-defined]
     PreTrainedModel.post_init = post_init_then_check
+    set_implementation = PreTrainedModel.set_experts_implementation
+
+    @functools.wraps(set_implementation)
+    def check_then_set(self, experts_implementation, *args, **kwargs):
+        named = experts_implementation
+        if NAME in (named.values() if isinstance(named, dict) else (named,)):
+            check_model(self)  # refused before anything changes; the options found eagerly
+        return set_implementation(self, experts_implementation, *args, **kwargs)
+
+    PreTrainedModel.set_experts_implementation = check_then_set
 
 
 def _register_ep_implementation() -> None:
