@@ -4,6 +4,8 @@ slot's contract is what is tested)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,3 +95,65 @@ def test_counts_the_rows_cannot_hold_are_refused(counts, message):
     num = torch.tensor(counts, dtype=torch.float32)
     with pytest.raises(ValueError, match=f"'num_tokens_per_expert' expected {message}$"):
         grouped_experts(torch.randn(5, D), num, module.w1, module.w2, module.w3)
+
+
+def test_patched_module_pickles_and_loads_on_cakeops(tmp_path):
+    """A model patched by ``use_cakeops_experts`` and saved whole loads (its forward was a
+    bound method, which pickle could not bring back) and still runs on cakeops: here, and in a
+    fresh process that imported nothing of cakeops."""
+    import pickle
+    import subprocess
+    import sys
+
+    model = torch.nn.Sequential(GroupedExperts())
+    use_cakeops_experts(model)
+    x = torch.randn(6, D, generator=torch.Generator().manual_seed(2))
+    num = torch.tensor([2.0, 0.0, 3.0, 1.0])
+    with torch.no_grad():
+        want = model[0](x, num)
+    again = pickle.loads(pickle.dumps(model))[0]
+    with torch.no_grad():
+        torch.testing.assert_close(again(x, num), want, rtol=0, atol=0)
+    with cakeops.use_backend("nope", op="routed_experts"), pytest.raises(cakeops.BackendError):
+        again(x, num)
+    torch.save((model[0], x, num, want), tmp_path / "model.pt")
+    script = (
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        f"m, x, num, want = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+        "with torch.no_grad():\n"
+        "    torch.testing.assert_close(m(x, num), want, rtol=0, atol=0)\n"
+        "import cakeops\n"
+        "with cakeops.use_backend('nope', op='routed_experts'):\n"
+        "    try:\n"
+        "        m(x, num)\n"
+        "    except cakeops.BackendError:\n"
+        "        print('runs on cakeops')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.stdout.strip() == "runs on cakeops", proc.stderr[-3000:]
+
+
+def test_compiled_whole_checks_the_counts_at_each_call():
+    """``torch.compile(fullgraph=True)`` with counts on the CPU traces the slot in one graph
+    (the counts' check stopped Dynamo: a data-dependent branch) and still refuses bad counts
+    at each call, with the eager error; good counts give the eager output and gradients."""
+    torch._dynamo.reset()
+    module = GroupedExperts()
+    use_cakeops_experts(module)
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    x = torch.randn(7, D, generator=torch.Generator().manual_seed(3))
+    num = torch.tensor([3.0, 0.0, 2.0, 1.0])
+    outs = []
+    for run in (module, compiled):
+        xi = x.clone().requires_grad_()
+        out = run(xi, num)
+        out.sum().backward()
+        outs.append((out.detach(), xi.grad))
+    for got, want in zip(*outs, strict=True):
+        assert cakeops.relative_error(got, want) <= cakeops.tolerance(torch.float32)
+    for bad, message in (([2.0, -1.0, 3.0, 0.0], "got -1 for expert 1"),
+                         ([4.0, 4.0, 0.0, 0.0], "got a sum of 8")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            compiled(x, torch.tensor(bad))

@@ -407,6 +407,54 @@ def test_patched_model_pickles_and_saves_whole(tmp_path, family):
     subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
 
 
+@pytest.mark.parametrize("family", ["Mixtral", "Qwen3-MoE"])
+@pytest.mark.parametrize("route", ["from_config", "set_experts_implementation"])
+def test_model_on_cakeops_experts_alone_pickles_and_loads_anywhere(tmp_path, family, route):
+    """A model whose only cakeops part is its experts (no patched class), saved whole, loads
+    in a fresh process that imported nothing of cakeops and runs its experts on cakeops (the
+    name was unknown there: a KeyError at the first forward), as a copy here does."""
+    import subprocess
+    import sys
+
+    config_class, sizes = FAMILIES[family]
+    torch.manual_seed(0)
+    config = config_class(**COMMON, **sizes)
+    if route == "from_config":
+        model = tf.AutoModelForCausalLM.from_config(config, experts_implementation="cakeops")
+    else:
+        model = tf.AutoModelForCausalLM.from_config(config)
+        model.set_experts_implementation("cakeops")
+    ids = tokens()
+    with torch.no_grad():
+        want = model(ids).logits
+    for again in (copy.deepcopy(model), torch.load(_saved(model, tmp_path), weights_only=False)):
+        assert again.config._experts_implementation == "cakeops"
+        with torch.no_grad():
+            torch.testing.assert_close(again(ids).logits, want, rtol=0, atol=0)
+    torch.save((ids, want), tmp_path / "want.pt")
+    script = (
+        "import sys, torch\n"
+        f"m = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+        f"ids, want = torch.load({str(tmp_path / 'want.pt')!r})\n"
+        "with torch.no_grad():\n"
+        "    torch.testing.assert_close(m(ids).logits, want, rtol=0, atol=0)\n"
+        "import cakeops\n"
+        "with cakeops.use_backend('nope', op='routed_experts'):\n"
+        "    try:\n"
+        "        m(ids)\n"
+        "    except cakeops.BackendError:\n"
+        "        print('runs on cakeops')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.stdout.strip() == "runs on cakeops", proc.stderr[-3000:]
+
+
+def _saved(model, folder) -> Path:
+    torch.save(model, folder / "model.pt")
+    return folder / "model.pt"
+
+
 @pytest.mark.parametrize("order", ["cakeops-first", "transformers-first"])
 def test_experts_implementation_resolves_after_import_cakeops(order):
     """``from_pretrained/from_config(..., experts_implementation="cakeops")`` with a plain

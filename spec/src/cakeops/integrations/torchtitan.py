@@ -18,8 +18,8 @@ Each row becomes a one-slot routing (its expert's id, weight 1; padding rows the
 
 from __future__ import annotations
 
+import functools
 import math
-import types
 
 import torch
 
@@ -31,27 +31,36 @@ def row_experts(num_tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor:
     """The expert of each of ``rows`` rows sorted by expert, ``(rows, 1)`` int64: ``E`` (a
     dropped slot) for the rows past the counts' sum. The counts may be float (``torch.histc``
     gives them so)."""
-    counts = num_tokens_per_expert.to(torch.int64)
-    ends = torch.cumsum(counts, 0)
-    positions = torch.arange(rows, device=counts.device)
+    ends = torch.cumsum(checked_counts(num_tokens_per_expert, rows), 0)
+    positions = torch.arange(rows, device=ends.device)
     return torch.searchsorted(ends, positions, right=True).unsqueeze(1)
 
 
-def _check_counts(counts: torch.Tensor, rows: int) -> None:
-    """Whole, non-negative counts summing to at most ``rows``: checked on a CPU tensor, on a
-    GPU's only with ``CAKEOPS_CHECK_VALUES=1`` (a check would wait for the device). Counts
-    past the rows would drop the last experts' rows, fractional ones round down, negative ones
-    misplace every row after them: all silently."""
-    if not counts.numel() or not readable(counts, counts.is_cpu or device_values_checked()):
-        return
-    values = counts.tolist()
-    what = "grouped_experts: argument 'num_tokens_per_expert' expected"
-    for e, v in enumerate(values):
-        if not (v >= 0 and math.isfinite(v) and v == int(v)):
-            raise ValueError(f"{what} whole counts >= 0, got {v:g} for expert {e}")
-    if sum(values) > rows:
-        raise ValueError(f"{what} counts summing to at most the {rows} rows of x, got a sum of "
-                         f"{sum(values):g}")  # fmt: skip
+@torch.library.custom_op("cakeops::grouped_experts_counts", mutates_args=())
+def checked_counts(counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """The counts as int64, once checked: whole, non-negative counts summing to at most
+    ``rows``. Checked on a CPU tensor, on a GPU's only with ``CAKEOPS_CHECK_VALUES=1`` (a check
+    would wait for the device). Counts past the rows would drop the last experts' rows,
+    fractional ones round down, negative ones misplace every row after them: all silently.
+
+    A custom op, so that a compiled graph (``torch.compile(fullgraph=True)``) runs the check
+    on the real counts at each call, where tracing cannot read them; its result feeds the
+    routing, so no graph drops it."""
+    if counts.numel() and readable(counts, counts.is_cpu or device_values_checked()):
+        values = counts.tolist()
+        what = "grouped_experts: argument 'num_tokens_per_expert' expected"
+        for e, v in enumerate(values):
+            if not (v >= 0 and math.isfinite(v) and v == int(v)):
+                raise ValueError(f"{what} whole counts >= 0, got {v:g} for expert {e}")
+        if sum(values) > rows:
+            raise ValueError(f"{what} counts summing to at most the {rows} rows of x, got a "
+                             f"sum of {sum(values):g}")  # fmt: skip
+    return counts.to(torch.int64)
+
+
+@checked_counts.register_fake
+def _(counts: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.empty_like(counts, dtype=torch.int64)
 
 
 def grouped_experts(
@@ -73,7 +82,6 @@ def grouped_experts(
             f"grouped_experts: argument 'num_tokens_per_expert' expected shape "
             f"({w1.shape[0]},) (the experts of w1), got {tuple(num_tokens_per_expert.shape)}"
         )
-    _check_counts(num_tokens_per_expert, x.shape[0])
     index = row_experts(num_tokens_per_expert, x.shape[0])
     weights = torch.ones(index.shape, dtype=x.dtype, device=x.device)
     return routed_experts(x, index, weights, w1, w3, w2)
@@ -93,10 +101,12 @@ def _forward(self: torch.nn.Module, x: torch.Tensor, num_tokens_per_expert: torc
 def use_cakeops_experts(model: torch.nn.Module) -> int:
     """Serve every grouped-experts module of ``model`` (one with ``w1``, ``w2``, ``w3`` and
     ``num_experts``) with :func:`grouped_experts`, keeping its parameters and state-dict
-    names; returns how many. Apply it before wrapping the model (FSDP, compile)."""
+    names; returns how many. Apply it before wrapping the model (FSDP, compile). The module's
+    ``forward`` becomes a partial of this module's function (not a bound method, which pickle
+    cannot bring back): a model saved whole loads, in any process, still on cakeops."""
     count = 0
     for module in model.modules():
         if all(hasattr(module, n) for n in ("w1", "w2", "w3", "num_experts")):
-            module.forward = types.MethodType(_forward, module)
+            module.forward = functools.partial(_forward, module)
             count += 1
     return count

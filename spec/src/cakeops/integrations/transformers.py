@@ -44,6 +44,28 @@ _LIMITS = ("limit", "swiglu_limit")
 _ALPHAS = ("alpha", "swiglu_alpha")
 
 
+class _RegisteredName(str):
+    """``"cakeops"`` as a config of a model on cakeops' experts holds it: a pickled model (a
+    model saved whole with ``torch.save``) brings back this name through :func:`_registered_name`,
+    which imports this module, and so registers the name, in a process that has not imported
+    cakeops."""
+
+    def __reduce__(self):
+        return (_registered_name, ())
+
+
+def _registered_name() -> str:
+    return _RegisteredName(NAME)
+
+
+def _mark_configs(model: torch.nn.Module) -> None:
+    """Every config in ``model`` naming cakeops' experts holds :class:`_RegisteredName`."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_experts_implementation_internal", None) == NAME:
+            config._experts_implementation_internal = _registered_name()
+
+
 class Unsupported(NotImplementedError):
     """An experts module cakeops cannot run, with the reasons."""
 
@@ -262,6 +284,7 @@ def register() -> None:
         result = post_init(self, *args, **kwargs)
         if getattr(self.config, "_experts_implementation", None) == NAME:
             check_model(self)
+            _mark_configs(self)
         return result
 
     post_init_then_check._cakeops_checks = True  # type: ignore[attr-defined]
@@ -273,7 +296,9 @@ def register() -> None:
         named = experts_implementation
         if NAME in (named.values() if isinstance(named, dict) else (named,)):
             check_model(self)  # refused before anything changes; the options found eagerly
-        return set_implementation(self, experts_implementation, *args, **kwargs)
+        result = set_implementation(self, experts_implementation, *args, **kwargs)
+        _mark_configs(self)
+        return result
 
     PreTrainedModel.set_experts_implementation = check_then_set
 
