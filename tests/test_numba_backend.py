@@ -288,6 +288,41 @@ def test_cpu_kernels_step_aside_when_numba_cannot_run_them(setting, reason):
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("how", ["OMP_NUM_THREADS=1", "torch.set_num_threads(1)", "default"])
+def test_numba_leaves_pytorchs_thread_count_as_the_caller_set_it(how):
+    """numba's OpenMP layer sets the process's OpenMP thread count as it starts its threads:
+    PyTorch's count (1 under ``OMP_NUM_THREADS=1``) became the CPU count for the rest of the
+    process. After numba's CPU kernels (the backend's first check starts its threads, and both
+    ops run forward and backward) PyTorch's count is what it was, and numba's kernels ran on
+    that many threads."""
+    code = textwrap.dedent(
+        f"""
+        import torch, cakeops, cakeops_numba.cpu._njit as njit_module
+        {"torch.set_num_threads(1)" if how.startswith("torch") else ""}
+        before = torch.get_num_threads()
+        launched = []
+        real = njit_module.numba.set_num_threads
+        njit_module.numba.set_num_threads = lambda n: (launched.append(n), real(n))
+        x = torch.randn(2, 64, requires_grad=True)
+        q = torch.randn(1, 2, 5, 8, requires_grad=True)
+        with cakeops.use_backend("numba"):
+            cakeops.rmsnorm_silu_gate(x, x, torch.ones(64)).sum().backward()
+            cakeops.causal_dot_product(q, q, q).sum().backward()
+        assert launched and max(launched) <= before, (launched, before)
+        assert torch.get_num_threads() == before, (torch.get_num_threads(), before)
+        print(before)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if how.startswith("OMP"):
+        env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    if how != "default":
+        assert int(done.stdout) == 1
+
+
 def test_a_child_forked_after_numbas_openmp_threads_runs_the_ops_on_torch():
     """GNU OpenMP does not survive a fork: numba terminates a forked child at its first parallel
     launch (SIGTERM; a DataLoader worker or a server's preforked worker died at its first

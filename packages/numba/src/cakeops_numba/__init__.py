@@ -109,6 +109,21 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def start_threads() -> int:
+    """numba's thread count, its threads started if they were not, PyTorch's thread count left
+    as it was: numba's OpenMP layer sets the process's OpenMP thread count as it starts its
+    threads, which is PyTorch's count too (1 under ``OMP_NUM_THREADS=1`` became the CPU count
+    for the rest of the process)."""
+    import numba
+
+    before = torch.get_num_threads()
+    try:
+        return numba.get_num_threads()
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
 class NumbaBackend(Backend):
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("numba") is None:
@@ -153,7 +168,7 @@ class NumbaBackend(Backend):
         if numba.config.DISABLE_JIT:
             return "NUMBA_DISABLE_JIT is set: its CPU kernels run only compiled"
         try:
-            numba.get_num_threads()  # starts numba's threads, as a kernel's first launch would
+            start_threads()  # starts numba's threads, as a kernel's first launch would
         except Exception as exc:
             return f"numba's threads do not start here: {type(exc).__name__}: {exc}"
         return None

@@ -17,6 +17,8 @@ from llvmlite import ir
 from numba import carray, njit, types
 from numba.core.extending import intrinsic
 
+from cakeops_numba import start_threads
+
 # Reassociation lets the inner loops vectorise; no "nnan"/"ninf", so NaN and inf propagate.
 FASTMATH = {"reassoc", "contract", "arcp"}
 # numba's "workqueue" threading layer (used when neither OpenMP nor TBB is found) aborts on
@@ -58,8 +60,10 @@ def compiled(parallel: bool, fastmath: set[str] = FASTMATH):
 
 @contextmanager
 def launching(serial: bool = False) -> Iterator[None]:
-    """Hold the launch lock, numba's threads set to PyTorch's count (one with ``serial``)."""
+    """Hold the launch lock, numba's threads set to PyTorch's count (one with ``serial``),
+    PyTorch's own count left as the caller set it."""
     with LAUNCH:
+        start_threads()
         threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
         numba.set_num_threads(1 if serial else threads)
         yield
