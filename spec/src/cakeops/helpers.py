@@ -184,23 +184,55 @@ def log_multipliers(q, log_decay, log_gates, dtype=torch.float32) -> torch.Tenso
 
 
 #: Gate factors ``exp(x)`` of ``x`` below this are taken as exactly 0 by the CPU's chunked forms
-#: (:func:`gate_factors`): such a factor (under 1.6e-28) is far below any dtype's rounding of
-#: the terms beside it, and left in, it and its products reach float32's subnormal range, which
-#: x86 CPUs compute tens of times slower (a strong gate, as Mamba2's and Gated DeltaNet's models
-#: start from, made the matrix products of a chunk 4-8x slower).
+#: (:func:`gate_factors`) where they weigh terms of the same scale as those beside them: such a
+#: factor (under 1.6e-28) is far below any dtype's rounding of those terms, and left in, it and
+#: its products reach float32's subnormal range, which x86 CPUs compute tens of times slower (a
+#: strong gate, as Mamba2's and Gated DeltaNet's models start from, made the matrix products of
+#: a chunk 4-8x slower). Factors on a carried state use :func:`state_floor`, lower by the
+#: state's scale.
 LOG_FACTOR_FLOOR = -64.0
 
 
-def gate_factors(x: torch.Tensor) -> torch.Tensor:
-    """``exp(x)``, exactly 0 where ``x < LOG_FACTOR_FLOOR`` (NaN stays NaN)."""
-    return torch.exp(x.masked_fill(x < LOG_FACTOR_FLOOR, -torch.inf))
+def gate_factors(x: torch.Tensor, floor: float | torch.Tensor = LOG_FACTOR_FLOOR) -> torch.Tensor:
+    """``exp(x)``, exactly 0 where ``x < floor`` (NaN stays NaN)."""
+    return torch.exp(x.masked_fill(x < floor, -torch.inf))
 
 
-def drop_tiny_(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with its entries under ``exp(LOG_FACTOR_FLOOR)`` in magnitude set to 0, in place:
-    for products of gate factors (a chunk's ``(I + A)^{-1}``, whose entries multiply factors
-    along paths) beside entries of 1."""
-    return x.masked_fill_(x.abs() < math.exp(LOG_FACTOR_FLOOR), 0.0)
+def state_floor(*states: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor],
+                dtype: torch.dtype) -> float | torch.Tensor:  # fmt: skip
+    """The floor of :func:`gate_factors` for factors on a carried state: a dropped factor's
+    share of the terms beside it must stay under ``exp(LOG_FACTOR_FLOOR)`` whatever the
+    state's scale. A state the scan builds sums products of its terms (``a``, ``b``: ``max|a|
+    max|b|`` each, up to ``L`` of them, still far under any dtype's rounding); a given one
+    (``(state, a, b)``: an initial state and the terms it meets, a final state's gradient and
+    its) may exceed them by any factor, which lowers the floor (a state of ``1e25`` behind a
+    gate of ``-66`` was dropped, where it weighs ``2e-4`` of the terms). Never below where
+    ``exp`` is subnormal in ``dtype`` (such factors are 0 to the dtype). ``LOG_FACTOR_FLOOR``
+    itself without a given state, else a 0-dim tensor on its device (no synchronisation)."""
+    given = [(state, a, b) for state, a, b in states if state is not None]
+    if not given:
+        return LOG_FACTOR_FLOOR
+    tiny = math.log(torch.finfo(dtype).tiny)
+
+    def log_scale(t: torch.Tensor) -> torch.Tensor:
+        if not t.numel():
+            return t.new_full((), -math.inf, dtype=torch.float64)
+        return t.detach().abs().amax().to(torch.float64).log()
+
+    shift = torch.zeros((), dtype=torch.float64, device=given[0][0].device)
+    for state, a, b in given:
+        ratio = log_scale(state) - (log_scale(a) + log_scale(b))
+        # terms of 0 (inf): nothing beside the state, no floor; NaN inputs: no change
+        shift = shift + torch.nan_to_num(ratio, nan=0.0, posinf=-tiny).clamp(min=0)
+    return (LOG_FACTOR_FLOOR - shift).clamp(min=tiny)
+
+
+def drop_tiny_(x: torch.Tensor, floor: float | torch.Tensor = LOG_FACTOR_FLOOR) -> torch.Tensor:
+    """``x`` with its entries under ``exp(floor)`` in magnitude set to 0, in place: for
+    products of gate factors (a chunk's ``(I + A)^{-1}``, whose entries multiply factors along
+    paths) beside entries of 1; ``floor`` from :func:`state_floor` where they meet a state."""
+    bound = math.exp(floor) if isinstance(floor, float) else floor.exp().to(x.dtype)
+    return x.masked_fill_(x.abs() < bound, 0.0)
 
 
 def value_heads(t: torch.Tensor, heads: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ from cakeops.helpers import (
     gate_factors,
     log_multipliers,
     split_log_grads,
+    state_floor,
 )
 
 from ._causal import causal_mm as _causal_mm
@@ -154,6 +155,7 @@ def _forward_groups(q, k, v, lm, init, scale):
     out = torch.empty((N, Hk, G, L, M), dtype=q.dtype, device=q.device)
     state = (torch.zeros((N, Hk, G, E, M), dtype=ct, device=q.device) if init is None
              else init.to(ct, copy=True))  # fmt: skip
+    floor = None if lm is None else state_floor((init, k, v), dtype=ct)
     for c in _chunks(L):
         qc, kc, vc = q[..., c, :].to(ct), k[..., c, :].to(ct), v[..., c, :].to(ct)
         if lm is None:
@@ -162,15 +164,16 @@ def _forward_groups(q, k, v, lm, init, scale):
         else:
             pairs, b, last, tail = _chunk_logs(lm, c)
             oc = _causal_mm(_masked(qc @ _t(kc), gate_factors(pairs)), vc)
-            oc.add_(gate_factors(b)[..., None] * (qc @ state))
-            state = _carry(state, last, kc * gate_factors(tail)[..., None], vc)
+            oc.add_(gate_factors(b, floor)[..., None] * (qc @ state))
+            state = _carry(state, last, kc * gate_factors(tail)[..., None], vc, floor)
         out[..., c, :] = oc if scale is None else oc.mul_(scale)
     return out, state
 
 
-def _carry(state, last, a, c):
-    """The state carried past a chunk: ``exp(b_C) S + a^T c`` (``a`` weighted already)."""
-    return gate_factors(last)[..., None] * state + _t(a) @ c
+def _carry(state, last, a, c, floor):
+    """The state carried past a chunk: ``exp(b_C) S + a^T c`` (``a`` weighted already), the
+    factor on the state floored at ``floor`` (:func:`cakeops.helpers.state_floor`)."""
+    return gate_factors(last, floor)[..., None] * state + _t(a) @ c
 
 
 def _masked(scores, decays):
@@ -216,6 +219,8 @@ def _backward_groups(g, q, k, v, lm, init, g_final):
     state = (torch.zeros((N, Hk, G, E, M), dtype=ct, device=q.device) if init is None
              else init.to(ct, copy=True))  # fmt: skip
     entering = []  # per chunk: the state entering it
+    # the factors on the states (S forward, R backward) floored at their scales
+    floor = None if lm is None else state_floor((init, k, v), (g_final, q, g), dtype=ct)
     for c in _chunks(L):
         gc, kc, vc = g[..., c, :].to(ct), k[..., c, :].to(ct), v[..., c, :].to(ct)
         if lm is None:
@@ -223,11 +228,11 @@ def _backward_groups(g, q, k, v, lm, init, g_final):
             state = state + _t(kc) @ vc
         else:
             pairs, b, last, tail = _chunk_logs(lm, c)
-            from_state = gate_factors(b)[..., None] * (gc @ _t(state))
+            from_state = gate_factors(b, floor)[..., None] * (gc @ _t(state))
             dlm[..., c] = (q[..., c, :].to(ct) * from_state).sum(-1)
             entering.append(state)
             dqc = _causal_mm(_masked(gc @ _t(vc), gate_factors(pairs)), kc).add_(from_state)
-            state = _carry(state, last, kc * gate_factors(tail)[..., None], vc)
+            state = _carry(state, last, kc * gate_factors(tail)[..., None], vc, floor)
         dq[..., c, :] = _group_sum(dqc)
     final = state
     carry = (torch.zeros((N, Hk, G, E, M), dtype=ct, device=q.device) if g_final is None
@@ -243,17 +248,17 @@ def _backward_groups(g, q, k, v, lm, init, g_final):
         else:
             pairs, b, last, tail = _chunk_logs(lm, c)
             decays_t = _t(gate_factors(pairs))  # [j, i]: the factors from j to i >= j
-            tail = gate_factors(tail)[..., None]  # from j to the chunk's end
+            tail = gate_factors(tail, floor)[..., None]  # from j to the chunk's end (onto R)
             kq, vg = kc @ _t(qc), _masked(vc @ _t(gc), decays_t)
             from_carry = tail * (vc @ _t(carry))
             dkc = _causal_mm(vg, qc, reverse=True).add_(from_carry)
             dvc = _causal_mm(_masked(kq, decays_t), gc, reverse=True)
             dvc.add_(tail * (kc @ carry))
-            spanning = gate_factors(last[..., 0]) * (carry * entering.pop()).sum((-1, -2))
+            spanning = gate_factors(last[..., 0], floor) * (carry * entering.pop()).sum((-1, -2))
             pair = _t((vg * kq).masked_fill_(decays_t == 0, 0.0))  # [i, j]
             leaving = (kc * from_carry).sum(-1)
             dlm[..., c] = crossing_in_chunk(pair, dlm[..., c], leaving, spanning)
-            carry = _carry(carry, last, qc * gate_factors(b)[..., None], gc)
+            carry = _carry(carry, last, qc * gate_factors(b)[..., None], gc, floor)
         dk[..., c, :], dv[..., c, :] = _group_sum(dkc), dvc
     return dq, dk, dv, carry, final, dlm
 

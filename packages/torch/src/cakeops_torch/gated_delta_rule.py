@@ -25,7 +25,15 @@ import torch
 import torch.nn.functional as F
 
 from cakeops import compute_dtype
-from cakeops.helpers import as_dtype, cast_grads, drop_tiny_, gate_factors, state_times
+from cakeops.helpers import (
+    LOG_FACTOR_FLOOR,
+    as_dtype,
+    cast_grads,
+    drop_tiny_,
+    gate_factors,
+    state_floor,
+    state_times,
+)
 from cakeops.ops.gated_delta_rule import L2NORM_EPS
 
 from ._causal import causal_mm as _causal_mm
@@ -112,7 +120,8 @@ def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
 class _Intra:
     """A group of chunks' quantities that do not depend on the state (``(..., n, C, ...)``)."""
 
-    def __init__(self, q, k, v, g, beta, guard: bool, T: torch.Tensor | None = None):
+    def __init__(self, q, k, v, g, beta, guard: bool, T: torch.Tensor | None = None,
+                 floor: float | torch.Tensor = LOG_FACTOR_FLOOR):  # fmt: skip
         C = q.shape[-2]
         self.guard = guard
         self.q, self.k, self.v, self.beta = q, k, v, beta  # q, k: (B, H, 1, n, C, K)
@@ -123,9 +132,12 @@ class _Intra:
         # steps (exact pair sums, no difference of running sums)
         steps = gk.unsqueeze(-2).expand(*gk.shape[:-2], C, C, gk.shape[-1])
         pair = steps.masked_fill(~self.strict[..., None], 0).cumsum(-3)
-        self.E = gate_factors(pair).masked_fill_(~lower[..., None], 0)  # (..., C, C, Kg)
-        self.gamma = gate_factors(gk.cumsum(-2))  # over [1, t]
-        self.gamma_c = self.E[..., -1, :, :]  # over (t, C]
+        # every factor here reaches the states (S, and its gradient in the backward: through
+        # gamma and, along the paths of (I + A)^{-1}, through E): floored at their scale
+        # (cakeops.helpers.state_floor; LOG_FACTOR_FLOOR itself without a given state)
+        self.E = gate_factors(pair, floor).masked_fill_(~lower[..., None], 0)  # (.., C, C, Kg)
+        self.gamma = gate_factors(gk.cumsum(-2), floor)  # over [1, t]
+        self.gamma_c = gate_factors(pair[..., -1, :, :], floor)  # over (t, C]
         self.kda = g.dim() == q.dim()
         self.Mkk = self._pairs(k, k)
         self.A = (beta.unsqueeze(-1) * self.Mkk).masked_fill(~self.strict, 0)
@@ -141,9 +153,9 @@ class _Intra:
             if T is None:
                 eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(self.A.shape)
                 T = torch.linalg.solve_triangular(self.A, eye, upper=False, unitriangular=True)
-                drop_tiny_(T)
+                drop_tiny_(T, floor)
             self.T = T
-            self.Uv, self.Wk = T @ bv, drop_tiny_(T @ bk)
+            self.Uv, self.Wk = T @ bv, drop_tiny_(T @ bk, floor)  # Wk meets the state
 
     def solve_transposed(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """``(I + A_i)^{-T} x`` for chunk ``i`` of the group."""
@@ -227,12 +239,12 @@ def _initial(layout, initial_state, H, shape, dtype, device, sequences):
     return s0 if layout.index is None else s0[sequences[0]].unsqueeze(0)
 
 
-def _intra(chunks, norms, group: range, guard: bool, T=None) -> _Intra:
+def _intra(chunks, norms, group: range, guard: bool, T=None, floor=LOG_FACTOR_FLOOR) -> _Intra:
     sl = slice(group.start, group.stop)
     q, k, v, g, beta = (t[:, :, :, sl] for t in chunks)
     if norms is not None:
         q, k = q * norms[0][:, :, :, sl], k * norms[1][:, :, :, sl]
-    return _Intra(q, k, v, g, beta, guard, T)
+    return _Intra(q, k, v, g, beta, guard, T, floor)
 
 
 def _needs_guard(*tensors: torch.Tensor | None, g: torch.Tensor) -> bool:
@@ -271,7 +283,8 @@ def _group_states(layout, intra, group, S, initial_state, H, shape):
     return torch.stack(states, 3), torch.stack(us, 3), S, finals
 
 
-def _scan(layout, chunks, norms, initial_state, scale, H, guard, want_out=True, keep=False):
+def _scan(layout, chunks, norms, initial_state, scale, H, guard, want_out=True, keep=False,
+          floor=LOG_FACTOR_FLOOR):  # fmt: skip
     """The forward over the chunks: the output chunks, the final states, and (``keep``) per
     group its chunks, its start state and its chunks' ``(I + A)^{-1}``. Only the state's chain
     runs chunk by chunk; the outputs are products over a whole group."""
@@ -283,7 +296,7 @@ def _scan(layout, chunks, norms, initial_state, scale, H, guard, want_out=True, 
     group_starts = []
     S = None
     for group in _groups(layout, (B, H, G, K, V), gc.dim() == 6):
-        intra = _intra(chunks, norms, group, guard)
+        intra = _intra(chunks, norms, group, guard, floor=floor)
         if keep:
             group_starts.append((group, S, intra.T))
         states, us, S, ended = _group_states(layout, intra, group, S, initial_state, H,
@@ -412,7 +425,8 @@ def forward(q, k, v, g, beta, scale, initial_state=None, output_final_state=Fals
         return as_dtype(out, q.dtype), as_dtype(S.reshape(N, Hv, K, V), dtype)
     layout, norms, chunks = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
     guard = _needs_guard(q, k, v, beta, initial_state, g=g)
-    out, finals, _ = _scan(layout, chunks, norms, initial_state, scale, H, guard)
+    floor = state_floor((initial_state, k, v), dtype=chunks[2].dtype)
+    out, finals, _ = _scan(layout, chunks, norms, initial_state, scale, H, guard, floor=floor)
     out = layout.unchunk(out.flatten(1, 2), L).to(q.dtype)
     if not output_final_state:
         return out, q.new_empty(0)
@@ -571,8 +585,10 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
     B, _, G, n, C, _ = vc.shape
     kda = gc.dim() == 6
     guard = _needs_guard(q, k, v, beta, initial_state, g_out, g_final, g=g)
+    floor = state_floor((initial_state, k, v), (g_final if has_final else None, q, g_out),
+                        dtype=ct)  # fmt: skip
     _, _, group_starts = _scan(layout, chunks, norms, initial_state, scale, H, guard,
-                               want_out=False, keep=True)  # fmt: skip
+                               want_out=False, keep=True, floor=floor)  # fmt: skip
     dO = _heads(layout.chunks(g_out, ct), H)
     gf = _heads(g_final.to(ct), H) if has_final else None
     inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
@@ -596,7 +612,7 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
         d_init = torch.zeros(initial_state.shape, dtype=ct, device=q.device)
     dS = torch.zeros(B, H, G, K, V, dtype=ct, device=q.device)
     for group, S, T in reversed(group_starts):
-        intra = _intra(chunks, norms, group, guard, T)
+        intra = _intra(chunks, norms, group, guard, T, floor)
         states, us, _, _ = _group_states(layout, intra, group, S, initial_state, H,
                                          (B, G, K, V))  # fmt: skip
         sl = slice(group.start, group.stop)

@@ -531,6 +531,30 @@ class TestCausalOptions:
             tensors["log_gates"][0, 1, 33] = -1e4
         check_against_scan((q, k, v), tensors, {}, g, g_final)
 
+    @pytest.mark.cakeops_dtypes(torch.float32, torch.float64)  # 16-bit holds no 1e25
+    @pytest.mark.parametrize("L", [3, 45])
+    @pytest.mark.parametrize("large", ["initial_state", "g_final"])
+    def test_a_large_state_behind_a_strong_gate(self, backend, dtype, device, L, large):
+        """A state far larger than the terms beside it (``1e25`` in float64, ``1e30`` in
+        float32: the initial state, or the final state's gradient for the backward's) behind
+        gates of ``-66``: the factor ``exp(-66)`` leaves it a share the size of the terms, so
+        no floor on the factors may drop it (an absolute one at ``exp(-64)`` gave errors of
+        3e-4 in float64 and 100% in float32). At L = 3, a step-by-step forward beside a
+        chunked backward; at 45, across chunks."""
+        given = ("log_gates", "initial_state", "final")
+        (q, k, v), tensors, _, g, g_final = _option_inputs(given, dtype, device, L=L)
+        big = 1e25 if dtype == torch.float64 else 1e30
+        with torch.no_grad():
+            tensors["log_gates"].mul_(0.1)
+            tensors["log_gates"][:, :, 1] = -66.0
+            if L > 16:
+                tensors["log_gates"][:, :, 17] = -66.0
+            if large == "initial_state":
+                tensors["initial_state"].mul_(big)
+        if large == "g_final":
+            g_final = g_final * big
+        check_against_scan((q, k, v), tensors, {}, g, g_final)
+
     @pytest.mark.cakeops_dtypes(torch.float32, torch.float64)  # the decay's gradient: ~1e8
     def test_weak_decay_over_a_long_sequence(self, backend, dtype, device):
         """A factor just below 1 over thousands of steps (exp(-1e-4), 4,096 of them; 1,024

@@ -310,12 +310,18 @@ def _pass_decays(lf, D):  # pragma: no cover - compiled
 
 @_compiled(parallel=False)
 def _carried(lf):  # pragma: no cover - compiled
-    """``exp(B_3) - 1`` for the pass's factor ``exp(B_3)`` on the state it carries on, applied
-    as ``X + (exp(B_3) - 1) X``: near 1 (almost no decay), a float32 ``exp(B_3)`` is off by
-    up to half an ulp of 1, the same error every pass of a constant decay, which compounds over
-    a long sequence (3e-5 at 4096 steps of ``exp(-1e-4)``); ``expm1`` keeps the small
-    difference from 1 to full precision. ``-1`` exactly for a factor of 0 (a reset)."""
-    return np.float32(np.expm1(np.float64(lf[1] + lf[2] + lf[3] + lf[4])))
+    """``(kept, change)`` with ``kept + change`` the pass's factor ``exp(B_3)`` on the state it
+    carries on, applied as ``kept X + change X``. Near 1 (almost no decay) ``(1, exp(B_3) -
+    1)``: a float32 ``exp(B_3)`` is off by up to half an ulp of 1, the same error every pass of
+    a constant decay, which compounds over a long sequence (3e-5 at 4096 steps of
+    ``exp(-1e-4)``); ``expm1`` keeps the small difference from 1 to full precision. Below 1/2
+    ``(0, exp(B_3))``: there ``1 + (exp(B_3) - 1)`` would lose the factor to rounding (a
+    factor of ``exp(-66)`` on a state of ``1e30`` left 0 where the state is 22). ``(0, 0)``
+    for a factor of 0 (a reset)."""
+    total = np.float64(lf[1] + lf[2] + lf[3] + lf[4])
+    if total > -0.6931471805599453:
+        return np.float32(1.0), np.float32(np.expm1(total))
+    return np.float32(0.0), np.float32(np.exp(total))
 
 
 #: positions between the dq scan's kept states (a multiple of the passes' 4): the reverse scan
@@ -378,7 +384,7 @@ def _scan_with_logs(c, ch, a, ah, b, bh, lm, h, start, end, state, y, yh, scale,
             for p in range(P):
                 aw[t, p] = w * aw[t, p]
         f0, f1, f2, f3 = D[1, 0], D[2, 0], D[3, 0], D[4, 0]
-        c3 = _carried(lf)
+        kept, c3 = _carried(lf)
         w00, w10, w11, w20, w21, w22 = W[0, 0], W[1, 0], W[1, 1], W[2, 0], W[2, 1], W[2, 2]
         w30, w31, w32, w33 = W[3, 0], W[3, 1], W[3, 2], W[3, 3]
         for j in range(Q):
@@ -391,7 +397,7 @@ def _scan_with_logs(c, ch, a, ah, b, bh, lm, h, start, end, state, y, yh, scale,
                 s_2 += cb[2, p] * x
                 s_3 += cb[3, p] * x
                 added = aw[0, p] * b0 + aw[1, p] * b1 + aw[2, p] * b2 + aw[3, p] * b3
-                XT[j, p] = x + c3 * x + added
+                XT[j, p] = kept * x + c3 * x + added
             # the pass's own positions: only i <= t (a masked zero times a NaN would leak it)
             acc[0, j] = f0 * s_0 + w00 * b0
             acc[1, j] = f1 * s_1 + w10 * b0 + w11 * b1
@@ -506,7 +512,7 @@ def _reverse_with_logs(q, g, k, v, lm, h, kh, dkh, start, end, grad, dk, dv, dlm
                 GV[i, j] = decay * gv
                 QK[i, j] = decay * qk
                 PAIR[i, j] = qk * gv
-        c3 = _carried(lf)
+        kept, c3 = _carried(lf)
         w0, w1, w2 = D[4, 1], D[4, 2], D[4, 3]
         across = np.float32(0.0)
         for i in range(4):
@@ -533,7 +539,8 @@ def _reverse_with_logs(q, g, k, v, lm, h, kh, dkh, start, end, grad, dk, dv, dlm
                 zv[1, m] += k1 * r
                 zv[2, m] += k2 * r
                 zv[3, m] += k3 * r
-                R[e, m] = r + c3 * r + a0 * gb[0, m] + a1 * gb[1, m] + a2 * gb[2, m] + a3 * gb[3, m]
+                added = a0 * gb[0, m] + a1 * gb[1, m] + a2 * gb[2, m] + a3 * gb[3, m]
+                R[e, m] = kept * r + c3 * r + added
             yk[0, e], yk[1, e], yk[2, e], yk[3, e] = y0, y1, y2, y3
             alpha[0] += qb[0, e] * u0
             alpha[1] += qb[1, e] * u1
