@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from cakeops._spec import compute_dtype
+from cakeops.integrations.packed_documents import keep_documents_apart
 from cakeops.ops.causal_conv1d import ACTIVATIONS as CONV_ACTIVATIONS
 from cakeops.ops.causal_conv1d import causal_conv1d
 from cakeops.ops.causal_dot_product import causal_dot_product
@@ -444,8 +445,14 @@ def _minimax_forward(self, hidden_states, position_embeddings=None, attention_ma
     q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, self.head_dim, dim=3))
     state = cache.get_linear_cache(self.layer_idx) if cache is not None else None
     state = state if isinstance(state, torch.Tensor) else None  # a skipped layer's placeholder
+    cu = _packed_offsets(hidden_states, kwargs)  # documents packed in one row: kept apart
+    if cu is not None and state is not None:  # the cached state is the row's first document's
+        state = torch.cat([state, state.new_zeros((cu.numel() - 2, *state.shape[1:]))])
     out, state = causal_dot_product(q, k, v, log_decay=-self.slope_rate.view(-1),
-                                    initial_state=state, output_final_state=True)  # fmt: skip
+                                    initial_state=state, output_final_state=True,
+                                    cu_seqlens=cu)  # fmt: skip
+    if cu is not None:  # the row's state: its last document's
+        state = state[-1:]
     out = out.transpose(1, 2).reshape(N, L, self.num_attention_heads * self.head_dim)
     out = self.norm(out)
     out = torch.sigmoid(self.output_gate(hidden_states)) * out
@@ -856,6 +863,7 @@ def apply_cakeops(model: torch.nn.Module) -> torch.nn.Module:
             module.__class__ = _patched_class(cls)
         elif cls not in _patched.values() and _served_names(cls):
             module.__class__ = _kernels_class(cls)
+    keep_documents_apart(model)
     return model
 
 
