@@ -64,7 +64,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: what is installed and chosen here, the quickstart, then a tiny hybrid model
-    (all three ops) trained on associative recall. ``CAKEOPS_BACKEND`` passes through."""
+    (three of the six ops) trained on associative recall. ``CAKEOPS_BACKEND`` passes through."""
     install(session, "numpy", "matplotlib")  # numpy: torch warns without it; matplotlib: the curve
     session.run("cakeops", "info")
     session.run("python", "docs/examples/quickstart.py")

@@ -385,3 +385,49 @@ def test_bench_arguments_it_cannot_use_stop_before_measuring(tmp_path, monkeypat
         cli.main(["bench", "--op", "rmsnorm_silu_gate", *(a.format(**paths) for a in args)])
     assert stop.value.code == 2
     assert message.format(**paths) in capsys.readouterr().err
+
+
+def test_explain_names_the_pick_for_the_sizes_given():
+    """``cakeops explain OP [NAME=SHAPE ...]``: the op's example call, its arguments replaced
+    by the shapes given, and why each backend was or was not chosen (numba's CPU norm takes
+    only decode-sized calls, which ``info``'s small examples do not show)."""
+    out = run("cakeops", "explain", "rmsnorm_silu_gate")
+    assert "rmsnorm_silu_gate(x=(4, 64)" in out and "on cpu, float32" in out
+    assert "rmsnorm_silu_gate: numba (chosen by priority)" in out
+    out = run("cakeops", "explain", "rmsnorm_silu_gate", "x=64,1024", "z=64,1024", "weight=1024",
+              "eps=1e-5", "--dtype", "bfloat16")  # fmt: skip
+    assert "rmsnorm_silu_gate(x=(64, 1024), z=(64, 1024), weight=(1024,), eps=1e-05" in out
+    assert "rmsnorm_silu_gate: torch (chosen by priority)" in out
+    assert "numba: its CPU kernel is chosen implicitly for up to 16384 elements" in out
+    assert "on cpu, bfloat16" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["x=3"], "rmsnorm_silu_gate: argument 'z' expected shape (3,) (the shape of x)"),
+        (["--dtype", "int8"], "argument --dtype: expected one of float16, bfloat16, float32"),
+        (["nope=3"], "expected NAME=SHAPE or NAME=VALUE with NAME one of x, z, weight"),
+        (["x=a,b"], "x: cannot read 'a,b'"),
+        (["--device", "cuda:7"], "--device"),
+    ],
+)
+def test_explain_refuses_what_it_cannot_read_with_a_usage_error(args, message):
+    done = subprocess.run(["cakeops", "explain", "rmsnorm_silu_gate", *args],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert message in done.stderr, done.stderr
+
+
+def test_info_into_a_closed_pipe_ends_without_a_traceback():
+    """``cakeops info | true``: the reader is gone before the first line (a pipe whose read end
+    is closed: every write fails); no BrokenPipeError traceback, a failing exit code."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(["cakeops", "info"], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=300)  # fmt: skip
+    finally:
+        os.close(write)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr

@@ -284,8 +284,8 @@ def test_use_backend_around_a_compiled_function_chooses_inside_it(spies):
         ("TORCH", "TORCH: no backend of that name is installed; did you mean 'torch'?"),
         (
             "ghost",
-            "ghost: not installed; install it with `pip install cakeops-ghost` (from a "
-            "checkout of cakeops: `pip install ./packages/ghost`)",
+            "ghost: not installed; install it with `pip install ./packages/ghost` from a "
+            "checkout of cakeops (`cakeops-ghost` is not on PyPI yet)",
         ),
         (
             "numba",
@@ -473,8 +473,12 @@ def test_hostile_backend_packages_break_nothing(tmp_path, monkeypatch):
 
 
 def test_install_hint_of_numba_names_its_cuda_extra():
-    """numba's CUDA kernels come with ``cakeops-numba[cuda]``: the hint says so."""
+    """The distributions are not on PyPI yet: the hint installs from a checkout. numba's CUDA
+    kernels come with its ``cuda`` extra, Triton's kernels run on GPUs: the hints say so."""
     hint = registry.install_hint("numba")
-    assert hint.startswith("`pip install cakeops-numba`")
-    assert "its CUDA kernels with `pip install 'cakeops-numba[cuda]'`" in hint
+    assert hint.startswith("`pip install ./packages/numba` from a checkout")
+    assert "not on PyPI yet" in hint
+    assert "its CUDA kernels with `pip install './packages/numba[cuda]'`" in hint
     assert "[" not in registry.install_hint("torch")
+    assert "GPU" not in registry.install_hint("torch")
+    assert "its kernels run on NVIDIA and AMD GPUs" in registry.install_hint("triton")

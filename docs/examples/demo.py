@@ -1,4 +1,4 @@
-"""The main job: train a tiny hybrid sequence model whose blocks use all three ops.
+"""The main job: train a tiny hybrid sequence model whose blocks use three of the six ops.
 
 Each block is causal linear attention (a positive feature map, ``causal_dot_product`` for the
 numerator and the normaliser, a gated RMSNorm on the heads with ``rmsnorm_silu_gate``) followed

@@ -1,4 +1,4 @@
-"""The ``cakeops`` command: ``cakeops info`` and ``cakeops bench``.
+"""The ``cakeops`` command: ``cakeops info``, ``cakeops explain`` and ``cakeops bench``.
 
 Arguments are parsed before torch is imported: ``--help`` and argument errors answer at once.
 """
@@ -23,8 +23,8 @@ OP_NAMES = (
 
 DESCRIPTION = (
     "cakeops: fused training ops with pluggable backends. 'cakeops info' shows what is installed "
-    "and which backend each op picks; 'cakeops bench' measures the ops beside what you would "
-    "write instead."
+    "and which backend each op picks; 'cakeops explain' why, for the sizes you give; 'cakeops "
+    "bench' measures the ops beside what you would write instead."
 )
 
 
@@ -134,7 +134,10 @@ def _print_info(info: dict[str, Any]) -> None:
             print(f"    {op}: {where}; dtypes {', '.join(k['dtypes'])}")
     for op, forced in info["forced"].items():
         print(f"\nforced for {op}: {forced}")
-    print("\npicks (op, device: backend per dtype):")
+    print(
+        "\npicks (op, device: backend per dtype) for each op's small example call; a backend "
+        "may serve only some sizes (`cakeops explain OP NAME=SHAPE ...` for yours):"
+    )
     for op, per_device in info["picks"].items():
         for device, picks in per_device.items():
             row = "  ".join(f"{dt}={name}" for dt, name in picks.items())
@@ -188,11 +191,77 @@ def _output_problem(json_path: str | None, *dirs: str | None) -> str | None:
     return None
 
 
+def _explain(parser: argparse.ArgumentParser, op: str, device: str, dtype: str,
+             given: list[str]) -> str:  # fmt: skip
+    """:func:`cakeops.explain` of the op's example call on ``device`` in ``dtype``, its
+    arguments replaced by ``given`` (``NAME=2,4096,1024`` a tensor's shape, ``NAME=VALUE`` any
+    other argument, as a Python literal)."""
+    import ast
+
+    import torch
+
+    from cakeops import registry
+    from cakeops.ops import SPECS
+
+    spec = SPECS[op]
+    kind = getattr(torch, dtype, None)
+    if not isinstance(kind, torch.dtype) or kind not in spec.dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in spec.dtypes)
+        parser.error(f"argument --dtype: expected one of {names} for {op}, got {dtype!r}")
+    problem = _device_problem(device)
+    if problem:
+        parser.error(problem)
+    arguments = dict(**spec.example(device, kind))
+    for item in given:
+        name, sep, value = item.partition("=")
+        if not sep or name not in arguments:
+            parser.error(f"expected NAME=SHAPE or NAME=VALUE with NAME one of "
+                         f"{', '.join(arguments)}, got {item!r}")  # fmt: skip
+        old = arguments[name]
+        try:
+            if isinstance(old, torch.Tensor):
+                shape = tuple(int(n) for n in value.split(",") if n.strip())
+                make = torch.randn if old.is_floating_point() else torch.zeros
+                arguments[name] = make(shape, dtype=old.dtype, device=old.device)
+            else:
+                arguments[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError, RuntimeError) as exc:
+            parser.error(f"{name}: cannot read {value!r}: {exc}")
+    try:
+        inputs = spec.bind(**arguments)
+    except (TypeError, ValueError) as exc:  # the op's own check, naming the argument
+        parser.error(str(exc))
+    shapes = ", ".join(f"{n}={tuple(v.shape) if isinstance(v, torch.Tensor) else v!r}"
+                       for n, v in arguments.items())  # fmt: skip
+    return f"{op}({shapes}) on {device}, {dtype}\n{registry.explain_inputs(op, inputs)}"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command; a closed pipe (``cakeops info | head``) ends it quietly."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # the reader is gone: nothing more to say, and no traceback when Python flushes stdout
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cakeops", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="versions, devices, backends and the pick for each op")
     p_info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p_explain = sub.add_parser(
+        "explain", help="which backend an op picks for the sizes you give, and why the others not"
+    )
+    p_explain.add_argument("op", choices=OP_NAMES)
+    p_explain.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    p_explain.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, ...")
+    p_explain.add_argument(
+        "arguments", nargs="*", metavar="NAME=SHAPE",
+        help="an argument of the op's example call replaced: a tensor by its shape "
+        "(x=8,4096,1024), any other by its value (eps=1e-5)",
+    )  # fmt: skip
     p_bench = sub.add_parser("bench", help="side-by-side benchmarks of the ops")
     p_bench.add_argument("--op", action="append", choices=OP_NAMES, help="op (repeatable)")
     p_bench.add_argument(
@@ -212,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         help="measure nothing: write --markdown/--plots from a saved --json record",
     )
     args = parser.parse_args(argv)
+    if args.command == "explain":
+        print(_explain(p_explain, args.op, args.device, args.dtype, args.arguments))
+        return 0
     if args.command == "info":
         info = gather_info()
         if args.json:

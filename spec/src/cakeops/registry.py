@@ -64,14 +64,22 @@ KNOWN_DISTRIBUTIONS = {
 KNOWN_EXTRAS = {"numba": ("cuda", "its CUDA kernels")}
 
 
+#: a first-party backend whose kernels need a GPU -> what it runs on
+KNOWN_GPU_ONLY = {"triton": "NVIDIA and AMD GPUs (on a CPU only under TRITON_INTERPRET=1, slowly)"}
+
+
 def install_hint(name: str) -> str:
-    """How to install the first-party backend ``name``: from the package index, or from a
-    checkout of the repository (``packages/<name>``), and its extra if it has one."""
+    """How to install the first-party backend ``name``: from a checkout of the repository
+    (``packages/<name>``: the distributions are not on the package index yet), its extra if it
+    has one, and what it runs on when that is a GPU only."""
     dist = KNOWN_DISTRIBUTIONS[name]
-    hint = f"`pip install {dist}` (from a checkout of cakeops: `pip install ./packages/{name}`)"
+    hint = (f"`pip install ./packages/{name}` from a checkout of cakeops (`{dist}` is not on "
+            "PyPI yet)")  # fmt: skip
     if name in KNOWN_EXTRAS:
         extra, adds = KNOWN_EXTRAS[name]
-        hint += f"; {adds} with `pip install '{dist}[{extra}]'`"
+        hint += f"; {adds} with `pip install './packages/{name}[{extra}]'`"
+    if name in KNOWN_GPU_ONLY:
+        hint += f"; its kernels run on {KNOWN_GPU_ONLY[name]}"
     return hint
 
 
