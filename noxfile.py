@@ -1,11 +1,13 @@
 """Every dev task: ``nox -s tests``, ``lint``, ``demo``, ``bench``, ``docs``, ``gpu_compile``,
-``gpu``, ``gpu_dry_run_image``.
+``gpu``, ``gpu_dry_run_image``, ``resolve``.
 
 Each session builds and installs the distributions (wheels, not editable) into its own venv, with
 torch pinned by ``.ci/constraints.txt``.
 """
 
 from __future__ import annotations
+
+import os
 
 import nox
 
@@ -21,12 +23,43 @@ def install(session: nox.Session, *extra: str) -> None:
     session.install(*CONSTRAINTS, *PACKAGES, *extra)
 
 
+def gpu_here() -> bool:
+    """Whether this machine has a GPU driver (NVIDIA's or AMD's device files)."""
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))
+
+
+def install_for_here(session: nox.Session, *extra: str) -> None:
+    """:func:`install` where a GPU is; on a CPU machine the CPU backends only: nothing that
+    runs on GPUs alone (Triton, numba-cuda and its CUDA bindings: minutes of downloads)."""
+    if gpu_here():
+        install(session, *extra)
+    else:
+        session.install(*CONSTRAINTS, "./spec", "./packages/torch", "./packages/numba", *extra)
+
+
+#: what the tests session installs besides the packages
+TEST_TOOLS = ("pytest", "pytest-xdist", "pytest-timeout", "hatchling", "twine", "numpy",
+              "matplotlib", "transformers", "accelerate")  # fmt: skip
+
+
+@nox.session(venv_backend="none")
+def resolve(session: nox.Session) -> None:
+    """The README's two commands' set-ups resolved from the public package index alone (pip's
+    configuration, its environment and any local wheel folder ignored), as a stranger's machine
+    resolves them: a dry run, which fetches the packages' metadata only (the CUDA build of
+    torch that PyPI serves is gigabytes)."""
+    pip = ("python", "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed",
+           "--quiet", *CONSTRAINTS)  # fmt: skip
+    session.run(*pip, *PACKAGES, EXAMPLE_BACKEND, *TEST_TOOLS, env={"PIP_CONFIG_FILE": "/dev/null"})
+    session.run(*pip, "./spec", "./packages/torch", "./packages/numba", "numpy", "matplotlib",
+                env={"PIP_CONFIG_FILE": "/dev/null"})  # fmt: skip
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole suite: conformance on every in-tree backend, dispatch, CLI, packaging."""
     # hatchling and twine: tests/test_packaging.py builds every sdist and wheel, twine checks them
-    install(session, EXAMPLE_BACKEND, "pytest", "pytest-xdist", "pytest-timeout", "hatchling",
-            "twine", "numpy", "matplotlib", "transformers", "accelerate")  # fmt: skip
+    install(session, EXAMPLE_BACKEND, *TEST_TOOLS)
     session.run("pytest", *session.posargs)
     # Every op through the CPU benchmarks, small (integer inputs, peers, tables).
     session.run("cakeops", "bench", "--quick")
@@ -65,7 +98,7 @@ def lint(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: what is installed and chosen here, the quickstart, then a tiny hybrid model
     (three of the six ops) trained on associative recall. ``CAKEOPS_BACKEND`` passes through."""
-    install(session, "numpy", "matplotlib")  # numpy: torch warns without it; matplotlib: the curve
+    install_for_here(session, "numpy", "matplotlib")  # numpy: torch warns without it; the curve
     session.run("cakeops", "info")
     session.run("python", "docs/examples/quickstart.py")
     session.run("python", "docs/examples/demo.py")
@@ -149,8 +182,11 @@ def gpu_dry_run_image(session: nox.Session) -> None:
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the documentation site; warnings fail the build."""
-    # The backends too: the dtype tables are generated from their registry (docs/hooks.py).
-    install(session, "mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10")
+    # The backends too: the dtype tables are generated from their registry (docs/hooks.py); a
+    # backend registers without its kernels' libraries, so Triton's needs no Triton here.
+    install_for_here(session, "mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10")
+    if not gpu_here():
+        session.install("--no-deps", "./packages/triton")
     session.env["NO_MKDOCS_2_WARNING"] = "1"
     session.run("mkdocs", "build", "--strict", "-f", "docs/mkdocs.yml", "-d", "../site")
 

@@ -15,3 +15,21 @@ for _info in pkgutil.iter_modules(cakeops.testing.__path__):
         globals().update(
             {k: v for k, v in vars(_module).items() if k.startswith("Test") and isinstance(v, type)}
         )
+
+
+def test_certifying_from_the_example_backends_folder_needs_no_workspace_plugin():
+    """The documented certification command, run from ``tests/example_backend`` in an
+    environment without pytest-timeout (a backend author's): no "Unknown config option" from
+    the workspace's settings (the folder has its own)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "example_backend"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=torch",
+         "-p", "no:timeout", "-p", "no:cacheprovider", "--collect-only", "-q"],
+        cwd=folder, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Unknown config option" not in done.stdout + done.stderr

@@ -217,3 +217,17 @@ def test_a_triton_row_profiles_one_step(tmp_path):
                   "profile": prof})  # fmt: skip
     text = (tmp_path / "gpu-profile.md").read_text()
     assert "### rmsnorm_silu_gate, bfloat16, cakeops [triton]" in text and "`aten::mm`" in text
+
+
+@pytest.mark.parametrize("absent", ["pytest", "xdist"])
+def test_missing_pytest_stops_the_script_with_what_to_install(tmp_path, monkeypatch, capsys,
+                                                               absent):  # fmt: skip
+    """Without pytest (or pytest-xdist) every step but preflight would fail with a module
+    error: the script says what to install and runs nothing."""
+    script = _script()
+    real = script._have
+    monkeypatch.setattr(script, "_have", lambda module: module != absent and real(module))
+    assert script.main(["--dry-run", "--out", str(tmp_path)]) == script.MISSING_TOOLS
+    err = capsys.readouterr().err
+    assert f"pip install {script.TOOLS[absent]}" in err and "nothing runs" in err
+    assert not any(tmp_path.iterdir())

@@ -110,14 +110,23 @@ def loss_and_accuracy(model, tokens, targets) -> tuple[torch.Tensor, float]:
     return loss, accuracy
 
 
-def progress(step: int, total: int, loss: float, accuracy: float) -> None:
-    """A progress bar redrawn in place on a terminal; a line every 50 steps in a log."""
+#: when the last progress line went to a log (not a terminal)
+_logged = {"at": 0.0}
+
+
+def progress(step: int, total: int, loss: float, accuracy: float, start: float) -> None:
+    """A progress bar with the rate and the time left, redrawn in place on a terminal; in a log
+    a line every 5 seconds (and at the end)."""
+    now = time.perf_counter()
+    rate = step / max(now - start, 1e-9)
     done = int(30 * step / total)
     bar = "#" * done + "." * (30 - done)
-    line = f"  [{bar}] {step:4d}/{total}  loss {loss:.3f}  acc {accuracy:.2f}"
+    line = (f"  [{bar}] {step:4d}/{total}  {rate:5.1f} steps/s  {(total - step) / rate:4.0f} s "
+            f"left  loss {loss:.3f}  acc {accuracy:.2f}")  # fmt: skip
     if sys.stdout.isatty():
         print(f"\r{line}", end="" if step < total else "\n", flush=True)
-    elif step % 50 == 0 or step == total:
+    elif now - _logged["at"] >= 5.0 or step == total:
+        _logged["at"] = now
         print(line, flush=True)
 
 
@@ -162,6 +171,7 @@ def train(model: Model) -> tuple[float, float, float, list[tuple[int, float, flo
     first = last = accuracy = float("nan")
     smooth = None
     history = []
+    start = time.perf_counter()
     for step in range(1, STEPS + 1):
         tokens, targets = mqar_batch(BATCH, generator)
         loss, accuracy = loss_and_accuracy(model, tokens, targets)
@@ -175,7 +185,7 @@ def train(model: Model) -> tuple[float, float, float, list[tuple[int, float, flo
             first = loss.item()
         history.append((step, smooth, accuracy))
         if step % 10 == 0 or step == STEPS:
-            progress(step, STEPS, smooth, accuracy)
+            progress(step, STEPS, smooth, accuracy, start)
     last = smooth
     return first, last, accuracy, history
 

@@ -41,6 +41,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 NO_DEVICE = 3  # preflight's status when the device is not there
+MISSING_TOOLS = 4  # the script's status when pytest or pytest-xdist is not installed
+#: module -> the package that brings it: what every step but preflight runs under
+TOOLS = {"pytest": "pytest", "xdist": "pytest-xdist"}
 GRACE_S = 20  # after an interrupt, how long a step may take to write its files
 
 
@@ -272,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", type=Path,
                         help="compile caches here (default: a fresh temporary folder)")  # fmt: skip
     args = parser.parse_args(argv)
+    missing = [package for module, package in TOOLS.items() if not _have(module)]
+    if missing:
+        print(f"cakeops GPU check: its steps run under {' and '.join(TOOLS.values())}; "
+              f"missing here: {', '.join(missing)} (pip install {' '.join(missing)}); nothing "
+              "runs", file=sys.stderr)  # fmt: skip
+        return MISSING_TOOLS
     default = Path(os.environ.get("OUT") or ROOT / "bench-results" / "gpu")
     out = (args.out or (default / "dry-run" if args.dry_run else default)).resolve()
     out.mkdir(parents=True, exist_ok=True)
