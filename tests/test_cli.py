@@ -27,6 +27,9 @@ def test_info_lists_versions_backends_and_picks(cmd):
     # the norm's example is a decode step's size: the njit kernel
     assert "rmsnorm_silu_gate    cpu   float16=numba  bfloat16=numba  float32=numba" in out
     assert "causal_dot_product   cpu   float16=numba  bfloat16=numba  float32=numba" in out
+    # ... for the small examples only: numba's norm takes decode-sized calls alone
+    assert "for each op's small example call; a backend may serve only some sizes" in out
+    assert "`cakeops explain OP NAME=SHAPE ...` for yours" in out
 
 
 def test_info_json_reflects_a_forced_backend():
