@@ -29,13 +29,26 @@ def gpu_here() -> bool:
     return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))
 
 
+#: Fails if the environment has a GPU-only package torch itself does not require (PyPI's CUDA
+#: build of torch brings Triton; PyTorch's CPU build brings nothing of the kind).
+CPU_ONLY_CHECK = """
+import importlib.metadata as md, importlib.util as u
+needed = " ".join(md.requires("torch") or [])
+extra = [m for m in ("triton", "numba_cuda") if u.find_spec(m) and m not in needed]
+assert not extra, f"GPU-only packages installed on a CPU machine: {extra}"
+print("nothing GPU-only installed beyond what torch requires")
+"""
+
+
 def install_for_here(session: nox.Session, *extra: str) -> None:
     """:func:`install` where a GPU is; on a CPU machine the CPU backends only: nothing that
-    runs on GPUs alone (Triton, numba-cuda and its CUDA bindings: minutes of downloads)."""
+    runs on GPUs alone (Triton, numba-cuda and its CUDA bindings: minutes of downloads),
+    checked."""
     if gpu_here():
         install(session, *extra)
-    else:
-        session.install(*CONSTRAINTS, "./spec", "./packages/torch", "./packages/numba", *extra)
+        return
+    session.install(*CONSTRAINTS, "./spec", "./packages/torch", "./packages/numba", *extra)
+    session.run("python", "-c", CPU_ONLY_CHECK)
 
 
 #: what the tests session installs besides the packages
