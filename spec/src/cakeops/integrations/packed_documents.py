@@ -63,14 +63,18 @@ def offsets_from(kwargs: dict[str, Any], length: int) -> torch.Tensor | None:
             mask = kwargs.get("attention_mask")
             if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
                 return None
-            starts = (ids[0, 1:] != ids[0, :-1] + 1).nonzero().flatten() + 1
-        else:
-            starts = (ids[0, 1:] != ids[0, :-1]).nonzero().flatten() + 1
-        if not starts.numel():
-            return None
-        ends = torch.tensor([0, length], device=ids.device)
-        return torch.cat([ends[:1], starts, ends[1:]]).to(torch.int32)
+        offsets = boundaries(ids[0], step=1 if name == "position_ids" else 0)
+        return offsets.to(torch.int32) if offsets.numel() > 2 else None
     return None
+
+
+def boundaries(ids: torch.Tensor, step: int) -> torch.Tensor:
+    """The offsets (int64, from 0 to ``len(ids)``) of the runs of ``ids`` (1-D) in which each
+    entry is its predecessor plus ``step``: a document's positions (``step`` 1) or its
+    ``seq_idx`` (``step`` 0). Reads where they change: a synchronisation on a GPU."""
+    starts = (ids[1:] != ids[:-1] + step).nonzero().flatten() + 1
+    ends = torch.tensor([0, ids.numel()], device=ids.device)
+    return torch.cat([ends[:1], starts, ends[1:]])
 
 
 def _length(args: tuple, kwargs: dict[str, Any]) -> int | None:

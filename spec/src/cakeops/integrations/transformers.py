@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from cakeops._spec import compute_dtype
-from cakeops.integrations.packed_documents import keep_documents_apart
+from cakeops.integrations.packed_documents import boundaries, keep_documents_apart
 from cakeops.ops.causal_conv1d import ACTIVATIONS as CONV_ACTIVATIONS
 from cakeops.ops.causal_conv1d import causal_conv1d
 from cakeops.ops.causal_dot_product import causal_dot_product
@@ -501,12 +501,7 @@ def _packed_offsets(x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | N
     if cu is not None:
         return cu
     seq_idx = kwargs.get("seq_idx")
-    if seq_idx is None:
-        return None
-    ids = seq_idx.reshape(-1)
-    starts = (ids[1:] != ids[:-1]).nonzero().flatten() + 1
-    ends = torch.tensor([0, ids.numel()], device=ids.device)
-    return torch.cat([ends[:1], starts, ends[1:]])
+    return None if seq_idx is None else boundaries(seq_idx.reshape(-1), step=0)
 
 
 def _conv(x, weight, bias, activation, **options):
