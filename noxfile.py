@@ -122,7 +122,8 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Side-by-side benchmarks: time ratios, peak and saved memory (``-- --quick``: small)."""
     install(session, "numpy", "matplotlib")
-    # A full run refreshes the figures and plots the docs show; a --quick run only prints.
+    # A full run refreshes the figures, the records (docs/bench/cpu/<op>.json) and the plots the
+    # docs show; a --quick run only prints.
     record = ["--markdown", "docs/bench/cpu", "--plots", "docs/content/bench/cpu"]
     record = [] if "--quick" in session.posargs else record
     session.run("cakeops", "bench", "--json", "bench-results/bench.json", *record, *session.posargs)
@@ -153,28 +154,35 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "cakeops.bench.expert_parallel", *ep)
 
 
+#: The Triton versions the compile check runs on: the GPU image's (its table is the docs') and
+#: the one PyPI's torch 2.13.0 requires (the pins').
+COMPILE_TRITONS = ("3.6.0", "3.7.1")
+
+
 @nox.session
-def gpu_compile(session: nox.Session) -> None:
+@nox.parametrize("triton", COMPILE_TRITONS, ids=[v.rsplit(".", 1)[0] for v in COMPILE_TRITONS])
+def gpu_compile(session: nox.Session, triton: str) -> None:
     """Compile every Triton and numba-cuda kernel for sm_90 (H100/H200) and sm_80 (A100) without
     a GPU, at every config the host code reaches at the conformance and benchmark shapes, then
     the Triton kernels over the resource sweep; write ``bench-results/gpu-compile.json`` and the
     table in ``docs/content/gpu.md``; fail on compile errors, 16-bit spills, shared memory over
-    the limit and 16-bit ``tl.dot`` s on FMA."""
+    the limit and 16-bit ``tl.dot`` s on FMA. On the other Triton version, the Triton kernels
+    alone (``bench-results/triton-<version>/``), to the same rules."""
     # NVVM and NVRTC for numba-cuda's compile_ptx (and their ptxas); Triton ships its own.
     # pytest: the shapes come from the conformance suite's modules.
     install(session, "pytest", "nvidia-cuda-nvcc-cu12", "nvidia-cuda-nvrtc-cu12")
-    # The GPU image's Triton compiles the kernels (the pins' 3.7.1 runs them in the interpreter:
-    # its compiler spills 16 bytes in three configs the rules keep, to be tuned for it)
-    session.install("--no-deps", GPU_IMAGE_TRITON)
-    session.run(
-        "python", "tests/gpu_compile/run_all.py", "--docs", "docs/content/gpu.md", *session.posargs
-    )
+    session.install("--no-deps", f"triton=={triton}")
+    image = f"triton=={triton}" == GPU_IMAGE_TRITON
+    out = [] if image else ["--out", f"bench-results/triton-{triton}"]
+    first = ["--docs", "docs/content/gpu.md"] if image else ["--triton-only", *out]
+    session.run("python", "tests/gpu_compile/run_all.py", *first, *session.posargs)
     # The resource sweep: every config the rules keep at shapes no test uses (head sizes 16-256,
     # non-power-of-two D and F), 16-bit and mixed: fails on any spill.
     if "--sweep" not in session.posargs:
-        session.run("python", "tests/gpu_compile/run_all.py", "--sweep")
+        session.run("python", "tests/gpu_compile/run_all.py", "--sweep", *out)
     # The predicted H200 table (roofline per launch at the benchmark shapes).
-    session.run("python", "tests/gpu_compile/predict.py", "--docs", "docs/content/gpu.md")
+    if image:
+        session.run("python", "tests/gpu_compile/predict.py", "--docs", "docs/content/gpu.md")
 
 
 #: The GPU image's versions: its torch (2.11, the CUDA build from PyPI: on a machine without a

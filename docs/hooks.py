@@ -9,6 +9,11 @@ implements OP: the input dtypes it declares and the devices it serves with their
 A page line ``<!-- cakeops:ops -->`` becomes the table of every op in the specs: its page, what
 it computes (its function's summary line), the tensors it differentiates and the backends that
 implement it. A new op appears there with no edit of the page.
+
+A page line ``<!-- cakeops:plots -->`` becomes, per op with a saved CPU record
+(``docs/bench/cpu/<op>.json``, which ``nox -s bench`` writes), a heading and that run's figures
+(``content/bench/cpu/<op>/``, one per case), linked at full size: a new case or op appears with
+no edit of the page, and a figure no record names is reported.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from pathlib import Path
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 MARKER = re.compile(r"^<!-- cakeops:dtypes (\w+) -->$", re.M)
 OPS_MARKER = re.compile(r"^<!-- cakeops:ops -->$", re.M)
+PLOTS_MARKER = re.compile(r"^<!-- cakeops:plots -->$", re.M)
+DOCS = Path(__file__).parent
 
 
 def _summary(doc: str | None) -> str:
@@ -42,6 +49,36 @@ def _ops_table() -> str:
         lines.append(f"| [`{op}`](ops/{op}.md) | {_summary(function.__doc__)} | {grads} | "
                      f"{backends} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def plots_section() -> str:
+    """Every saved CPU record's figures, op by op in the specs' order, as page-relative links;
+    a ``ValueError`` for a figure missing or one that no record names."""
+    import json
+
+    from cakeops.bench.plots import plot_paths
+    from cakeops.ops import SPECS
+
+    folder = DOCS / "content" / "bench" / "cpu"
+    named: set[Path] = set()
+    parts = []
+    for op in SPECS:
+        saved = DOCS / "bench" / "cpu" / f"{op}.json"
+        if not saved.exists():
+            continue
+        record = json.loads(saved.read_text())
+        parts.append(f"### `{op}`\n")
+        for row, path in zip(record["results"][op], plot_paths(record, folder)[op], strict=True):
+            if not path.exists():
+                raise ValueError(f"{path} is missing: cakeops bench --from-json {saved} --plots "
+                                 f"{folder}")  # fmt: skip
+            named.add(path)
+            link = path.relative_to(DOCS / "content").as_posix()
+            parts.append(f"[![{op}, {row['case']}, {row['dtype']}]({link})]({link})\n")
+    stray = sorted(set(folder.rglob("*.png")) - named)
+    if stray:
+        raise ValueError(f"figures no saved record names: {[str(p) for p in stray]}")
+    return "\n".join(parts)
 
 
 def _table(op: str) -> str:
@@ -73,6 +110,7 @@ def _table(op: str) -> str:
 
 def on_page_markdown(markdown: str, **_kwargs) -> str:
     markdown = OPS_MARKER.sub(lambda m: _ops_table(), markdown)
+    markdown = PLOTS_MARKER.sub(lambda m: plots_section(), markdown)
     return MARKER.sub(lambda m: _table(m.group(1)), markdown)
 
 

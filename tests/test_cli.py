@@ -74,13 +74,24 @@ def test_bench_renders_tables_and_plots_from_a_saved_record(tmp_path):
         "cakeops", "bench", "--from-json", str(saved), "--op", "rmsnorm_silu_gate",
         "--markdown", str(tmp_path / "md"), "--plots", str(tmp_path / "png"),
     )  # fmt: skip
-    assert sorted(p.name for p in (tmp_path / "png").iterdir()) == ["rmsnorm_silu_gate.png"]
-    assert (tmp_path / "png" / "rmsnorm_silu_gate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # one figure per case, at the docs' text width (7.5 in at 110 dpi), one case high
+    figures = sorted(p.relative_to(tmp_path / "png") for p in (tmp_path / "png").rglob("*.png"))
+    assert [str(p) for p in figures] == ["rmsnorm_silu_gate/rows-8-d-4-float32.png"]
+    png = (tmp_path / "png" / figures[0]).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert width == 825 and height < 500, (width, height)
     table = (tmp_path / "md" / "rmsnorm_silu_gate.md").read_text()
     assert "| cakeops [torch] | 500.0 | 2.00x | 0.5 | 0.0 | 20% of copy bandwidth |" in table
     assert "| eager composite | 1000.0 | 1.00x | 1.0 | 0.0 | 10% of copy bandwidth |" in table
     assert "copy bandwidth 1.0 GB/s, float32 matmul 10 GFLOP/s" in table
     assert "wrote" in out and not (tmp_path / "md" / "moe_experts.md").exists()
+    # the op's record beside its table: the plots can be drawn again from it alone
+    kept = json.loads((tmp_path / "md" / "rmsnorm_silu_gate.json").read_text())
+    assert list(kept["results"]) == ["rmsnorm_silu_gate"] and kept["date"] == record["date"]
+    run("cakeops", "bench", "--from-json", str(tmp_path / "md" / "rmsnorm_silu_gate.json"),
+        "--plots", str(tmp_path / "again"))  # fmt: skip
+    assert (tmp_path / "again" / figures[0]).is_file()
 
 
 def test_info_reports_a_malformed_backend_variable_without_a_traceback():
@@ -348,6 +359,17 @@ def test_every_plot_gives_a_contender_the_same_colour(tmp_path, monkeypatch):
     assert all(len(c) == 1 for c in seen.values()), seen
     assert len({next(iter(c)) for c in seen.values()}) == len(seen) == 5
     assert seen["cakeops [torch]"] == {plots.BACKEND_COLOURS["cakeops [torch]"]}
+    # the same over records saved apart (one per op, as the docs keep them), drawn together
+    from cakeops.bench import rerender
+
+    seen.clear()
+    paths = []
+    for op, rows in record["results"].items():
+        paths.append(tmp_path / f"{op}.json")
+        paths[-1].write_text(json.dumps({**record, "results": {op: rows}}))
+    assert rerender([str(p) for p in paths], None, plots_dir=str(tmp_path / "apart")) == 0
+    assert all(len(c) == 1 for c in seen.values()), seen
+    assert len({next(iter(c)) for c in seen.values()}) == len(seen) == 5
 
 
 @pytest.mark.parametrize(

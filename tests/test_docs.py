@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 from cakeops.ops import SPECS
@@ -27,3 +28,20 @@ def test_home_page_lists_every_op_from_the_specs():
         assert f"(ops/{op}.md)" in row and (ROOT / "docs" / "content" / "ops" / f"{op}.md").exists()
         assert "`torch`" in row and "`reference`" in row
         assert all(f"`{name}`" in row for name in SPECS[op].differentiable)
+
+
+def test_benchmarks_page_shows_every_op_figure_by_figure():
+    """Every op has a saved CPU record and its figures, one per case at the page's text width
+    (7.5 in at 110 dpi) and one case high; the page's section lists exactly those."""
+    page = (ROOT / "docs" / "content" / "benchmarks.md").read_text()
+    assert "<!-- cakeops:plots -->" in page
+    section = _hooks().plots_section()
+    assert [line[5:-1] for line in section.splitlines() if line.startswith("### ")] == [
+        f"{op}" for op in SPECS
+    ]
+    links = re.findall(r"\]\((bench/cpu/[^)]+\.png)\)", section)
+    assert links and len(links) == 2 * len(set(links))  # each image links to itself
+    for link in set(links):
+        png = (ROOT / "docs" / "content" / link).read_bytes()
+        width, height = (int.from_bytes(png[i : i + 4], "big") for i in (16, 20))
+        assert width == 825 and height <= 700, (link, width, height)

@@ -164,10 +164,16 @@ def _device_problem(device: str) -> str | None:
     return None
 
 
-def _record_problem(path: str | None) -> str | None:
-    """Why ``--from-json`` names no benchmark record, or None."""
-    if path is None:
-        return None
+def _record_problem(paths: list[str] | None) -> str | None:
+    """Why a ``--from-json`` names no benchmark record, or None."""
+    for path in paths or ():
+        problem = _one_record_problem(path)
+        if problem:
+            return problem
+    return None
+
+
+def _one_record_problem(path: str) -> str | None:
     try:
         record = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -271,14 +277,20 @@ def _main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="small shapes, few repeats: indicative figures only"
     )
     p_bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p_bench.add_argument("--markdown", metavar="DIR", help="also write DIR/<op>.md tables")
     p_bench.add_argument(
-        "--plots", metavar="DIR", help="also write DIR/<op>.png (time, peak memory; matplotlib)"
+        "--markdown", metavar="DIR", help="also write DIR/<op>.md tables and DIR/<op>.json records"
+    )
+    p_bench.add_argument(
+        "--plots",
+        metavar="DIR",
+        help="also write DIR/<op>/<case>-<dtype>.png (time, peak memory; matplotlib)",
     )
     p_bench.add_argument(
         "--from-json",
         metavar="PATH",
-        help="measure nothing: write --markdown/--plots from a saved --json record",
+        action="append",
+        help="measure nothing: write --markdown/--plots from saved records (--json's, or "
+        "--markdown's <op>.json; repeatable, one colour per contender over all of them)",
     )
     args = parser.parse_args(argv)
     if args.command == "explain":

@@ -1,8 +1,9 @@
-"""Plots: per op, each case's speed-ups over the baseline above the peak memory, each contender
-in its own colour in every plot of a run (matplotlib)."""
+"""Plots: one figure per op and case, each contender's speed-up over the baseline above its peak
+memory, each contender in its own colour in every figure of a run (matplotlib)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -65,14 +66,34 @@ def colours(record: dict[str, Any]) -> dict[str, str]:
     return colour_of
 
 
+def slug(text: str) -> str:
+    """A case's name as a file name: lower case, runs of other characters as one ``-``."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def plot_paths(record: dict[str, Any], directory: str | Path) -> dict[str, list[Path]]:
+    """Where :func:`write_plots` puts each op's figures: ``<directory>/<op>/<case>-<dtype>.png``,
+    one per case, in the record's order."""
+    directory = Path(directory)
+    return {
+        op: [directory / op / f"{slug(row['case'])}-{row['dtype']}.png" for row in rows]
+        for op, rows in record["results"].items()
+    }
+
+
+#: Figure width in inches at ``DPI``: about the docs' text width, so labels read at their
+#: printed size without zooming.
+WIDTH_IN, DPI = 7.5, 110
+
+
 def write_plots(
     record: dict[str, Any], directory: str | Path, colour_of: dict[str, str] | None = None
 ) -> list[Path]:
-    """Write ``<directory>/<op>.png`` for every op in ``record``: per case, each
-    implementation's speed-up over the baseline above its peak memory, as labelled horizontal
-    bars on linear axes (an outlier bar is cut and says so), as wide as the docs' text, each
-    contender in its colour of ``colour_of`` (by default :func:`colours` of ``record``). Needs
-    matplotlib."""
+    """Write one figure per op and case (see :func:`plot_paths`): each implementation's
+    speed-up over the baseline above its peak memory, as labelled horizontal bars on linear
+    axes (an outlier bar is cut and says so), as wide as the docs' text, titled with the case
+    and the run's machine and date, each contender in its colour of ``colour_of`` (by default
+    :func:`colours` of ``record``). Needs matplotlib."""
     try:
         import matplotlib
 
@@ -80,43 +101,35 @@ def write_plots(
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise RuntimeError("plots need matplotlib (pip install matplotlib)") from e
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     m = record["machine"]
     color_of = colour_of or colours(record)
+    machine = (f"{m['device']} ({m['processor']}, {m['threads']} threads), torch {m['torch']}, "
+               f"{record['date'][:10]}")  # fmt: skip
     written = []
     for op, rows in record["results"].items():
-        # Per case a speed-up panel above a memory panel, 7.5 inches wide: about the docs'
-        # text width at 110 dpi, so the labels read at their printed size.
-        heights = [h for row in rows for h in [0.32 * len(row["results"]) + 0.7] * 2]
-        fig, axes = plt.subplots(
-            len(heights), 1, figsize=(7.5, sum(heights) + 0.4), dpi=110, squeeze=False,
-            gridspec_kw={"height_ratios": heights},
-        )  # fmt: skip
-        pairs = zip(axes[0::2, 0], axes[1::2, 0], rows, strict=True)
-        for ax_time, ax_mem, row in pairs:
+        for row, path in zip(rows, plot_paths(record, directory)[op], strict=True):
             results, baseline = row["results"], row["baseline"]
             names = list(results)
+            panel = 0.32 * len(names) + 0.7
+            title = 0.55
+            fig, (ax_time, ax_mem) = plt.subplots(
+                2, 1, figsize=(WIDTH_IN, 2 * panel + title), dpi=DPI, layout="constrained"
+            )
             base = results[baseline]["time_s"]
             speedups = [base / results[n]["time_s"] for n in names]
             peaks = [results[n]["peak_bytes"] / 2**20 for n in names]
             colors = [color_of[n] for n in names]
-            case = f"{row['case']}, {row['dtype']}"
             _bars(ax_time, names, speedups,
                   [f"{s:.2f}x ({results[n]['time_s'] * 1e3:.1f} ms)" for s, n in
                    zip(speedups, names, strict=True)],
-                  colors, f"{case}: speed-up over {baseline}")  # fmt: skip
+                  colors, f"speed-up over {baseline}")  # fmt: skip
             ax_time.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
             _bars(ax_mem, names, peaks, [f"{p:.1f} MiB" for p in peaks], colors,
-                  f"{case}: peak memory (MiB)", smallest_visible=True)  # fmt: skip
-        fig.suptitle(
-            f"{op} forward+backward on {m['device']} ({m['processor']}, {m['threads']} threads), "
-            f"torch {m['torch']}, {record['date'][:10]}",
-            fontsize=9,
-        )
-        fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / (sum(heights) + 0.4)))
-        path = directory / f"{op}.png"
-        fig.savefig(path)
-        plt.close(fig)
-        written.append(path)
+                  "peak memory (MiB)", smallest_visible=True)  # fmt: skip
+            fig.suptitle(f"{op} forward+backward, {row['case']}, {row['dtype']}\n{machine}",
+                         fontsize=9)  # fmt: skip
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(path)
+            plt.close(fig)
+            written.append(path)
     return written

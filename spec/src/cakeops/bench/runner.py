@@ -25,23 +25,33 @@ def _write_outputs(record, json_path, markdown_dir, plots_dir, colour_of=None) -
     if markdown_dir:
         for path in write_markdown(record, markdown_dir):
             print(f"wrote {path}")
+        # each op's record beside its table, so that its plots can be drawn again
+        for op, rows in record["results"].items():
+            path = Path(markdown_dir) / f"{op}.json"
+            path.write_text(json.dumps({**record, "results": {op: rows}}, indent=1) + "\n")
+            print(f"wrote {path}")
     if plots_dir:
         for path in write_plots(record, plots_dir, colour_of):
             print(f"wrote {path}")
 
 
 def rerender(
-    json_path: str,
+    json_paths: list[str],
     ops: list[str] | None,
     markdown_dir: str | None = None,
     plots_dir: str | None = None,
 ) -> int:
-    """Tables and plots from a saved record (``cakeops bench --from-json``), no measuring."""
-    record = json.loads(Path(json_path).read_text())
-    colour_of = colours(record)  # an op's plot keeps the colours of the whole record's
-    if ops:
-        record["results"] = {op: r for op, r in record["results"].items() if op in ops}
-    _write_outputs(record, None, markdown_dir, plots_dir, colour_of)
+    """Tables and plots from saved records (``cakeops bench --from-json``), no measuring; every
+    contender keeps one colour over all of them."""
+    records = [json.loads(Path(p).read_text()) for p in json_paths]
+    every_op = {"results": {f"{i}:{op}": rows for i, r in enumerate(records)
+                            for op, rows in r["results"].items()}}  # fmt: skip
+    colour_of = colours(every_op)
+    for record in records:
+        if ops:
+            record["results"] = {op: r for op, r in record["results"].items() if op in ops}
+        if record["results"]:
+            _write_outputs(record, None, markdown_dir, plots_dir, colour_of)
     return 0
 
 
