@@ -3,6 +3,7 @@ sm_80, numba-cuda kernels for compute capability 9.0 and 8.0, then the report, w
 what a GPU would reject or run badly. Independent parts run side by side.
 
     python tests/gpu_compile/run_all.py [--out bench-results] [--docs docs/content/gpu.md]
+                                        [--triton-only | --sweep]
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--docs", type=Path)
     parser.add_argument(
+        "--triton-only",
+        action="store_true",
+        help="the Triton kernels alone (another Triton version: numba's kernels do not change)",
+    )
+    parser.add_argument(
         "--sweep",
         action="store_true",
         help="compile the resource sweep's shapes instead (16-bit and mixed)",
@@ -63,10 +69,11 @@ def main() -> None:
         )
         for arch, part in zip(ARCHS, parts, strict=True)
     }  # fmt: skip
-    if args.sweep:  # the Triton kernels' configs only
+    if args.sweep or args.triton_only:  # the Triton kernels' configs only
         wait(procs)
         report = [str(HERE / "report.py"), *map(str, parts)]
-        report += ["--json", str(args.out / "gpu-compile-sweep.json")]
+        name = "gpu-compile-sweep.json" if args.sweep else "gpu-compile.json"
+        report += ["--json", str(args.out / name)]
         sys.exit(subprocess.run([sys.executable, *report]).returncode)
     record = start(
         [str(HERE / "numba_check.py"), "record", "--out", str(sigs)],

@@ -129,8 +129,11 @@ def _prune(configs, args, **kwargs):
         )
     ]
     # every warp holds at least one m16n8 tensor-core tile of the chunk's BLOCK_L x BLOCK_M
-    # products (more warps would repeat each other's work on them)
-    kept = [c for c in kept if c.num_warps * MMA_TILE <= c.kwargs["BLOCK_L"] * block_m] or kept
+    # products (more warps would repeat each other's work on them); not for the untuned kernel
+    # with log multipliers, which takes the shortest chunk: its run-time flags and the decays'
+    # squares spilled at 32 positions on sm_80 (Triton 3.7) where no count above sees it
+    if not (args.get("UNTUNED") and kwargs.get("HAS_LM", False)):
+        kept = [c for c in kept if c.num_warps * MMA_TILE <= c.kwargs["BLOCK_L"] * block_m] or kept
     return kept or [c for c in configs if c.kwargs["BLOCK_L"] == 16 and c.num_warps == 8][:1]
 
 

@@ -183,9 +183,12 @@ def _prune_grad(configs, args, **kwargs):
     accumulator within the register budget (wgmma's on sm_90, mma.sync's before), from
     ``WIDE_ENOUGH_TILES`` tiles 128 rows of P or more; a layout not aligned to 16 elements
     (``LAYOUT`` 0: masked loads one element at a time) the smallest 16-bit tile (a 128 x 64
-    one spilled 36 bytes on sm_90 at D 1000)."""
+    one spilled 36 bytes on sm_90 at D 1000). A scaled ``A`` tile is staged in float32
+    registers before its product: the accumulator then gets half the budget."""
     small = kwargs["DTYPE"] == tl.float32
     budget = ACC_REGISTERS["registers" if mma_operands_in_registers() else "wgmma"]
+    if kwargs["SCALED_A"]:
+        budget //= 2
     wide_enough = args["P_BUCKET"] * args["Q_BUCKET"] >= WIDE_ENOUGH_TILES * 128 * 128
     smallest = min((c.kwargs["BLOCK_P"] for c in configs if c.kwargs["BLOCK_P"] > 32), default=32)
     if not args["LAYOUT"]:  # rows loaded element by element: the smallest tile fits
