@@ -253,3 +253,42 @@ def test_the_tuned_kernels_match_the_reference_too():
         [sys.executable, "-c", TUNED_PATH], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+CHUNK_ROUTES = textwrap.dedent(
+    """
+    import torch
+    from cakeops_triton import gated_delta_rule as gdr
+    taken = []
+    for name in ("chunk", "fused_recurrent"):
+        module = getattr(gdr, name)
+        module.forward = (lambda f, n: lambda *a: taken.append(n) or f(*a))(module.forward, name)
+
+    def call(L, K, kda=False):
+        q = torch.randn(1, 1, L, K)
+        k = torch.nn.functional.normalize(torch.randn(1, 1, L, K), dim=-1)
+        v = torch.randn(1, 2, L, 3)
+        g = -torch.rand(1, 2, L, *((K,) if kda else ()))
+        return gdr.forward(q, k, v, g, torch.rand(1, 2, L), K**-0.5, None, True, None, True)
+
+    for L, K, kda, want in ((gdr.CHUNKED_FROM, 8, False, "chunk"),
+                            (gdr.CHUNKED_FROM - 1, 8, False, "fused_recurrent"),
+                            (gdr.CHUNKED_FROM, 8, True, "fused_recurrent"),
+                            (gdr.CHUNKED_FROM, gdr.chunk.MAX_K + 1, False, "fused_recurrent")):
+        taken.clear()
+        call(L, K, kda)
+        assert taken == [want], (L, K, kda, taken)
+    print("ok")
+    """
+)
+
+
+def test_the_delta_rule_forward_takes_the_chunked_kernels_where_they_serve():
+    """Scalar gates, key heads up to ``chunk.MAX_K`` and at least ``CHUNKED_FROM`` positions:
+    the chunked kernels (the conformance suite checks their results); shorter calls, KDA and
+    wider heads: the step kernels. The same rule on a GPU and in the interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", CHUNK_ROUTES], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""The gated delta rule (and KDA) in Triton, step by step with the state in registers.
+"""The gated delta rule (and KDA) step by step, with the state in registers.
 
 One program owns a sequence, a value head and a block of ``BV`` value columns. The state's
 columns evolve independently (``u_t = beta_t (v_t - S^T k_t)`` is per column), so the program
@@ -16,9 +16,8 @@ are per block of columns and per value head, added up afterwards (several value 
 key head). Gates enter only as ``exp(g_t)`` of one step (``g_t <= 0``): a gate of ``-inf`` is an
 exact reset. Every sum runs in a fixed order: deterministic.
 
-These kernels do one position at a time with no tensor cores: correct everywhere, and the
-path for short calls (decoding), not yet the chunked tensor-core form long training sequences
-want (see the op's page).
+These kernels do one position at a time with no tensor cores: the path for short calls
+(decoding), for KDA, and for every backward until the chunked form has one (:mod:`.chunk`).
 """
 
 from __future__ import annotations
