@@ -292,3 +292,25 @@ def test_the_delta_rule_forward_takes_the_chunked_kernels_where_they_serve():
         [sys.executable, "-c", CHUNK_ROUTES], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+def test_the_delta_rule_step_kernels_are_chosen_on_cuda_for_a_decode_step_only():
+    """On CUDA, Triton ranks above torch for the gated delta rule (a decode step is one launch
+    of its step kernel, against the chunked form's dozen) and passes over calls longer than
+    ``DELTA_RULE_POSITIONS``, whose step-by-step backward loses to torch's chunked one."""
+    import cakeops_triton
+    from cakeops.ops import SPECS
+    from cakeops_torch import backend as torch_backend
+
+    triton_backend = cakeops_triton.backend
+    kernels = triton_backend.ops["gated_delta_rule"]
+    assert kernels.priority("cuda") > torch_backend.ops["gated_delta_rule"].priority("cuda")
+    spec = SPECS["gated_delta_rule"]
+    longest = cakeops_triton.DELTA_RULE_POSITIONS
+    for L, kda in ((1, False), (longest, True), (longest + 1, False), (4096, True)):
+        q = torch.randn(1, 2, L, 8)
+        g = -torch.rand(1, 4, L, *((8,) if kda else ()))
+        inputs = spec.inputs(q=q, k=q, v=torch.randn(1, 4, L, 6), g=g, beta=torch.rand(1, 4, L))
+        reasons = triton_backend.not_preferred_reasons("gated_delta_rule", inputs)
+        assert bool(reasons) == (longest < L), (L, reasons)
+        assert not reasons or f"up to {longest} positions" in reasons[0]

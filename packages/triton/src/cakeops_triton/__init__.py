@@ -19,6 +19,12 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
 # Highest priority on GPUs; on the CPU only through the interpreter, and only when forced.
 DEVICES: dict[str, int | None] = {"cuda": 100, **({"cpu": None} if INTERPRET else {})}
+#: The longest ``gated_delta_rule`` call (positions: a batch row's, or the packed row's) chosen
+#: implicitly: a decode step, or a few speculative tokens, as one launch of the step kernel
+#: where the torch backend's chunked form makes a dozen launches. Longer calls, training's,
+#: go to the torch backend, whose backward is chunked (Triton's runs step by step); named, the
+#: backend runs them all.
+DELTA_RULE_POSITIONS = 64
 
 
 class TritonBackend(Backend):
@@ -28,6 +34,15 @@ class TritonBackend(Backend):
         if not torch.cuda.is_available() and not INTERPRET:
             return "no CUDA or ROCm device (TRITON_INTERPRET=1 runs the kernels on CPU tensors)"
         return None
+
+    def not_preferred_reasons(self, op, inputs) -> list[str]:
+        if op == "gated_delta_rule" and inputs.q.shape[2] > DELTA_RULE_POSITIONS:
+            return [
+                f"chosen implicitly for calls of up to {DELTA_RULE_POSITIONS} positions (a "
+                f"decode step: one launch), got {inputs.q.shape[2]}; its backward runs step by "
+                "step, where the torch backend's is chunked"
+            ]
+        return []
 
     def not_supported_reasons(self, op, inputs) -> list[str]:
         reasons = super().not_supported_reasons(op, inputs)
@@ -50,8 +65,5 @@ backend = TritonBackend(
         __name__,
         devices=DEVICES,
         dtypes=DTYPES,
-        # step by step: below torch's chunked products on CUDA until it is chunked too (the H200
-        # forecast puts its training backward at 0.16-0.9 s at the GPU bench's shape), by name
-        overrides={"gated_delta_rule": {"devices": {**DEVICES, "cuda": 5}}},
     ),
 )
