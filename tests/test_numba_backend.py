@@ -629,3 +629,20 @@ def test_cpu_kernel_without_numba_cuda(tmp_path):
     reason, chosen = proc.stdout.split("\n")[:2]
     assert reason == "numba-cuda is not installed: pip install 'cakeops-numba[cuda]'"
     assert chosen == "numba"
+
+
+def test_compile_check_records_the_scalar_types_a_launch_passes(monkeypatch):
+    """The kernels take ``float32(scale)``: the compile check compiles them with a float32
+    argument, as a GPU launch does (it recorded every float as float64, kernels with float64
+    arithmetic that no launch runs); Python numbers keep numba's int64 and float64."""
+    from numba import types
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "gpu_compile"))
+    import numba_check
+
+    for value, name in ((np.float32(0.5), "float32"), (0.5, "float64"), (np.int32(3), "int32"),
+                        (3, "int64"), (True, "bool")):  # fmt: skip
+        spec = numba_check._arg_type(value)
+        assert spec == [name], (value, spec)
+        assert numba_check._numba_type(spec) == getattr(types, name if name != "bool" else
+                                                        "boolean")  # fmt: skip

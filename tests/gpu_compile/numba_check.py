@@ -45,9 +45,13 @@ def _arg_type(arg) -> list:
         return ["array", array.dtype.str, array.ndim, layout]
     if isinstance(arg, (bool, np.bool_)):
         return ["bool"]
-    if isinstance(arg, (int, np.integer)):
+    # a NumPy scalar (numba's float32(x) gives one) launches with its own width, as on a GPU;
+    # a Python int or float as numba types it, int64 or float64
+    if isinstance(arg, (np.integer, np.floating)):
+        return [np.dtype(type(arg)).name]
+    if isinstance(arg, int):
         return ["int64"]
-    if isinstance(arg, (float, np.floating)):
+    if isinstance(arg, float):
         return ["float64"]
     raise TypeError(f"kernel argument of type {type(arg).__name__} is not handled")
 
@@ -89,7 +93,9 @@ def _numba_type(spec):
 
     if spec[0] == "array":
         return types.Array(from_dtype(np.dtype(spec[1])), spec[2], spec[3])
-    return {"bool": types.boolean, "int64": types.int64, "float64": types.float64}[spec[0]]
+    if spec[0] == "bool":
+        return types.boolean
+    return from_dtype(np.dtype(spec[0]))
 
 
 def _ptxas() -> str:
