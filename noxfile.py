@@ -183,11 +183,16 @@ def gpu_compile(session: nox.Session, triton: str) -> None:
     image = f"triton=={triton}" == GPU_IMAGE_TRITON
     out = [] if image else ["--out", f"bench-results/triton-{triton}"]
     first = ["--docs", "docs/content/gpu.md"] if image else ["--triton-only", *out]
-    session.run("python", "tests/gpu_compile/run_all.py", *first, *session.posargs)
+    asked = [a for a in session.posargs if a != "--full"]
+    session.run("python", "tests/gpu_compile/run_all.py", *first, *asked)
     # The resource sweep: every config the rules keep at shapes no test uses (head sizes 16-256,
-    # non-power-of-two D and F), 16-bit and mixed: fails on any spill.
-    if "--sweep" not in session.posargs:
-        session.run("python", "tests/gpu_compile/run_all.py", "--sweep", *out)
+    # non-power-of-two D and F), 16-bit and mixed: fails on any spill. One 16-bit dtype per
+    # version (their register counts differ by a few at most; each is swept on one compiler),
+    # both with -- --full.
+    if "--sweep" not in asked:
+        sixteen = [] if "--full" in session.posargs else ["--dtype", "bfloat16" if image else
+                                                          "float16"]  # fmt: skip
+        session.run("python", "tests/gpu_compile/run_all.py", "--sweep", *sixteen, *out)
     # The predicted H200 table (roofline per launch at the benchmark shapes).
     if image:
         session.run("python", "tests/gpu_compile/predict.py", "--docs", "docs/content/gpu.md")

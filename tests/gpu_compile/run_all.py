@@ -40,6 +40,12 @@ def wait(procs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
         sys.exit(f"the compile check could not run: {', '.join(failed)}")
 
 
+def dtype_args(args) -> list[str]:
+    """The Triton check's dtypes: those asked for, or the 16-bit ones for ``--triton-only``."""
+    dtypes = args.dtype or (["bfloat16", "float16"] if args.triton_only else [])
+    return [a for d in dtypes for a in ("--dtype", d)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
@@ -49,6 +55,12 @@ def main() -> None:
         action="store_true",
         help="the Triton kernels alone, 16-bit (another Triton version: numba's kernels do not "
         "change, and what fails the check besides a compile error is 16-bit)",
+    )
+    parser.add_argument(
+        "--dtype",
+        action="append",
+        choices=["float32", "float16", "bfloat16"],
+        help="only these input dtypes (repeatable; default: all the check takes)",
     )
     parser.add_argument(
         "--sweep",
@@ -65,7 +77,7 @@ def main() -> None:
         f"triton sm_{arch}": (
             start([str(HERE / "triton_check.py"), "--arch", str(arch), "--out", str(part),
                    *(["--sweep"] if args.sweep else []),
-                   *(["--dtype", "bfloat16", "--dtype", "float16"] if args.triton_only else [])],
+                   *dtype_args(args)],
                   work / f"triton-{arch}.log", TRITON_CACHE_DIR=cache),
             work / f"triton-{arch}.log",
         )
