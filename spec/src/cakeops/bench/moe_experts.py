@@ -30,19 +30,25 @@ def gemm_work(T: int, D: int, F: int, top_k: int) -> Work:
 
 
 def eager_loop(x, router_logits, w_gate, w_up, w_down, top_k):
-    """The HF-style loop: softmax top-k, then per expert a gather, SwiGLU, and index_add_."""
+    """The HF-style loop: softmax top-k, then :func:`eager_experts`."""
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float)
     weights, selected = torch.topk(probs, top_k, dim=-1)
     weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+    return eager_experts(x, selected, weights, w_gate, w_up, w_down)
+
+
+def eager_experts(x, top_k_index, top_k_weights, w_gate, w_up, w_down):
+    """transformers' eager experts: per expert hit, its rows gathered, SwiGLU, weighted and
+    added back with ``index_add_``."""
     out = torch.zeros_like(x)
-    mask = F.one_hot(selected, num_classes=w_gate.shape[0]).permute(2, 1, 0)
+    hit = F.one_hot(top_k_index, num_classes=w_gate.shape[0]).permute(2, 1, 0)
     for e in range(w_gate.shape[0]):
-        slot, token = torch.where(mask[e])
+        slot, token = torch.where(hit[e])
         if token.numel() == 0:
             continue
         rows = x[token]
         h = F.silu(rows @ w_gate[e].T) * (rows @ w_up[e].T)
-        out.index_add_(0, token, (h @ w_down[e].T) * weights[token, slot, None])
+        out.index_add_(0, token, (h @ w_down[e].T) * top_k_weights[token, slot, None])
     return out
 
 

@@ -9,7 +9,13 @@ from typing import Any
 import torch
 
 import cakeops
-from cakeops.bench.moe_experts import gemm_work, gpu_inputs, grouped_mm_experts, softmax_top_k
+from cakeops.bench.moe_experts import (
+    eager_experts,
+    gemm_work,
+    gpu_inputs,
+    grouped_mm_experts,
+    softmax_top_k,
+)
 from cakeops.bench.tables import format_table
 from cakeops.bench.timing import cakeops_rows, fwd_bwd, measure, result_row
 
@@ -18,21 +24,6 @@ OP = "routed_experts"
 CASES = {"T4096 D512 F1024 E64 top8": (4096, 512, 1024, 64, 8)}
 QUICK_CASES = {"T512 D128 F256 E8 top2": (512, 128, 256, 8, 2)}
 BASELINE = "eager experts loop"
-
-
-def eager_experts(x, top_k_index, top_k_weights, w_gate, w_up, w_down):
-    """transformers' eager experts: per expert hit, its rows gathered, SwiGLU, weighted and
-    added back with ``index_add_``."""
-    out = torch.zeros_like(x)
-    hit = torch.nn.functional.one_hot(top_k_index, num_classes=w_gate.shape[0]).permute(2, 1, 0)
-    for e in range(w_gate.shape[0]):
-        slot, token = torch.where(hit[e])
-        if token.numel() == 0:
-            continue
-        rows = x[token]
-        h = torch.nn.functional.silu(rows @ w_gate[e].T) * (rows @ w_up[e].T)
-        out.index_add_(0, token, (h @ w_down[e].T) * top_k_weights[token, slot, None])
-    return out
 
 
 def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
