@@ -262,14 +262,18 @@ CHUNK_ROUTES = textwrap.dedent(
     taken = []
     for name in ("chunk", "fused_recurrent"):
         module = getattr(gdr, name)
-        module.forward = (lambda f, n: lambda *a: taken.append(n) or f(*a))(module.forward, name)
+        for step in ("forward", "backward"):
+            wrap = (lambda f, n: lambda *a: taken.append(n) or f(*a))
+            setattr(module, step, wrap(getattr(module, step), name))
 
     def call(L, K, kda=False):
         q = torch.randn(1, 1, L, K)
         k = torch.nn.functional.normalize(torch.randn(1, 1, L, K), dim=-1)
         v = torch.randn(1, 2, L, 3)
         g = -torch.rand(1, 2, L, *((K,) if kda else ()))
-        return gdr.forward(q, k, v, g, torch.rand(1, 2, L), K**-0.5, None, True, None, True)
+        args = (q, k, v, g, torch.rand(1, 2, L), K**-0.5, None, True, None, True)
+        out, final = gdr.forward(*args)
+        gdr.backward(torch.randn_like(out), torch.randn_like(final), *args)
 
     for L, K, kda, want in ((gdr.CHUNKED_FROM, 8, False, "chunk"),
                             (gdr.CHUNKED_FROM - 1, 8, False, "fused_recurrent"),
@@ -277,16 +281,17 @@ CHUNK_ROUTES = textwrap.dedent(
                             (gdr.CHUNKED_FROM, gdr.chunk.MAX_K + 1, False, "fused_recurrent")):
         taken.clear()
         call(L, K, kda)
-        assert taken == [want], (L, K, kda, taken)
+        assert taken == [want, want], (L, K, kda, taken)
     print("ok")
     """
 )
 
 
-def test_the_delta_rule_forward_takes_the_chunked_kernels_where_they_serve():
+def test_the_delta_rule_takes_the_chunked_kernels_where_they_serve():
     """Scalar gates, key heads up to ``chunk.MAX_K`` and at least ``CHUNKED_FROM`` positions:
-    the chunked kernels (the conformance suite checks their results); shorter calls, KDA and
-    wider heads: the step kernels. The same rule on a GPU and in the interpreter."""
+    the chunked kernels, forward and backward (the conformance suite checks their results);
+    shorter calls, KDA and wider heads: the step kernels. The same rule on a GPU and in the
+    interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, "-c", CHUNK_ROUTES], env=env, capture_output=True, text=True, timeout=300
@@ -294,10 +299,12 @@ def test_the_delta_rule_forward_takes_the_chunked_kernels_where_they_serve():
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
 
 
-def test_the_delta_rule_step_kernels_are_chosen_on_cuda_for_a_decode_step_only():
+def test_the_delta_rule_on_cuda_takes_triton_where_it_chunks_or_decodes():
     """On CUDA, Triton ranks above torch for the gated delta rule (a decode step is one launch
-    of its step kernel, against the chunked form's dozen) and passes over calls longer than
-    ``DELTA_RULE_POSITIONS``, whose step-by-step backward loses to torch's chunked one."""
+    of its step kernel, against the chunked form's dozen; a training call with scalar gates
+    and key heads up to ``chunk.MAX_K`` runs chunked both ways) and passes over the calls
+    longer than ``DELTA_RULE_POSITIONS`` that only its step kernels take (KDA, wider heads),
+    whose step-by-step backward loses to torch's chunked one."""
     import cakeops_triton
     from cakeops.ops import SPECS
     from cakeops_torch import backend as torch_backend
@@ -306,11 +313,17 @@ def test_the_delta_rule_step_kernels_are_chosen_on_cuda_for_a_decode_step_only()
     kernels = triton_backend.ops["gated_delta_rule"]
     assert kernels.priority("cuda") > torch_backend.ops["gated_delta_rule"].priority("cuda")
     spec = SPECS["gated_delta_rule"]
+    from cakeops_triton.gated_delta_rule import chunk
+
     longest = cakeops_triton.DELTA_RULE_POSITIONS
-    for L, kda in ((1, False), (longest, True), (longest + 1, False), (4096, True)):
-        q = torch.randn(1, 2, L, 8)
-        g = -torch.rand(1, 4, L, *((8,) if kda else ()))
+    wide = chunk.MAX_K + 1
+    for L, kda, K, passed in ((1, False, 8, False), (longest, True, 8, False),
+                              (longest + 1, False, 8, False), (4096, False, chunk.MAX_K, False),
+                              (longest + 1, True, 8, True), (4096, False, wide, True),
+                              (1, True, wide, False)):  # fmt: skip
+        q = torch.randn(1, 2, L, K)
+        g = -torch.rand(1, 4, L, *((K,) if kda else ()))
         inputs = spec.inputs(q=q, k=q, v=torch.randn(1, 4, L, 6), g=g, beta=torch.rand(1, 4, L))
         reasons = triton_backend.not_preferred_reasons("gated_delta_rule", inputs)
-        assert bool(reasons) == (longest < L), (L, reasons)
+        assert bool(reasons) == passed, (L, kda, K, reasons)
         assert not reasons or f"up to {longest} positions" in reasons[0]
