@@ -50,6 +50,43 @@ def test_steps_fit_the_whole_run(tmp_path, dry_run, total):
         assert str(ROOT / "tests" / "gpu" / "test_triton_cuda.py") in first
 
 
+def _wheel(folder: Path, name: str) -> Path:
+    """A minimal pure-Python wheel of a module ``name`` (what ``pip download`` saves)."""
+    import zipfile
+
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    info = f"{name}-1.0.dist-info"
+    files = {
+        f"{name}.py": "WHERE = 'peer'\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as zf:
+        for f, text in files.items():
+            zf.writestr(f, text)
+    return path
+
+
+def test_the_peers_wheels_are_installed_for_the_run_without_the_network(tmp_path):
+    """The wheels carried in ``.whl/`` (no network on the GPU machine) land in a folder of the
+    run's own, which the steps import from; a broken wheel is a line saying so, not a crash."""
+    script = _script()
+    wheels, target = tmp_path / "whl", tmp_path / "site"
+    wheels.mkdir()
+    assert script.install_wheels(wheels, target).startswith("no wheels")
+    _wheel(wheels, "cakeops_test_peer")
+    line = script.install_wheels(wheels, target)
+    assert line.startswith("installed cakeops_test_peer"), line
+    found = subprocess.run([sys.executable, "-c", "import cakeops_test_peer as m; print(m.WHERE)"],
+                           env={"PYTHONPATH": str(target), "PATH": ""}, capture_output=True,
+                           text=True)  # fmt: skip
+    assert found.stdout.strip() == "peer", found.stderr
+    (wheels / "broken-1.0-py3-none-any.whl").write_bytes(b"not a zip")
+    assert script.install_wheels(wheels, tmp_path / "other").startswith("pip could not install")
+
+
 def test_what_preflight_finds_missing_is_skipped_with_its_reason(tmp_path):
     """No C compiler: Triton cannot build its launchers, so the bench lists Triton's rows with
     the reason and the conformance step runs torch alone, without Triton's plumbing; no

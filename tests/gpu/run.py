@@ -17,6 +17,11 @@ c. conformance (220 s): ``triton`` and ``torch`` on CUDA in full, ``numba`` on a
    cut short (pytest is interrupted first, killed only if it does not stop);
 d. the Hugging Face models' training step (50 s).
 
+The peers (flash-linear-attention, Liger-Kernel) are not in the image and the machine has no
+network: their wheels travel with the working tree in ``.whl/`` (``--wheels DIR``; the download
+commands are in docs/content/gpu.md) and are installed into a folder of this run's own, put on
+every step's ``PYTHONPATH``; a peer that still does not import is a row saying why.
+
 ``--dry-run`` runs the same steps on the CPU (Triton's interpreter, numba's CUDA simulator, tiny
 shapes, a subset of the suite) within 3 minutes: CI runs it, so the script itself has run before
 a GPU sees it. The in-tree distributions run from their ``src`` folders when they are not
@@ -268,12 +273,35 @@ def conformance_counts(out: Path) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no tests ran"
 
 
+def install_wheels(folder: Path, target: Path) -> str:
+    """Install the wheels in ``folder`` into ``target`` without the network or their
+    dependencies (each one needed is a wheel of the folder too); a line saying what came of it."""
+    wheels = sorted(folder.glob("*.whl"))
+    if not wheels:
+        return f"no wheels in {folder}"
+    names = ", ".join(w.name.split("-")[0] for w in wheels)
+    try:  # out of the steps' minutes: a pure-Python wheel installs in about a second
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+             "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(target),
+             *map(str, wheels)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"pip did not install {names} within 60 s"
+    if done.returncode != 0:
+        return f"pip could not install {names}: {done.stderr.strip()[-400:]}"
+    return f"installed {names} from {folder}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="results here (default $OUT or bench-results/gpu)")
     parser.add_argument("--dry-run", action="store_true", help="the same steps on the CPU, tiny")
     parser.add_argument("--cache-dir", type=Path,
                         help="compile caches here (default: a fresh temporary folder)")  # fmt: skip
+    parser.add_argument("--wheels", type=Path, default=ROOT / ".whl",
+                        help="peers' wheels to install for the run (default .whl/)")  # fmt: skip
     args = parser.parse_args(argv)
     missing = [package for module, package in TOOLS.items() if not _have(module)]
     if missing:
@@ -289,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",
                                                             "NUMBA_ENABLE_CUDASIM")}  # fmt: skip
     # the distributions (when not installed), then tests/gpu for the progress plugin
-    paths = [*source_tree_paths(), str(HERE), env.get("PYTHONPATH", "")]
+    peers = Path(tempfile.mkdtemp(prefix="cakeops-gpu-peers-"))
+    if args.wheels.is_dir():
+        print(f"peers' wheels: {install_wheels(args.wheels, peers)}")
+    paths = [*source_tree_paths(), str(HERE), str(peers), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     env["PYTHONUNBUFFERED"] = "1"
     # fresh compile caches of this run's own (Triton's, inductor's, numba's), so that first-call

@@ -119,11 +119,38 @@ def gpu_cases(device: torch.device, shape: tuple[int, ...]) -> list:
 
 
 def gpu_peers(inputs) -> dict[str, Any]:
-    """The eager composite and its ``torch.compile``."""
+    """The eager composite and its ``torch.compile``; flash-linear-attention's gated RMSNorm
+    (``rms_norm_gated``: whole rows, the norm before the gate) and Liger-Kernel's RMSNorm then
+    its SiLU-times-x kernel (the same math in two launches) when they import; a string says why
+    a peer is not compared."""
     x, z, w = inputs["x"], inputs["z"], inputs["weight"]
     gs = inputs["group_size"] or x.shape[-1]
     compiled = torch.compile(composite, dynamic=False)
-    return {
+    peers: dict[str, Any] = {
         "eager composite": lambda: composite(x, z, w, gs),
         "torch.compile(composite)": lambda: compiled(x, z, w, gs),
     }
+    fla = "flash-linear-attention rms_norm_gated"
+    try:
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    except Exception as exc:  # not installed, or a different API
+        peers[fla] = f"does not import ({type(exc).__name__}: {exc})"[:200]
+    else:
+        if gs != x.shape[-1]:
+            peers[fla] = "normalises whole rows only (no groups)"
+        else:
+            peers[fla] = lambda: rms_norm_gated(x, z, w, None, activation="swish", eps=EPS)
+    liger = "Liger-Kernel RMSNorm, then SiLU(z) * y"
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    except Exception as exc:
+        peers[liger] = f"does not import ({type(exc).__name__}: {exc})"[:200]
+    else:
+        if gs != x.shape[-1]:
+            peers[liger] = "normalises whole rows only (no groups)"
+        else:
+            peers[liger] = lambda: LigerSiLUMulFunction.apply(
+                z, LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
+            )
+    return peers
