@@ -55,6 +55,12 @@ CHUNK_LATENCY = (0.4e-6, 1.0e-6)
 #: one step of the gated delta rule's recurrence after the other (its loads, three reductions
 #: across warps), (short, long) seconds per step
 STEP_LATENCY = (0.3e-6, 0.8e-6)
+#: one chunk of the chunked gated delta rule's walks after the other (its loads of the state's
+#: key blocks from L2, their products, a barrier, the stores), (short, long) seconds per chunk
+WALK_LATENCY = (1.0e-6, 3.0e-6)
+#: a float32 product as three TF32 products (``tf32x3``, for 16-bit inputs), in bf16-rate FLOPs:
+#: TF32 runs at half the bf16 rate, three times
+TF32X3 = 6
 START, END = "<!-- gpu-predict:start -->", "<!-- gpu-predict:end -->"
 GATED = "causal_dot_product, log_gates"
 DELTA = "gated_delta_rule"
@@ -146,10 +152,66 @@ def model(kernel: str, a: dict) -> dict:
                 "flops": 16 * heads * L * K * V, "l2": heads * blocks * L * 2 * K * es,
                 "chain": 2 * L * turns, "programs": heads * columns, "per_sm": 2,
                 "latency": STEP_LATENCY}  # fmt: skip
+    if kernel.startswith("_chunk_"):
+        return _chunk_model(kernel, a, per_sm)
     if kernel == "_slot_sum_kernel":  # read the float32 slots, write each token's sum
         tokens, D, k = a["_grid"][0], a["D"], a["TOP_K"]
         return {"bytes": tokens * D * (k * 4 + _size(a["OUT"])), "flops": tokens * D * k,
                 "l2": 0, "chain": 0, "programs": tokens * a["_grid"][1], "per_sm": 8}  # fmt: skip
+    raise KeyError(f"no byte/FLOP model for kernel {kernel}")
+
+
+def _chunk_model(kernel: str, a: dict, per_sm: int) -> dict:
+    """The chunked gated delta rule's launches (``cakeops_triton/gated_delta_rule/chunk.py``):
+    16-bit products at the bf16 rate, float32 ones as three TF32 products (16-bit inputs) or
+    on FMA (``ieee``), expressed in bf16-rate FLOPs."""
+    K, V, C = a["K"], a.get("V", 0), a["C"]
+    Hv = a["_grid"][1]
+    es = _size(a["K_"] if "K_" in a else a["V_"])  # the inputs' dtype
+    fma = BF16_RATE / FP32_FMA_RATE  # one FMA-unit FLOP in bf16-rate FLOPs
+    x3 = TF32X3 if a.get("STATE_PRECISION") == "tf32x3" else 1
+    if kernel in ("_chunk_states", "_chunk_states_bwd"):
+        sequences, _, blocks = a["_grid"]
+        L = a["L"] if not a["PACKED"] else (a["CU"][1:] - a["CU"][:-1]).max().item()
+        chunks = math.ceil(L / C)
+        tiles = sequences * Hv * chunks  # (sequence, head, chunk)
+        bv = a["BV"]
+        keys = tiles * blocks * C * K * (4 + es * (2 if kernel == "_chunk_states_bwd" else 1))
+        if kernel == "_chunk_states":  # read U~, W, k; write U, the chunk states
+            nbytes = tiles * (2 * C * V * 4 + C * K * (4 + es) + K * V * _size(a["STATES"]))
+            flops = tiles * blocks * 2 * (2 * C * K * bv) * x3
+        else:  # read W, P, k, q, dO; write dS per chunk, dU
+            nbytes = tiles * (C * K * (4 + 2 * es) + C * C * 4 + C * V * (es + 4) + K * V * 4)
+            flops = tiles * blocks * 2 * (3 * C * K * bv + C * C * bv) * x3
+        return {"bytes": nbytes, "flops": flops, "l2": keys + 3 * tiles * blocks * K * bv * 4,
+                "chain": chunks, "programs": sequences * Hv * blocks, "per_sm": per_sm,
+                "latency": WALK_LATENCY}  # fmt: skip
+    slots = a["_grid"][0]
+    tiles = slots * Hv
+    if kernel == "_chunk_wy":  # k (q), g, beta, v in; W, U (T, P) out, float32
+        back = bool(a["BACKWARD"])
+        nbytes = tiles * (C * K * es * (2 if back else 1) + C * V * es + C * (K + V) * 4
+                          + (2 * C * C * 4 if back else 0))  # fmt: skip
+        flops = tiles * (2 * C * C * K + (C**3 + 2 * C * C * (K + V)) * fma
+                         + (2 * C * C * K * TF32X3 if back else 0))  # fmt: skip
+        return {"bytes": nbytes, "flops": flops, "l2": 0, "chain": 0, "programs": tiles,
+                "per_sm": per_sm}  # fmt: skip
+    if kernel == "_chunk_output":  # q, k, the chunk states, U in; O out
+        blocks = a["_grid"][2]
+        nbytes = tiles * (K * V * _size(a["STATES"]) + C * V * (4 + es)) + tiles * 2 * C * K * es
+        flops = tiles * blocks * 2 * (C * C * K + C * K * a["BV"] + C * C * a["BV"])
+        return {"bytes": nbytes, "flops": flops, "l2": tiles * blocks * 2 * C * K * es,
+                "chain": 0, "programs": tiles * blocks, "per_sm": per_sm}  # fmt: skip
+    if kernel == "_chunk_grads_v":  # the states and their gradients, U, dU, dO, v in
+        nbytes = tiles * (2 * K * V * 4 + C * V * (2 * 4 + 3 * es) + 3 * C * K * 4 + 2 * C * C * 4)
+        flops = tiles * 2 * (3 * C * K * V + 3 * C * C * V) * x3
+        return {"bytes": nbytes, "flops": flops, "l2": tiles * C * V * (2 * 4 + es), "chain": 0,
+                "programs": tiles, "per_sm": per_sm}  # fmt: skip
+    if kernel == "_chunk_grads_k":  # q, k, the sums in; dq, dk, dbeta, dg out (FMA products)
+        nbytes = tiles * (2 * C * K * es + 5 * C * K * 4 + 4 * C * C * 4)
+        flops = tiles * 2 * (9 * C * C * K + 4 * C**3) * fma
+        return {"bytes": nbytes, "flops": flops, "l2": tiles * 6 * C * K * (es + 4), "chain": 0,
+                "programs": tiles, "per_sm": per_sm}  # fmt: skip
     raise KeyError(f"no byte/FLOP model for kernel {kernel}")
 
 
@@ -343,7 +405,8 @@ def targets(rows: list[dict]) -> dict[str, str]:
         "moe_experts": fractions("moe_experts", useful, BF16_RATE) + " of the bf16 rate "
         "(target 50%)",
         DELTA: "target: no slower than flash-linear-attention's chunk_gated_delta_rule (GPU "
-        "only); step by step, the backward's narrow column blocks in turn dominate",
+        "only); chunked: the two walks over the chunks (their chains times the waves of "
+        "programs) dominate",
     }
 
 
