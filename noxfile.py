@@ -77,7 +77,9 @@ def tests(session: nox.Session) -> None:
     # two processes per core pair at most: each holds torch and transformers (about 1 GB)
     workers = str(min(os.cpu_count() or 1, 4))
     full = "--full" in session.posargs
-    session.run("pytest", "-n", workers, *(a for a in session.posargs if a != "--full"))
+    # the slowest tests named in the log: where CI's time goes
+    slowest = "--durations=15"
+    session.run("pytest", "-n", workers, slowest, *(a for a in session.posargs if a != "--full"))
     # Every op through the CPU benchmarks, small (integer inputs, peers, tables).
     session.run("cakeops", "bench", "--quick")
     # (The GPU script's every step runs on the CPU in nox -s gpu_dry_run_image, on the versions
@@ -88,7 +90,7 @@ def tests(session: nox.Session) -> None:
     # per core: the interpreter is single-threaded Python.
     session.run(
         "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=triton", "-q", "-n", "auto",
-        env={"TRITON_INTERPRET": "1"},
+        slowest, env={"TRITON_INTERPRET": "1"},
     )  # fmt: skip
     # (The numba backend's CPU kernels ran natively, at full size, in the first run.)
     # The numba-cuda kernels on CPU tensors in numba's CUDA simulator. It runs every simulated
@@ -103,7 +105,7 @@ def tests(session: nox.Session) -> None:
         "default_dtype)")  # fmt: skip
     session.run(
         "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=numba", "-q", "-n", "auto",
-        "-k", f"not ({skipped})", env={"NUMBA_ENABLE_CUDASIM": "1"},
+        "-k", f"not ({skipped})", slowest, env={"NUMBA_ENABLE_CUDASIM": "1"},
     )  # fmt: skip
 
 
