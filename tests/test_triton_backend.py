@@ -327,3 +327,47 @@ def test_the_delta_rule_on_cuda_takes_triton_where_it_chunks_or_decodes():
         reasons = triton_backend.not_preferred_reasons("gated_delta_rule", inputs)
         assert bool(reasons) == passed, (L, kda, K, reasons)
         assert not reasons or f"up to {longest} positions" in reasons[0]
+
+
+LOG_GRAD_ROUTES = textwrap.dedent(
+    """
+    import torch
+    from cakeops.helpers import log_multiplier_grads, log_multipliers
+    from cakeops_triton.causal_dot_product import log_grads as lg
+
+    helped = []
+    lg.log_multiplier_grads = lambda *a: helped.append(a[2].shape[-1]) or log_multiplier_grads(*a)
+    gen = torch.Generator().manual_seed(0)
+    for E, packed in ((lg.MAX_E, False), (5, True), (lg.MAX_E + 1, False)):
+        N, H, L, M = 1, 2, 3 * lg.CHUNK + 3, 20
+        q, k = (torch.randn(N, H, L, E, generator=gen) for _ in "qk")
+        v, g = (torch.randn(N, H, L, M, generator=gen) for _ in "vg")
+        decay, gates = -torch.rand(H, generator=gen), -torch.rand(N, H, L, generator=gen)
+        gates[0, 1, lg.CHUNK + 2] = -torch.inf  # a hard reset inside a chunk
+        cu = torch.tensor([0, 5, 5, L]) if packed else None
+        S = 3 if packed else N
+        s0, gf = (torch.randn(S, H, E, M, generator=gen) for _ in "sf")
+        lm = log_multipliers(q, decay, gates)
+        args = (g, gf, q, k, v, lm, s0, cu, decay, gates)
+        helped.clear()
+        got = lg.gradients(*args)
+        assert helped == ([E] if E > lg.MAX_E else []), (E, helped)
+        want = log_multiplier_grads(*args)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-3), (E, a, b)
+    print("ok")
+    """
+)
+
+
+def test_the_log_multipliers_gradients_take_two_kernels_up_to_max_e():
+    """The gated scan's log multipliers' gradients: Triton's two kernels for key heads up to
+    ``log_grads.MAX_E`` (packed sequences, a hard reset, both states given), the spec helper
+    for wider ones; the same values either way (the conformance suite checks them against the
+    reference)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", LOG_GRAD_ROUTES], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]

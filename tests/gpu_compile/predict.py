@@ -102,6 +102,23 @@ def model(kernel: str, a: dict) -> dict:
         return {"bytes": NH * L * (2 * E + 2 * M) * es, "flops": NH * m_blocks * chunks * per_chunk,
                 "l2": l2, "chain": chunks, "programs": NH * m_blocks, "per_sm": per_sm,
                 **({"rate": rate} if rate else {})}  # fmt: skip
+    if kernel in ("_entering_states_kernel", "_crossing_sums_kernel"):
+        # the gated scan's log multipliers' gradients (causal_dot_product/log_grads.py): a walk
+        # over chunks per (sequence, head, column block); q and k re-read per block from L2
+        L, E, M, C, bm = a["L"], a["E"], a["M"], a["CHUNK"], a["BLOCK_M"]
+        NH, blocks = a["_grid"]
+        es, chunks = _size(a["V"]), math.ceil(L / C)
+        states = NH * chunks * E * M * _size(a["STATES"])
+        fma = BF16_RATE / FP32_FMA_RATE
+        if kernel == "_entering_states_kernel":  # read k, v; write the states
+            nbytes, keys = NH * L * (E + M) * es + states, 1
+            flops = NH * blocks * chunks * 2 * C * E * bm
+        else:  # read q, k, v, g, the states; write each block's sums
+            nbytes, keys = NH * L * (2 * E + 2 * M) * es + states + NH * blocks * L * 4, 2
+            per_chunk = 2 * C * C * (E + bm) + 3 * 2 * C * E * bm + 2 * C**3 * fma
+            flops = NH * blocks * chunks * per_chunk
+        return {"bytes": nbytes, "flops": flops, "l2": NH * (blocks - 1) * L * keys * E * es,
+                "chain": chunks, "programs": NH * blocks, "per_sm": per_sm}  # fmt: skip
     if kernel == "_grouped_mm":
         rows, N, K, mode = a["ROWS"], a["N"], a["K"], a["MODE"]
         bm, bn = a["BLOCK_M"], a["BLOCK_N"]

@@ -21,7 +21,6 @@ import triton.language as tl
 from cakeops.helpers import (
     backward_by_scans,
     key_head_sums,
-    log_multiplier_grads,
     log_multipliers,
     value_heads,
 )
@@ -36,6 +35,8 @@ from cakeops_triton._common import (
     unit_stride_rows,
     untuned,
 )
+from cakeops_triton.causal_dot_product import log_grads
+from cakeops_triton.causal_dot_product.gaps import chunk_sums
 
 # Chunk length and warps, tuned per (head-size bucket, direction, precision) -- never per exact
 # head size or sequence length. The interpreter gets one config.
@@ -138,22 +139,6 @@ def _prune(configs, args, **kwargs):
 
 
 @triton.jit
-def _two_sum(hi_a, lo_a, hi_b, lo_b):
-    """``(hi, lo)`` of ``(hi_a + lo_a) + (hi_b + lo_b)``: ``hi`` the rounded sum of the high
-    parts, ``lo`` the low parts plus the error of that rounding (Knuth's TwoSum)."""
-    s = hi_a + hi_b
-    b = s - hi_a
-    err = (hi_a - (s - b)) + (hi_b - b)
-    return s, lo_a + lo_b + err
-
-
-@triton.jit
-def _floored(lm):
-    """Log multipliers with ``-inf`` as ``-1e30`` (both multiply by exactly 0); NaN kept."""
-    return tl.where(lm < -1e30, -1e30, lm)
-
-
-@triton.jit
 def _causal_scan(
     A, B, C, OUT, LM, INIT, FINAL, CU,
     L, H, E, M, SCALE,
@@ -214,23 +199,10 @@ def _causal_scan(
         out = dot(a, round_to(state, dtype), zero, PRECISION)
         scores = dot(a, tl.trans(b), tl.zeros((BLOCK_L, BLOCK_L), dtype=tl.float32), PRECISION)
         if HAS_LM:
-            # Each factor is the sum of exactly the steps it spans, never a difference of
-            # running sums (which loses a small gate beside a large one and gives NaN for a
-            # gate of -inf); every sum is <= 0, so a strong decay underflows to zero and
-            # nothing overflows. cum: from the chunk's start; tail: from a position to its end.
-            lm_row = LM + (n * H + h) * L
-            # -inf (a hard reset) as -1e30: the same multiplier, exp gives 0 either way, and a
-            # difference of sums then never meets -inf - -inf (a NaN stays NaN)
-            lm = _floored(tl.load(lm_row + pos64, mask=ok, other=0.0))
-            # the sums from the chunk's start as pairs hi + lo (lo: what rounding hi lost), so
-            # that a difference of two keeps its small steps beside a large one
-            hi, lo = tl.associative_scan((lm, tl.zeros_like(lm)), 0, _two_sum)
+            # the chunk's sums of log multipliers (see .gaps): cum from its start, tail from a
+            # position to its end
+            hi, lo, tail, last = chunk_sums(LM + (n * H + h) * L, pos, end, BLOCK_L)
             cum = hi + lo
-            last = tl.sum(lm, axis=0)
-            # tail_j = lm_{j+1} + ... (to the chunk's end): the reverse sum of the next steps
-            after = (t + 1 < BLOCK_L) & (pos + 1 < end)
-            nxt = _floored(tl.load(lm_row + pos64 + 1, mask=after, other=0.0))
-            tail = tl.cumsum(nxt, axis=0, reverse=True)
             if REVERSE:  # [i, j] = exp(lm_{i+1} + .. + lm_j) for j >= i; the state by the tail
                 gap = (hi[None, :] - hi[:, None]) + (lo[None, :] - lo[:, None])
                 out = out * tl.exp(tail)[:, None]
@@ -430,8 +402,8 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
     dv = run(k, q, gs, True, lm, g_final, d_init, cu_seqlens)
     d_decay = d_gates = None
     if lm is not None:
-        d_decay, d_gates = log_multiplier_grads(gs, g_final, q, k, v, lm, initial_state,
-                                                cu_seqlens, log_decay, log_gates)  # fmt: skip
+        d_decay, d_gates = log_grads.gradients(gs, g_final, q, k, v, lm, initial_state,
+                                               cu_seqlens, log_decay, log_gates)  # fmt: skip
     d_init = None if d_init is None else d_init.to(initial_state.dtype)
     dq, dk = (key_head_sums(d, key_heads).to(dtype) for d in (dq, dk))
     return dq, dk, dv.to(v.dtype), d_decay, d_gates, d_init
