@@ -26,16 +26,18 @@ import triton.language as tl
 from cakeops.helpers import conv_final_state, conv_initial_state_grad
 from cakeops_triton._common import INTERPRET, round_to, serialised, untuned
 
-#: Positions and channels per program: 8 elements a thread on 4 warps. The tiles' addresses
-#: and masks, hoisted out of the loop over the taps, take about 15 registers an element: the
-#: gradient pass needs about 240 of the 255 (``nox -s gpu_compile``: no spill on sm_80 or
-#: sm_90, at any width). Small under the interpreter, so that its test shapes cross blocks.
-BL, BC = (8, 8) if INTERPRET else (16, 64)
+#: Positions and channels per program: 4 elements a thread on 4 warps, a row of 64 channels
+#: (128 bytes in 16 bits) per position. The tiles' addresses and masks, hoisted out of the
+#: loop over the taps, take about 15 registers an element: about 105 registers a thread, so
+#: that 4 programs fit a multiprocessor (16 positions took 236: 2 programs; ``nox -s
+#: gpu_compile`` sweeps the widths). Small under the interpreter, so that its test shapes
+#: cross blocks.
+BL, BC = (8, 8) if INTERPRET else (8, 64)
 WARPS = 4
 #: every launch's options, in one order (Triton's cache key reads them in the order given)
 LAUNCH = {"num_warps": WARPS, "num_stages": 1}
 #: Blocks of positions one backward program takes in turn: fewer partial sums to add up.
-SPAN = 2 if INTERPRET else 8
+SPAN = 2 if INTERPRET else 16
 
 
 @triton.jit
