@@ -37,9 +37,13 @@ WARPS = 8
 #: Widest key head (the states' rows) the kernels take: at 256 the crossing sums spill on
 #: sm_80 and sm_90 at any column block; wider heads take the spec helper.
 MAX_E = 128
-#: Elements of a float32 ``E x BLOCK_M`` tile (half for float32 inputs): 8 registers a thread
-#: at ``WARPS`` warps.
-STATE_TILE = 2048
+#: Elements of a float32 ``E x BLOCK_M`` tile (half for float32 inputs, whose ``q`` and ``k``
+#: tiles take twice the registers) of the crossing sums and of the states' walk: 16 and 32
+#: registers a thread at ``WARPS`` warps. Both kernels are chains of chunks: fewer, wider
+#: programs make fewer waves of them; these are the widest that compile without spilling at
+#: every head size up to ``MAX_E`` on sm_90 and sm_80 (``nox -s gpu_compile``).
+STATE_TILE = 4096
+WALK_TILE = 8192
 
 
 def supported(q: torch.Tensor) -> bool:
@@ -47,12 +51,11 @@ def supported(q: torch.Tensor) -> bool:
     return q.shape[-1] <= MAX_E
 
 
-def _blocks(E: int, M: int, dtype: torch.dtype) -> tuple[int, int]:
+def _blocks(E: int, M: int, dtype: torch.dtype, tile: int) -> tuple[int, int]:
     """The key head's block and the values' columns per program: float32 ``E x BLOCK_M``
-    tiles of ``STATE_TILE`` elements (half for float32 inputs, whose ``q`` and ``k`` tiles take
-    twice the registers)."""
+    tiles of ``tile`` elements (half for float32 inputs)."""
     block_e = max(16, triton.next_power_of_2(E))
-    tile = STATE_TILE // (2 if dtype == torch.float32 else 1)
+    tile = tile // (2 if dtype == torch.float32 else 1)
     block_m = max(16, min(64, tile // block_e, triton.next_power_of_2(M)))
     return block_e, block_m
 
@@ -204,7 +207,8 @@ def gradients(gs, g_final, q, k, v, lm, initial_state, cu_seqlens, log_decay, lo
     sequences = cu_seqlens.numel() - 1 if packed else N
     cu = cu_seqlens.to(torch.int64).contiguous() if packed else lm.new_empty(0, dtype=torch.int64)
     chunks = L // CHUNK + sequences + 1 if packed else triton.cdiv(L, CHUNK)
-    block_e, block_m = _blocks(E, M, v.dtype)
+    block_e, walk_m = _blocks(E, M, v.dtype, WALK_TILE)
+    block_m = _blocks(E, M, v.dtype, STATE_TILE)[1]
     grid = (sequences * H, triton.cdiv(M, block_m))
     # the states in the inputs' dtype: the products that read them round them there
     states = torch.empty((N, H, chunks, E, M), dtype=v.dtype, device=v.device)
@@ -214,18 +218,18 @@ def gradients(gs, g_final, q, k, v, lm, initial_state, cu_seqlens, log_decay, lo
     final = unused if g_final is None else g_final
     zeros4 = (0, 0, 0, 0)
     meta = {"PRECISION": dot_precision(v.dtype), "CHUNK": CHUNK, "BLOCK_E": block_e,
-            "BLOCK_M": block_m, "num_warps": WARPS, "num_stages": 1}  # fmt: skip
-    _entering_states[grid](
+            "num_warps": WARPS, "num_stages": 1}  # fmt: skip
+    _entering_states[(grid[0], triton.cdiv(M, walk_m))](
         k, v, lm, init, states, cu, L, H, E, M, chunks,
         *k.stride()[:3], *v.stride()[:3],
         *(zeros4 if initial_state is None else initial_state.stride()),
-        int(initial_state is not None), int(packed), **meta,
+        int(initial_state is not None), int(packed), BLOCK_M=walk_m, **meta,
     )  # fmt: skip
     _crossing_sums[grid](
         q, k, v, gs, lm, states, final, sums, cu, L, H, E, M, chunks,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *gs.stride()[:3],
         *(zeros4 if g_final is None else g_final.stride()),
-        int(g_final is not None), int(packed), **meta,
+        int(g_final is not None), int(packed), BLOCK_M=block_m, **meta,
     )  # fmt: skip
     dlm = sums[:, :, 0] if grid[1] == 1 else sums.sum(2)
     return split_log_grads(dlm, lm, log_decay, log_gates)
