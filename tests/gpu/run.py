@@ -101,7 +101,7 @@ def _have(module: str) -> bool:
 
 
 #: The whole run's stop, in seconds (on a GPU; ``--dry-run``): the steps' limits fit within it.
-TOTAL_S = {False: 540, True: 230}
+TOTAL_S = {False: 540, True: 340}
 
 
 def plan(out: Path, dry_run: bool) -> list[Step]:
@@ -133,8 +133,10 @@ def plan(out: Path, dry_run: bool) -> list[Step]:
                    "test_saves_exactly_the_inputs"),
         ]  # fmt: skip
         # the bench's budget stops it starting a contender, not one running: a CPU's compile of
-        # a torch.compile contender ran 20 s past a 40 s budget (a 60 s limit cut it short)
-        limits = {"preflight": 40, "bench": 90, "conformance": 80, "hf": 20}
+        # a torch.compile contender ran 20 s past a 40 s budget (a 60 s limit cut it short).
+        # Twice what a quiet 2-core machine takes (hf 9-13 s, conformance 40-67 s): the dry
+        # run checks the script, and a busy machine cut hf short at 21 s of 20
+        limits = {"preflight": 60, "bench": 90, "conformance": 130, "hf": 60}
         bench += ["--quick", "--budget", "30"]
         hf += ["--quick"]
     else:

@@ -33,9 +33,9 @@ float32 operands (three TF32 products for 16-bit inputs, or FMA): the gradients 
 gates and states meet float32's tolerance.
 
 Registers decide the tiles: the walks and the gradients take a head's key rows a block at a
-time (:data:`KEY_BLOCK`), the walks keeping the state between chunks in float32 memory (a
-register tile of a whole 128-row state, three TF32 parts each, spills), with a barrier
-between a block's last reads and its writes.
+time (:data:`KEY_BLOCK`, :data:`WALK_KEY_BLOCK`), the walks keeping the state between chunks
+in float32 memory (a register tile of a whole 128-row state, three TF32 parts each, spills),
+with a barrier between a block's last reads and its writes.
 """
 
 from __future__ import annotations
@@ -60,20 +60,24 @@ from .fused_recurrent import EPS
 #: ``W`` kernel and the backward's gradients spill at head size 64, ``nox -s gpu_compile``); 4
 #: under the interpreter, so that the suite's short sequences (12 positions) cross chunks.
 CHUNK = 4 if INTERPRET else 16
-#: Key rows per block of the walks and the backward's gradients (they take a head's rows a
-#: block at a time): 4 under the interpreter, so that the suite's heads of 8 take two.
+#: Key rows per block of the chunks' ``T``, ``W`` and gradient kernels (they take a head's rows
+#: a block at a time): 4 under the interpreter, so that the suite's heads of 8 take two.
 KEY_BLOCK = 4 if INTERPRET else 64
+#: ... and of the two walks, whose state blocks (``WALK_KEY_BLOCK x STATE_BLOCK_V``, three
+#: TF32 parts each for 16-bit inputs) take half the rows for twice the columns: 168 registers
+#: a thread on sm_90 and 240 on sm_80 where 64 x 16 took 255, and half the programs, so half
+#: the waves of a chain (``nox -s gpu_compile`` sweeps the head sizes).
+WALK_KEY_BLOCK = 4 if INTERPRET else 32
 #: ... and of the backward's ``C x C`` algebra, which holds five ``C x C`` float32 tiles beside
 #: the key blocks' products: its products on CUDA cores (``GRAD_PRECISION``, FMA: ``C x C``
 #: by ``C x KB``, a few thousand per thread), where tensor-core ones (three TF32 parts per
 #: operand) spill at any key block; at 64 they reach 255 registers on sm_80.
 GRAD_KEY_BLOCK = 4 if INTERPRET else 32
 GRAD_PRECISION = "ieee"
-#: Value columns per program of the outputs, and of the states' walk (whose float32 products,
-#: three TF32 products each for 16-bit inputs, hold three times the registers): the widest that
-#: compile without spilling at head size 128 on sm_90 and sm_80 (``nox -s gpu_compile``).
+#: Value columns per program of the outputs and of the walks: the widest that compile without
+#: spilling at head size 128 on sm_90 and sm_80 (``nox -s gpu_compile``).
 BLOCK_V = 32
-STATE_BLOCK_V = 16
+STATE_BLOCK_V = 32
 WARPS = 8
 #: The outputs' tiles are small: 4 warps give each thread the registers 8 would cap (8 bytes
 #: spilled on sm_80 at head size 64).
@@ -746,7 +750,7 @@ def _walk(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm, C, plan, s
         cu, offsets, L, nC, group, K, V, *k.stride()[:3], *g.stride(),
         *(init.stride() if init is not None else (0, 0, 0, 0)),
         int(init is not None), packed, l2, STATE_PRECISION=_state_precision(q), C=C,
-        KB=_key_block(K), BV=sbv, num_warps=WALK_WARPS, num_stages=1,
+        KB=_key_block(K, WALK_KEY_BLOCK), BV=sbv, num_warps=WALK_WARPS, num_stages=1,
     )  # fmt: skip
     return w, u, t_inv, scores, states, final if want_final else None
 
@@ -804,7 +808,8 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
         q, k, g, w, scores, g_out, g_final if has_dfinal else d_init, dsc, du, d_init, cu, offsets,
         L, nC, group, K, V, float(scale), *q.stride()[:3], *k.stride()[:3], *g.stride(),
         *g_out.stride()[:3], *(g_final.stride() if has_dfinal else (0, 0, 0, 0)),
-        int(has_dfinal), packed, l2, STATE_PRECISION=precision, C=C, KB=_key_block(K), BV=sbv,
+        int(has_dfinal), packed, l2, STATE_PRECISION=precision, C=C,
+        KB=_key_block(K, WALK_KEY_BLOCK), BV=sbv,
         num_warps=WALK_WARPS, num_stages=1,
     )  # fmt: skip
     dq = torch.empty((N, Hv, L, K), **f32)
