@@ -254,6 +254,13 @@ def test_a_triton_row_profiles_one_step(tmp_path):
                   "profile": prof})  # fmt: skip
     text = (tmp_path / "gpu-profile.md").read_text()
     assert "### rmsnorm_silu_gate, bfloat16, cakeops [triton]" in text and "`aten::mm`" in text
+    # the summary's row says how many launches one step makes
+    row = next(line for line in (tmp_path / "gpu.md").read_text().splitlines()
+               if "cakeops [triton]" in line)  # fmt: skip
+    header = next(line for line in (tmp_path / "gpu.md").read_text().splitlines()
+                  if line.startswith("| op |"))  # fmt: skip
+    cells = dict(zip(header.split("|"), row.split("|"), strict=True))
+    assert cells[" launches "].strip() == str(prof["launches"])
 
 
 @pytest.mark.parametrize("absent", ["pytest", "xdist"])

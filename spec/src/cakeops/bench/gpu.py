@@ -424,8 +424,8 @@ def summary(record: dict[str, Any]) -> str:
         _limits_line(record) if "limits" in record else f"device {record['device']}",
         "",
         "| op | case | implementation | kernels (ms) | back to back (ms) | host (ms) "
-        "| of the device limit | vs cakeops [torch] | peak (MiB) |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| launches | of the device limit | vs cakeops [torch] | peak (MiB) |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     rank = {op: i for i, op in enumerate(ORDER)}
     # grouped by op (and case) for reading, in the order they were timed within each
@@ -435,14 +435,17 @@ def summary(record: dict[str, Any]) -> str:
     for r in rows:
         if "skipped" in r:
             lines.append(f"| {r['op']} | {r['case']} | {r['impl']} | not compared: "
-                         f"{r['skipped']} | | | | | |")  # fmt: skip
+                         f"{r['skipped']} | | | | | | |")  # fmt: skip
             continue
         frac = f"{100 * r['fraction']:.0f}% {r['of']}" if "fraction" in r else "-"
         vs = f"{r['speedup_vs_torch']:.2f}x" if r.get("speedup_vs_torch") else "-"
         peak = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.0f}"
+        # one step's kernel launches (a CPU's operators), where the row was profiled
+        launches = r["profile"]["launches"] if "profile" in r else "-"
         lines.append(
             f"| {r['op']} | {r['case']} | {r['impl']} | {_ms(r['kernels_s'])} | "
-            f"{_ms(r['back_to_back_s'])} | {_ms(r['host_s'])} | {frac} | {vs} | {peak} |"
+            f"{_ms(r['back_to_back_s'])} | {_ms(r['host_s'])} | {launches} | {frac} | {vs} "
+            f"| {peak} |"
         )
     return "\n".join(lines)
 
