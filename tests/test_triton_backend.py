@@ -339,7 +339,7 @@ LOG_GRAD_ROUTES = textwrap.dedent(
     lg.log_multiplier_grads = lambda *a: helped.append(a[2].shape[-1]) or log_multiplier_grads(*a)
     gen = torch.Generator().manual_seed(0)
     for E, packed in ((lg.MAX_E, False), (5, True), (lg.MAX_E + 1, False)):
-        N, H, L, M = 1, 2, 3 * lg.CHUNK + 3, 20
+        N, H, L, M = 1, 2, 3 * lg.CHUNK + 3, 40  # several column blocks of both kernels
         q, k = (torch.randn(N, H, L, E, generator=gen) for _ in "qk")
         v, g = (torch.randn(N, H, L, M, generator=gen) for _ in "vg")
         decay, gates = -torch.rand(H, generator=gen), -torch.rand(N, H, L, generator=gen)

@@ -41,9 +41,10 @@ MAX_E = 128
 #: tiles take twice the registers) of the crossing sums and of the states' walk: 16 and 32
 #: registers a thread at ``WARPS`` warps. Both kernels are chains of chunks: fewer, wider
 #: programs make fewer waves of them; these are the widest that compile without spilling at
-#: every head size up to ``MAX_E`` on sm_90 and sm_80 (``nox -s gpu_compile``).
-STATE_TILE = 4096
-WALK_TILE = 8192
+#: every head size up to ``MAX_E`` on sm_90 and sm_80 (``nox -s gpu_compile``). Small under
+#: the interpreter, so that the suite's heads take several column blocks (summed after).
+STATE_TILE = 256 if INTERPRET else 4096
+WALK_TILE = 512 if INTERPRET else 8192
 
 
 def supported(q: torch.Tensor) -> bool:
