@@ -187,13 +187,19 @@ TUNED_PATH = textwrap.dedent(
     import cakeops
     from cakeops.ops import SPECS
     from cakeops.testing import assert_matches
+    import cakeops_triton.causal_conv1d as conv
     import cakeops_triton.causal_dot_product as causal
     import cakeops_triton.rmsnorm_silu_gate as rmsnorm
     import cakeops_triton.routed_experts as routed
+    from cakeops_triton.causal_dot_product import log_grads
 
-    # every problem takes the autotuned, specialised kernels (the GPU path of big shapes)
+    # every problem takes the autotuned, specialised kernels (the GPU path of big shapes), and
+    # the untuned kernels take a GPU's tiles (the interpreter's own are smaller)
     causal.TUNE_FROM_POSITIONS = routed.TUNE_FROM_ROWS = rmsnorm.UNTUNED_BELOW = 0
-    for op in ("rmsnorm_silu_gate", "causal_dot_product", "moe_experts", "routed_experts"):
+    conv.BL, conv.BC, conv.SPAN = 8, 64, 16
+    log_grads.CHUNK, log_grads.STATE_TILE, log_grads.WALK_TILE = 16, 4096, 8192
+    for op in ("rmsnorm_silu_gate", "causal_dot_product", "moe_experts", "routed_experts",
+               "causal_conv1d"):
         spec = SPECS[op]
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
@@ -237,6 +243,21 @@ TUNED_PATH = textwrap.dedent(
                 got[backend] = [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
         for mine, ref in zip(got["triton"], got["reference"]):
             assert_matches(mine, ref, "routed_experts " + options["activation"])
+    # the gated scan's log-multiplier gradients on a GPU's chunks and column blocks
+    torch.manual_seed(0)
+    q, k = (torch.randn(1, 2, 40, 16) for _ in "qk")
+    v = torch.randn(1, 2, 40, 24)
+    gates = -torch.rand(1, 2, 40)
+    leaves = [q, k, v, gates]
+    for t in leaves:
+        t.requires_grad_()
+    got = {}
+    for backend in ("triton", "reference"):
+        with cakeops.use_backend(backend):
+            out = cakeops.causal_dot_product(q, k, v, log_gates=gates)
+            got[backend] = [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
+    for mine, ref in zip(got["triton"], got["reference"]):
+        assert_matches(mine, ref, "causal_dot_product log_gates")
     print("ok")
     """
 )
