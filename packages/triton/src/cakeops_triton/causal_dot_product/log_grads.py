@@ -24,7 +24,14 @@ import triton
 import triton.language as tl
 
 from cakeops.helpers import log_multiplier_grads, split_log_grads
-from cakeops_triton._common import INTERPRET, dot, dot_precision, round_to, untuned
+from cakeops_triton._common import (
+    INTERPRET,
+    dot,
+    dot_precision,
+    round_to,
+    unit_stride_rows,
+    untuned,
+)
 from cakeops_triton.causal_dot_product.gaps import chunk_sums
 
 #: Positions per chunk: the ``CHUNK x CHUNK`` float32 squares (scores, the values' products,
@@ -200,7 +207,7 @@ def gradients(gs, g_final, q, k, v, lm, initial_state, cu_seqlens, log_decay, lo
     if not supported(q) or q.shape[2] == 0:
         return log_multiplier_grads(gs, g_final, q, k, v, lm, initial_state, cu_seqlens,
                                     log_decay, log_gates)  # fmt: skip
-    q, k, v, gs = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, gs))
+    q, k, v, gs = (unit_stride_rows(x) for x in (q, k, v, gs))
     lm = lm.to(torch.float32).contiguous()
     N, H, L, E = q.shape
     M = v.shape[-1]
