@@ -317,7 +317,8 @@ CHUNK_ROUTES = textwrap.dedent(
 
     for L, K, kda, want in ((gdr.CHUNKED_FROM, 8, False, "chunk"),
                             (gdr.CHUNKED_FROM - 1, 8, False, "fused_recurrent"),
-                            (gdr.CHUNKED_FROM, 8, True, "fused_recurrent"),
+                            (gdr.CHUNKED_FROM, 8, True, "chunk"),
+                            (gdr.CHUNKED_FROM - 1, 8, True, "fused_recurrent"),
                             (gdr.CHUNKED_FROM, gdr.chunk.MAX_K + 1, False, "fused_recurrent")):
         taken.clear()
         call(L, K, kda)
@@ -328,9 +329,9 @@ CHUNK_ROUTES = textwrap.dedent(
 
 
 def test_the_delta_rule_takes_the_chunked_kernels_where_they_serve():
-    """Scalar gates, key heads up to ``chunk.MAX_K`` and at least ``CHUNKED_FROM`` positions:
-    the chunked kernels, forward and backward (the conformance suite checks their results);
-    shorter calls, KDA and wider heads: the step kernels. The same rule on a GPU and in the
+    """Key heads up to ``chunk.MAX_K`` and at least ``CHUNKED_FROM`` positions, scalar gates or
+    KDA's: the chunked kernels, forward and backward (the conformance suite checks their
+    results); shorter calls and wider heads: the step kernels. The same rule on a GPU and in the
     interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
@@ -341,9 +342,9 @@ def test_the_delta_rule_takes_the_chunked_kernels_where_they_serve():
 
 def test_the_delta_rule_on_cuda_takes_triton_where_it_chunks_or_decodes():
     """On CUDA, Triton ranks above torch for the gated delta rule (a decode step is one launch
-    of its step kernel, against the chunked form's dozen; a training call with scalar gates
-    and key heads up to ``chunk.MAX_K`` runs chunked both ways) and passes over the calls
-    longer than ``DELTA_RULE_POSITIONS`` that only its step kernels take (KDA, wider heads),
+    of its step kernel, against the chunked form's dozen; a training call with key heads up
+    to ``chunk.MAX_K``, scalar gates or KDA's, runs chunked both ways) and passes over the
+    calls longer than ``DELTA_RULE_POSITIONS`` that only its step kernels take (wider heads),
     whose step-by-step backward loses to torch's chunked one."""
     import cakeops_triton
     from cakeops.ops import SPECS
@@ -359,7 +360,8 @@ def test_the_delta_rule_on_cuda_takes_triton_where_it_chunks_or_decodes():
     wide = chunk.MAX_K + 1
     for L, kda, K, passed in ((1, False, 8, False), (longest, True, 8, False),
                               (longest + 1, False, 8, False), (4096, False, chunk.MAX_K, False),
-                              (longest + 1, True, 8, True), (4096, False, wide, True),
+                              (longest + 1, True, 8, False), (4096, True, chunk.MAX_K, False),
+                              (4096, False, wide, True), (4096, True, wide, True),
                               (1, True, wide, False)):  # fmt: skip
         q = torch.randn(1, 2, L, K)
         g = -torch.rand(1, 4, L, *((K,) if kda else ()))

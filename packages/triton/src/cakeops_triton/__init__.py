@@ -20,11 +20,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
 # Highest priority on GPUs; on the CPU only through the interpreter, and only when forced.
 DEVICES: dict[str, int | None] = {"cuda": 100, **({"cpu": None} if INTERPRET else {})}
 #: The longest ``gated_delta_rule`` call (positions: a batch row's, or the packed row's) chosen
-#: implicitly that the chunked kernels do not take (KDA's per-channel gates, key heads over
-#: ``chunk.MAX_K``): a decode step, or a few speculative tokens, as one launch of the step
-#: kernel where the torch backend's chunked form makes a dozen launches. Longer such calls go
-#: to the torch backend, whose backward is chunked (the step kernels' runs step by step);
-#: named, the backend runs them all.
+#: implicitly that the chunked kernels do not take (key heads over ``chunk.MAX_K``): a decode
+#: step, or a few speculative tokens, as one launch of the step kernel where the torch
+#: backend's chunked form makes a dozen launches. Longer such calls go to the torch backend,
+#: whose backward is chunked (the step kernels' runs step by step); named, the backend runs
+#: them all.
 DELTA_RULE_POSITIONS = 64
 
 
@@ -45,7 +45,7 @@ class TritonBackend(Backend):
             return []
         return [
             f"chosen implicitly for calls of up to {DELTA_RULE_POSITIONS} positions (a decode "
-            f"step: one launch) unless chunked (scalar gates, key heads up to {chunk.MAX_K}), "
+            f"step: one launch) unless chunked (key heads up to {chunk.MAX_K}), "
             f"got {inputs.q.shape[2]} positions, gates {tuple(inputs.g.shape)} and key heads of "
             f"{inputs.k.shape[-1]}: its step kernels' backward runs step by step, where the "
             "torch backend's is chunked"

@@ -1,9 +1,10 @@
 """The gated delta rule (and KDA) in Triton: which algorithm takes a call.
 
-- :mod:`.chunk`: forward and backward over chunks of positions (scalar gates, key heads up to
-  128: :func:`.chunk.supported`), for calls of at least :data:`CHUNKED_FROM` positions;
+- :mod:`.chunk`: forward and backward over chunks of positions (scalar gates and KDA's, key
+  heads up to 128: :func:`.chunk.supported`), for calls of at least :data:`CHUNKED_FROM`
+  positions;
 - :mod:`.fused_recurrent`: one position at a time, the state in registers: short calls
-  (decoding), KDA and wider key heads.
+  (decoding) and wider key heads.
 """
 
 from __future__ import annotations

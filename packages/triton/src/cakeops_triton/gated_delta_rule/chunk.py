@@ -30,7 +30,8 @@ which it recomputes in float32 (the forward keeps none: it saves only its inputs
 over the value columns (``dV`` and the products the rest needs), :func:`_chunk_grads_k` the
 ``C x C`` algebra for ``dq``, ``dk``, ``dbeta`` and the log gates'. All its products take
 float32 operands (three TF32 products for 16-bit inputs, or FMA): the gradients of float32
-gates and states meet float32's tolerance.
+gates and states meet float32's tolerance. KDA's ``C x C`` algebra and per-channel gate
+gradients take :func:`_chunk_grads_kda`.
 
 Registers decide the tiles: the walks and the gradients take a head's key rows a block at a
 time (:data:`KEY_BLOCK`, :data:`WALK_KEY_BLOCK`), the walks keeping the state between chunks
@@ -73,6 +74,10 @@ WALK_KEY_BLOCK = 4 if INTERPRET else 32
 #: by ``C x KB``, a few thousand per thread), where tensor-core ones (three TF32 parts per
 #: operand) spill at any key block; at 64 they reach 255 registers on sm_80.
 GRAD_KEY_BLOCK = 4 if INTERPRET else 32
+#: ... and of KDA's ``C x C x KB`` tiles (its ``C x C`` products over the key columns, each
+#: term with its own gate factor: :func:`_gated_scores`): 16 on a GPU (4,096 float32 a tile,
+#: 16 registers a thread on 8 warps).
+KDA_KEY_BLOCK = 4 if INTERPRET else 16
 GRAD_PRECISION = "ieee"
 #: Value columns per program of the outputs and of the walks: the widest that compile without
 #: spilling at head size 128 on sm_90 and sm_80 (``nox -s gpu_compile``).
@@ -131,6 +136,57 @@ def _start_carry(carry, X, GIVEN, seq, hv, sx_s, sx_h, sx_k, sx_v, K, V, vd,
 
 
 @triton.jit
+def _gate_block(G, n, hv, t, ok, k0, sg_n, sg_h, sg_l, sg_k, K, KB: tl.constexpr):
+    """The log gates at positions ``t`` (zeros where not ``ok``) of key columns
+    ``k0 .. k0 + KB`` as a float32 ``len(t) x KB`` block: KDA's per-channel gates, or a scalar
+    gate repeated over the columns (``sg_k`` 0), so that one formula serves both."""
+    kd = k0 + tl.arange(0, KB)
+    at = G + n * sg_n + hv * sg_h + t[:, None] * sg_l + kd[None, :] * sg_k
+    return tl.load(at, mask=ok[:, None] & (kd < K)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _closing_gates(G, n, hv, start, end, k0, sg_n, sg_h, sg_l, sg_k, K,
+                   C: tl.constexpr, KB: tl.constexpr):  # fmt: skip
+    """The chunk from ``start``'s factors to its last step, for key columns ``k0 .. k0 + KB``:
+    ``exp(Gc)`` (``C x KB``, ``Gc_j`` the log gates over ``(j, last]``: a reverse cumulative
+    sum of the next steps' gates) and ``exp(Gamma_C)`` (``KB``, over the whole chunk)."""
+    tt = tl.arange(0, C)
+    t = start + tt
+    g = _gate_block(G, n, hv, t, t < end, k0, sg_n, sg_h, sg_l, sg_k, K, KB)
+    g_next = _gate_block(G, n, hv, t + 1, (t + 1 < end) & (tt + 1 < C), k0, sg_n, sg_h, sg_l,
+                         sg_k, K, KB)  # fmt: skip
+    return tl.exp(tl.cumsum(g_next, axis=0, reverse=True)), tl.exp(tl.sum(g, axis=0))
+
+
+@triton.jit
+def _gated_scores(X, Y, G, n, h, hv, first, end, sx_n, sx_h, sx_l, sy_n, sy_h, sy_l,
+                  sg_n, sg_h, sg_l, sg_k, K, rx, ry, DIAG: tl.constexpr,
+                  C: tl.constexpr, KB: tl.constexpr):  # fmt: skip
+    """KDA's ``sum_c x_tc y_jc exp(E_tjc)`` for ``j < t`` (``j <= t`` with ``DIAG``), zero
+    elsewhere (``C x C`` float32; ``rx``, ``ry`` the rows' inverse norms or ones), ``E_tjc``
+    the sum of channel ``c``'s log gates over the steps ``(j, t]``: a cumulative sum down
+    ``t`` of a ``C x C x KB`` tile, ``KB`` key columns at a time, never a difference. Each
+    product is masked after it is formed: a non-finite row never reaches the rows before."""
+    tt = tl.arange(0, C)
+    t = first + tt
+    after = (tt[:, None] > tt[None, :])[:, :, None]
+    if DIAG:
+        mask = (tt[:, None] >= tt[None, :])[:, :, None]
+    else:
+        mask = after
+    scores = tl.zeros((C, C), dtype=tl.float32)
+    for k0 in range(0, K, KB):
+        x = _block(X, n, h, first, end, sx_n, sx_h, sx_l, K, k0, rx, C, KB)
+        y = _block(Y, n, h, first, end, sy_n, sy_h, sy_l, K, k0, ry, C, KB)
+        g = _gate_block(G, n, hv, t, t < end, k0, sg_n, sg_h, sg_l, sg_k, K, KB)
+        e = tl.cumsum(tl.where(after, g[:, None, :], 0.0), axis=0)
+        terms = x[:, None, :] * y[None, :, :] * tl.exp(e)
+        scores += tl.sum(tl.where(mask, terms, 0.0), axis=2)
+    return scores
+
+
+@triton.jit
 def _causal_dot(a, b, acc, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """``acc + a @ b`` for float32 ``a`` and ``b``, rounded to ``DTYPE`` for the product, ``a``
     lower-triangular (row ``i`` reads the rows ``j <= i`` of ``b``): a non-finite entry of ``b``
@@ -183,15 +239,16 @@ def _gates(G, BETA, n, hv, first, end, sg_n, sg_h, sg_l, sb_n, sb_h, sb_l, C: tl
 def _chunk_wy(
     Q, K_, V_, G, BETA, W, U, TINV, P, SEQ, CU, OFFSETS,
     S, L, nC, GROUP, K, V,
-    sq_n, sq_h, sq_l, sk_n, sk_h, sk_l, sv_n, sv_h, sv_l, sg_n, sg_h, sg_l, sb_n, sb_h, sb_l,
-    PACKED, L2NORM, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    BACKWARD: tl.constexpr, STATE_PRECISION: tl.constexpr,
-    C: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
+    sq_n, sq_h, sq_l, sk_n, sk_h, sk_l, sv_n, sv_h, sv_l, sg_n, sg_h, sg_l, sg_k,
+    sb_n, sb_h, sb_l, PACKED, L2NORM, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BACKWARD: tl.constexpr, STATE_PRECISION: tl.constexpr, KDA: tl.constexpr,
+    C: tl.constexpr, KB: tl.constexpr, GB: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     """Per (chunk slot, value head): ``W = T diag(beta Gamma) K`` and ``U~ = T diag(beta) V``
     into ``W`` ``(slots, Hv, C, K)`` and ``U`` ``(slots, Hv, C, V)`` (float32); for the
     ``BACKWARD``, also ``T`` and ``P = Q K^T o exp(E)`` (``j <= t``) into ``TINV`` and ``P``
-    ``(slots, Hv, C, C)`` (float32). ``KB`` key columns at a time."""
+    ``(slots, Hv, C, C)`` (float32). ``KB`` key columns at a time (``GB`` for KDA's
+    ``C x C x GB`` tiles of :func:`_gated_scores`)."""
     s = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
     Hv = tl.num_programs(1)
@@ -199,13 +256,19 @@ def _chunk_wy(
     tt = tl.arange(0, C)
     h = hv // GROUP
     rk = _norms(K_, n, h, first, end, sk_n, sk_h, sk_l, K, L2NORM, C, KB)
-    g, beta, e = _gates(G, BETA, n, hv, first, end, sg_n, sg_h, sg_l, sb_n, sb_h, sb_l, C)
-    kk = tl.zeros((C, C), dtype=tl.float32)
-    for k0 in range(0, K, KB):
-        k = round_to(_block(K_, n, h, first, end, sk_n, sk_h, sk_l, K, k0, rk, C, KB), DTYPE)
-        kk = dot(k, tl.trans(k), kk, PRECISION)
+    # (KDA: the gates' first channel, unused)
+    _, beta, e = _gates(G, BETA, n, hv, first, end, sg_n, sg_h, sg_l, sb_n, sb_h, sb_l, C)
     lower = tt[:, None] > tt[None, :]
-    a = tl.where(lower, beta[:, None] * kk * tl.exp(e), 0.0)
+    if KDA:
+        a = beta[:, None] * _gated_scores(K_, K_, G, n, h, hv, first, end, sk_n, sk_h, sk_l,
+                                          sk_n, sk_h, sk_l, sg_n, sg_h, sg_l, sg_k, K, rk, rk,
+                                          False, C, GB)  # fmt: skip
+    else:
+        kk = tl.zeros((C, C), dtype=tl.float32)
+        for k0 in range(0, K, KB):
+            k = round_to(_block(K_, n, h, first, end, sk_n, sk_h, sk_l, K, k0, rk, C, KB), DTYPE)
+            kk = dot(k, tl.trans(k), kk, PRECISION)
+        a = tl.where(lower, beta[:, None] * kk * tl.exp(e), 0.0)
     # T = (I + A)^{-1}, row by row: T_i = e_i - sum_{j < i} A_ij T_j (rows j >= i still zero;
     # T_jc = 0 for c > j left out of the sum, not multiplied: a NaN in A stays where it is)
     t_inv = tl.zeros((C, C), dtype=tl.float32)
@@ -218,17 +281,23 @@ def _chunk_wy(
     if BACKWARD:
         tl.store(TINV + (out + tt[:, None]) * C + tt[None, :], t_inv)
         rq = _norms(Q, n, h, first, end, sq_n, sq_h, sq_l, K, L2NORM, C, KB)
-        qk = tl.zeros((C, C), dtype=tl.float32)
-        for k0 in range(0, K, KB):
-            q = _block(Q, n, h, first, end, sq_n, sq_h, sq_l, K, k0, rq, C, KB)
-            k = _block(K_, n, h, first, end, sk_n, sk_h, sk_l, K, k0, rk, C, KB)
-            qk = tl.dot(q, tl.trans(k), qk, input_precision=STATE_PRECISION)
-        tl.store(P + (out + tt[:, None]) * C + tt[None, :],
-                 tl.where(tt[:, None] >= tt[None, :], qk * tl.exp(e), 0.0))  # fmt: skip
-    bg = beta * tl.exp(tl.cumsum(g, axis=0)) * rk
+        if KDA:
+            p = _gated_scores(Q, K_, G, n, h, hv, first, end, sq_n, sq_h, sq_l, sk_n, sk_h,
+                              sk_l, sg_n, sg_h, sg_l, sg_k, K, rq, rk, True, C, GB)  # fmt: skip
+        else:
+            qk = tl.zeros((C, C), dtype=tl.float32)
+            for k0 in range(0, K, KB):
+                q = _block(Q, n, h, first, end, sq_n, sq_h, sq_l, K, k0, rq, C, KB)
+                k = _block(K_, n, h, first, end, sk_n, sk_h, sk_l, K, k0, rk, C, KB)
+                qk = tl.dot(q, tl.trans(k), qk, input_precision=STATE_PRECISION)
+            p = tl.where(tt[:, None] >= tt[None, :], qk * tl.exp(e), 0.0)
+        tl.store(P + (out + tt[:, None]) * C + tt[None, :], p)
     for k0 in range(0, K, KB):
         kd = k0 + tl.arange(0, KB)
-        x = _block(K_, n, h, first, end, sk_n, sk_h, sk_l, K, k0, bg, C, KB)
+        # X = diag(beta) (Gamma o K): Gamma_tc the gates over [first, t], per channel
+        gam = tl.exp(tl.cumsum(_gate_block(G, n, hv, first + tt, first + tt < end, k0, sg_n,
+                                           sg_h, sg_l, sg_k, K, KB), axis=0))  # fmt: skip
+        x = _block(K_, n, h, first, end, sk_n, sk_h, sk_l, K, k0, beta * rk, C, KB) * gam
         w = _causal_dot(t_inv, x, tl.zeros((C, KB), dtype=tl.float32), tl.float32, "ieee")
         tl.store(W + (out + tt[:, None]) * K + kd[None, :], w, mask=(kd < K)[None, :])
     for v0 in range(0, V, BV):
@@ -244,7 +313,7 @@ def _chunk_wy(
 def _chunk_states(
     K_, G, W, U, STATES, INIT, CARRY, CU, OFFSETS,
     L, nC, GROUP, K, V,
-    sk_n, sk_h, sk_l, sg_n, sg_h, sg_l, si_s, si_h, si_k, si_v,
+    sk_n, sk_h, sk_l, sg_n, sg_h, sg_l, sg_k, si_s, si_h, si_k, si_v,
     HAS_INIT, PACKED, L2NORM, STATE_PRECISION: tl.constexpr,
     C: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
@@ -280,21 +349,14 @@ def _chunk_states(
             w = tl.load(W + rows[:, None] * K + kd[None, :], mask=(kd < K)[None, :], other=0.0)
             u = u - tl.dot(w, S, input_precision=STATE_PRECISION)
         tl.store(u_at, u, mask=(vd < V)[None, :])
-        # Gc_j: the log gates over (j, last], a reverse cumulative sum of the next steps' gates
-        after = start + tt + 1
-        g_next = tl.load(G + n * sg_n + hv * sg_h + after * sg_l,
-                         mask=(after < end) & (tt + 1 < C), other=0.0).to(tl.float32)  # fmt: skip
-        g = tl.load(G + n * sg_n + hv * sg_h + (start + tt) * sg_l, mask=start + tt < end,
-                    other=0.0).to(tl.float32)  # fmt: skip
-        gc = tl.exp(tl.cumsum(g_next, axis=0, reverse=True))
-        gc = gc * _norms(K_, n, hv // GROUP, start, end, sk_n, sk_h, sk_l, K, L2NORM, C, KB)
-        total = tl.exp(tl.sum(g, axis=0))
+        rk = _norms(K_, n, hv // GROUP, start, end, sk_n, sk_h, sk_l, K, L2NORM, C, KB)
         for k0 in range(0, K, KB):
             kd = k0 + tl.arange(0, KB)
             mkv = (kd < K)[:, None] & (vd < V)[None, :]
             S = tl.load(carry + kd[:, None] * V + vd[None, :], mask=mkv, other=0.0)
-            k = _block(K_, n, hv // GROUP, start, end, sk_n, sk_h, sk_l, K, k0, gc, C, KB)
-            S = tl.dot(tl.trans(k), u, S * total, input_precision=STATE_PRECISION)
+            gc, total = _closing_gates(G, n, hv, start, end, k0, sg_n, sg_h, sg_l, sg_k, K, C, KB)
+            k = _block(K_, n, hv // GROUP, start, end, sk_n, sk_h, sk_l, K, k0, rk, C, KB) * gc
+            S = tl.dot(tl.trans(k), u, S * total[:, None], input_precision=STATE_PRECISION)
             tl.debug_barrier()  # every thread has read this block
             tl.store(carry + kd[:, None] * V + vd[None, :], S, mask=mkv)
 
@@ -302,9 +364,9 @@ def _chunk_states(
 def _chunk_output(
     Q, K_, G, BETA, STATES, U, O, SEQ, CU, OFFSETS,
     S_, L, nC, GROUP, K, V, SCALE,
-    sq_n, sq_h, sq_l, sk_n, sk_h, sk_l, sg_n, sg_h, sg_l, sb_n, sb_h, sb_l,
-    PACKED, L2NORM, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    sq_n, sq_h, sq_l, sk_n, sk_h, sk_l, sg_n, sg_h, sg_l, sg_k, sb_n, sb_h, sb_l,
+    PACKED, L2NORM, DTYPE: tl.constexpr, PRECISION: tl.constexpr, KDA: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, GB: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     """Per (chunk slot, value head, block of value columns):
     ``O = scale ((Gamma Q) S0 + (Q K^T o exp(E), j <= t) U)`` into ``O`` ``(N, Hv, L, V)``."""
@@ -317,15 +379,23 @@ def _chunk_output(
     vd = tl.program_id(2) * BV + tl.arange(0, BV)
     q = _rows(Q, n, hv // GROUP, first, end, sq_n, sq_h, sq_l, K, L2NORM, C, BK)
     k = _rows(K_, n, hv // GROUP, first, end, sk_n, sk_h, sk_l, K, L2NORM, C, BK)
-    g, _, e = _gates(G, BETA, n, hv, first, end, sg_n, sg_h, sg_l, sb_n, sb_h, sb_l, C)
-    p = dot(round_to(q, DTYPE), tl.trans(round_to(k, DTYPE)),
-            tl.zeros((C, C), dtype=tl.float32), PRECISION)  # fmt: skip
-    p = tl.where(tt[:, None] >= tt[None, :], p * tl.exp(e), 0.0)
+    if KDA:
+        h = hv // GROUP
+        rq = _norms(Q, n, h, first, end, sq_n, sq_h, sq_l, K, L2NORM, C, BK)
+        rk = _norms(K_, n, h, first, end, sk_n, sk_h, sk_l, K, L2NORM, C, BK)
+        p = _gated_scores(Q, K_, G, n, h, hv, first, end, sq_n, sq_h, sq_l, sk_n, sk_h, sk_l,
+                          sg_n, sg_h, sg_l, sg_k, K, rq, rk, True, C, GB)  # fmt: skip
+    else:
+        _, _, e = _gates(G, BETA, n, hv, first, end, sg_n, sg_h, sg_l, sb_n, sb_h, sb_l, C)
+        p = dot(round_to(q, DTYPE), tl.trans(round_to(k, DTYPE)),
+                tl.zeros((C, C), dtype=tl.float32), PRECISION)  # fmt: skip
+        p = tl.where(tt[:, None] >= tt[None, :], p * tl.exp(e), 0.0)
     s0 = tl.load(STATES + ((s * Hv + hv) * K + kd[:, None]) * V + vd[None, :],
                  mask=(kd < K)[:, None] & (vd < V)[None, :], other=0.0)  # fmt: skip
     u = tl.load(U + ((s * Hv + hv) * C + tt[:, None]) * V + vd[None, :], mask=(vd < V)[None, :],
                 other=0.0)  # fmt: skip
-    gq = round_to(tl.exp(tl.cumsum(g, axis=0))[:, None] * q, DTYPE)
+    g = _gate_block(G, n, hv, first + tt, first + tt < end, 0, sg_n, sg_h, sg_l, sg_k, K, BK)
+    gq = round_to(tl.exp(tl.cumsum(g, axis=0)) * q, DTYPE)
     o = dot(gq, s0, tl.zeros((C, BV), dtype=tl.float32), PRECISION)
     o = _causal_dot(p, u, o, DTYPE, PRECISION) * SCALE
     t = first + tt
@@ -374,7 +444,7 @@ def _norms(X, n, h, first, end, sn, sh, sl, D, L2NORM, C: tl.constexpr, BD: tl.c
 def _chunk_states_bwd(
     Q, K_, G, W, P, DO, DFINAL, DSC, DU, CARRY, CU, OFFSETS,
     L, nC, GROUP, K, V, SCALE,
-    sq_n, sq_h, sq_l, sk_n, sk_h, sk_l, sg_n, sg_h, sg_l, sd_n, sd_h, sd_l,
+    sq_n, sq_h, sq_l, sk_n, sk_h, sk_l, sg_n, sg_h, sg_l, sg_k, sd_n, sd_h, sd_l,
     sf_s, sf_h, sf_k, sf_v,
     HAS_DFINAL, PACKED, L2NORM, STATE_PRECISION: tl.constexpr,
     C: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
@@ -402,36 +472,33 @@ def _chunk_states_bwd(
         start = first + c * C
         t = start + tt
         rows = (slot * Hv + hv) * C + tt
-        g = tl.load(G + n * sg_n + hv * sg_h + t * sg_l, mask=t < end, other=0.0).to(tl.float32)
-        after = t + 1
-        g_next = tl.load(G + n * sg_n + hv * sg_h + after * sg_l,
-                         mask=(after < end) & (tt + 1 < C), other=0.0).to(tl.float32)  # fmt: skip
         tv = (t < end)[:, None] & (vd < V)[None, :]
         do = tl.load(DO + n * sd_n + hv * sd_h + t[:, None] * sd_l + vd[None, :], mask=tv,
                      other=0.0).to(tl.float32)  # fmt: skip
         p = tl.load(P + rows[:, None] * C + tt[None, :])
         du = _anticausal_dot(tl.trans(p), do, tl.zeros((C, BV), dtype=tl.float32),
                              STATE_PRECISION) * SCALE  # fmt: skip
-        gc = tl.exp(tl.cumsum(g_next, axis=0, reverse=True))
-        gc = gc * _norms(K_, n, h, start, end, sk_n, sk_h, sk_l, K, L2NORM, C, KB)
+        rk = _norms(K_, n, h, start, end, sk_n, sk_h, sk_l, K, L2NORM, C, KB)
         tl.debug_barrier()  # dS's last writes, by every thread
         for k0 in range(0, K, KB):
             kd = k0 + tl.arange(0, KB)
             mkv = (kd < K)[:, None] & (vd < V)[None, :]
             dS = tl.load(carry + kd[:, None] * V + vd[None, :], mask=mkv, other=0.0)
             tl.store(DSC + ((slot * Hv + hv) * K + kd[:, None]) * V + vd[None, :], dS, mask=mkv)
-            kc = _block(K_, n, h, start, end, sk_n, sk_h, sk_l, K, k0, gc, C, KB)
+            gc, _ = _closing_gates(G, n, hv, start, end, k0, sg_n, sg_h, sg_l, sg_k, K, C, KB)
+            kc = _block(K_, n, h, start, end, sk_n, sk_h, sk_l, K, k0, rk, C, KB) * gc
             du = tl.dot(kc, dS, du, input_precision=STATE_PRECISION)
         tl.store(DU + rows[:, None] * V + vd[None, :], du, mask=(vd < V)[None, :])
-        gq = tl.exp(tl.cumsum(g, axis=0)) * SCALE
-        gq = gq * _norms(Q, n, h, start, end, sq_n, sq_h, sq_l, K, L2NORM, C, KB)
-        total = tl.exp(tl.sum(g, axis=0))
+        rq = _norms(Q, n, h, start, end, sq_n, sq_h, sq_l, K, L2NORM, C, KB) * SCALE
         for k0 in range(0, K, KB):
             kd = k0 + tl.arange(0, KB)
             mkv = (kd < K)[:, None] & (vd < V)[None, :]
             dS = tl.load(carry + kd[:, None] * V + vd[None, :], mask=mkv, other=0.0)
-            q = _block(Q, n, h, start, end, sq_n, sq_h, sq_l, K, k0, gq, C, KB)
-            dS = tl.dot(tl.trans(q), do, dS * total, input_precision=STATE_PRECISION)
+            g = _gate_block(G, n, hv, t, t < end, k0, sg_n, sg_h, sg_l, sg_k, K, KB)
+            q = _block(Q, n, h, start, end, sq_n, sq_h, sq_l, K, k0, rq, C, KB)
+            q = q * tl.exp(tl.cumsum(g, axis=0))
+            total = tl.exp(tl.sum(g, axis=0))
+            dS = tl.dot(tl.trans(q), do, dS * total[:, None], input_precision=STATE_PRECISION)
             w = tl.load(W + rows[:, None] * K + kd[None, :], mask=(kd < K)[None, :], other=0.0)
             dS = dS - tl.dot(tl.trans(w), du, input_precision=STATE_PRECISION)
             tl.debug_barrier()  # every thread has read this block
@@ -441,14 +508,15 @@ def _chunk_states_bwd(
 def _chunk_grads_v(
     V_, BETA, TINV, STATES, U, DU, DSC, DO, DQ, DK, DW, DPT, DV, DB, DG, SEQ, CU, OFFSETS,
     S_, L, nC, K, V, sv_n, sv_h, sv_l, sb_n, sb_h, sb_l, sd_n, sd_h, sd_l,
-    PACKED, STATE_PRECISION: tl.constexpr, C: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
+    PACKED, STATE_PRECISION: tl.constexpr, KDA: tl.constexpr,
+    C: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     """Per (chunk slot, value head), the backward's sums over the value columns: ``dV`` (in its
     dtype), and into the float32 outputs that :func:`_chunk_grads_k` finishes, at the chunk's
     positions: ``dO S0^T`` into ``DQ``, ``U dS_C^T`` into ``DK``, ``dU S0^T`` into ``DW`` (the
     forward's ``W``, no longer needed), ``dO U^T`` and ``dU (diag(beta) V)^T`` into ``DPT``
     ``(slots, Hv, 2, C, C)``, ``V . dY`` into ``DB`` and ``sum(S0 o dS_C)`` into every ``DG``
-    of the chunk. ``KB`` key rows at a time."""
+    of the chunk (KDA: per key row, ``DG`` ``(N, Hv, L, K)``). ``KB`` key rows at a time."""
     s = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
     Hv = tl.num_programs(1)
@@ -490,8 +558,13 @@ def _chunk_grads_v(
         tl.store(DQ + out[:, None] * K + kd[None, :], acc_dq, mask=mk)
         tl.store(DK + out[:, None] * K + kd[None, :], acc_dkc, mask=mk)
         tl.store(DW + (base + tt[:, None]) * K + kd[None, :], acc_dw, mask=(kd < K)[None, :])
-        state_sum += tl.sum(acc_dgc, axis=0)
-    tl.store(DG + out, state_sum, mask=ok)
+        if KDA:
+            tl.store(DG + out[:, None] * K + kd[None, :],
+                     acc_dgc[None, :] + tl.zeros((C, KB), dtype=tl.float32), mask=mk)  # fmt: skip
+        else:
+            state_sum += tl.sum(acc_dgc, axis=0)
+    if not KDA:
+        tl.store(DG + out, state_sum, mask=ok)
     acc_dp = tl.zeros((C, C), dtype=tl.float32)
     acc_dt = tl.zeros((C, C), dtype=tl.float32)
     acc_db = tl.zeros((C,), dtype=tl.float32)
@@ -636,20 +709,131 @@ def _chunk_grads_k(
         k_dk += tl.sum(k * dk, axis=1)
         tl.debug_barrier()  # every thread has read this block of DK
         tl.store(DK + out[:, None] * K + kd[None, :], dk, mask=mk)
-    if L2NORM:  # through x / |x|: (dx - x^ (x^ . dx)) / |x|
+    if L2NORM:
+        _through_l2norm(Q, K_, DQ, DK, n, h, first, end, sq_n, sq_h, sq_l, sk_n, sk_h, sk_l, K,
+                        rq, rk, q_dq, k_dk, out, C, KB)  # fmt: skip
+
+
+@triton.jit
+def _through_l2norm(Q, K_, DQ, DK, n, h, first, end, sq_n, sq_h, sq_l, sk_n, sk_h, sk_l, K,
+                    rq, rk, q_dq, k_dk, out, C: tl.constexpr, KB: tl.constexpr):  # fmt: skip
+    """``DQ`` and ``DK`` (the gradients of the normalised rows) through ``x / |x|``:
+    ``(dx - x^ (x^ . dx)) / |x|``, ``q_dq`` and ``k_dk`` the rows' ``x^ . dx``."""
+    ok = first + tl.arange(0, C) < end
+    tl.debug_barrier()
+    for k0 in range(0, K, KB):
+        kd = k0 + tl.arange(0, KB)
+        mk = ok[:, None] & (kd < K)[None, :]
+        q = _block(Q, n, h, first, end, sq_n, sq_h, sq_l, K, k0, rq, C, KB)
+        dq = tl.load(DQ + out[:, None] * K + kd[None, :], mask=mk, other=0.0)
+        k = _block(K_, n, h, first, end, sk_n, sk_h, sk_l, K, k0, rk, C, KB)
+        dk = tl.load(DK + out[:, None] * K + kd[None, :], mask=mk, other=0.0)
         tl.debug_barrier()
-        for k0 in range(0, K, KB):
-            kd = k0 + tl.arange(0, KB)
-            mk = ok[:, None] & (kd < K)[None, :]
-            q = _block(Q, n, h, first, end, sq_n, sq_h, sq_l, K, k0, rq, C, KB)
-            dq = tl.load(DQ + out[:, None] * K + kd[None, :], mask=mk, other=0.0)
-            k = _block(K_, n, h, first, end, sk_n, sk_h, sk_l, K, k0, rk, C, KB)
-            dk = tl.load(DK + out[:, None] * K + kd[None, :], mask=mk, other=0.0)
-            tl.debug_barrier()
-            tl.store(DQ + out[:, None] * K + kd[None, :],
-                     rq[:, None] * (dq - q * q_dq[:, None]), mask=mk)  # fmt: skip
-            tl.store(DK + out[:, None] * K + kd[None, :],
-                     rk[:, None] * (dk - k * k_dk[:, None]), mask=mk)  # fmt: skip
+        tl.store(DQ + out[:, None] * K + kd[None, :],
+                 rq[:, None] * (dq - q * q_dq[:, None]), mask=mk)  # fmt: skip
+        tl.store(DK + out[:, None] * K + kd[None, :],
+                 rk[:, None] * (dk - k * k_dk[:, None]), mask=mk)  # fmt: skip
+
+
+def _chunk_grads_kda(
+    Q, K_, G, BETA, TINV, DW, DPT, DQ, DK, DB, DG, SEQ, CU, OFFSETS,
+    S_, L, nC, GROUP, K, SCALE,
+    sq_n, sq_h, sq_l, sk_n, sk_h, sk_l, sg_n, sg_h, sg_l, sg_k, sb_n, sb_h, sb_l,
+    PACKED, L2NORM, STATE_PRECISION: tl.constexpr, C: tl.constexpr, GB: tl.constexpr,
+):  # fmt: skip
+    """:func:`_chunk_grads_k` for KDA's per-channel gates: every factor ``exp(E_tj)`` is one per
+    key column, so ``A``'s and ``P``'s terms are ``C x C x GB`` tiles (as
+    :func:`_gated_scores` forms them) and the gates' gradients are per column (``DG``
+    ``(N, Hv, L, K)``). A pass over the key columns for ``dT`` and ``beta``'s sums, the
+    ``C x C`` algebra, then a pass for ``dq``, ``dk`` and the gates', ``GB`` columns at a
+    time."""
+    s = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    Hv = tl.num_programs(1)
+    n, first, end = _slot(SEQ, CU, OFFSETS, s, S_, nC, L, C, PACKED)
+    h = hv // GROUP
+    tt = tl.arange(0, C)
+    t = first + tt
+    ok = t < end
+    lower = tt[:, None] > tt[None, :]
+    lower3 = lower[:, :, None]
+    lower_eq3 = (tt[:, None] >= tt[None, :])[:, :, None]
+    beta = tl.load(BETA + n * sb_n + hv * sb_h + t * sb_l, mask=ok, other=0.0).to(tl.float32)
+    rq = _norms(Q, n, h, first, end, sq_n, sq_h, sq_l, K, L2NORM, C, GB)
+    rk = _norms(K_, n, h, first, end, sk_n, sk_h, sk_l, K, L2NORM, C, GB)
+    base = (s * Hv + hv) * C
+    out = (n * Hv + hv) * L + t
+    square = (base * 2 + tt[:, None]) * C + tt[None, :]
+    t_inv = tl.load(TINV + (base + tt[:, None]) * C + tt[None, :])
+    zeros = tl.zeros((C, C), dtype=tl.float32)
+    # X = diag(beta) (Gamma o K), W = T X: dX = T^T dW, dT += dW X^T
+    dt = tl.load(DPT + square + C * C)
+    db = tl.load(DB + out, mask=ok, other=0.0)
+    for k0 in range(0, K, GB):
+        kd = k0 + tl.arange(0, GB)
+        gam = tl.exp(tl.cumsum(_gate_block(G, n, hv, t, ok, k0, sg_n, sg_h, sg_l, sg_k, K, GB),
+                               axis=0))  # fmt: skip
+        k = _block(K_, n, h, first, end, sk_n, sk_h, sk_l, K, k0, rk, C, GB)
+        dw = -tl.load(DW + (base + tt[:, None]) * K + kd[None, :], mask=(kd < K)[None, :],
+                      other=0.0)  # fmt: skip
+        dx = _anticausal_dot(tl.trans(t_inv), dw, tl.zeros((C, GB), dtype=tl.float32),
+                             STATE_PRECISION)  # fmt: skip
+        dt = tl.dot(dw, tl.trans(beta[:, None] * gam * k), dt, input_precision=STATE_PRECISION)
+        db += tl.sum(gam * k * dx, axis=1)
+    kk = _gated_scores(K_, K_, G, n, h, hv, first, end, sk_n, sk_h, sk_l, sk_n, sk_h, sk_l,
+                       sg_n, sg_h, sg_l, sg_k, K, rk, rk, False, C, GB)  # fmt: skip
+    # T = (I + A)^{-1}, A_tj = beta_t sum_c k_tc k_jc exp(E_tjc): dA = -T^T dT T^T (j < t)
+    da = _anticausal_dot(tl.trans(t_inv), dt, zeros, STATE_PRECISION)
+    da = -tl.trans(_causal_dot(t_inv, tl.trans(da), zeros, tl.float32, STATE_PRECISION))
+    da = tl.where(lower, da, 0.0)
+    db += tl.sum(da * kk, axis=1)
+    tl.store(DB + out, db, mask=ok)
+    dab = (da * beta[:, None])[:, :, None]
+    dp = tl.where(tt[:, None] >= tt[None, :], SCALE * tl.load(DPT + square), 0.0)[:, :, None]
+    q_dq = tl.zeros((C,), dtype=tl.float32)
+    k_dk = tl.zeros((C,), dtype=tl.float32)
+    for k0 in range(0, K, GB):
+        kd = k0 + tl.arange(0, GB)
+        mk = ok[:, None] & (kd < K)[None, :]
+        at = out[:, None] * K + kd[None, :]
+        g = _gate_block(G, n, hv, t, ok, k0, sg_n, sg_h, sg_l, sg_k, K, GB)
+        gam = tl.exp(tl.cumsum(g, axis=0))
+        gc, total = _closing_gates(G, n, hv, first, end, k0, sg_n, sg_h, sg_l, sg_k, K, C, GB)
+        e = tl.exp(tl.cumsum(tl.where(lower3, g[:, None, :], 0.0), axis=0))
+        k = _block(K_, n, h, first, end, sk_n, sk_h, sk_l, K, k0, rk, C, GB)
+        q = _block(Q, n, h, first, end, sq_n, sq_h, sq_l, K, k0, rq, C, GB)
+        dw = -tl.load(DW + (base + tt[:, None]) * K + kd[None, :], mask=(kd < K)[None, :],
+                      other=0.0)  # fmt: skip
+        dx = _anticausal_dot(tl.trans(t_inv), dw, tl.zeros((C, GB), dtype=tl.float32),
+                             STATE_PRECISION)  # fmt: skip
+        dq_s = tl.load(DQ + at, mask=mk, other=0.0)  # dO S0^T
+        dk_s = tl.load(DK + at, mask=mk, other=0.0)  # U dS_C^T
+        d_total = tl.load(DG + at, mask=mk, other=0.0)  # sum(S0 o dS_C) per key row
+        # each product masked after it is formed: a non-finite row reaches no row before
+        a3 = dab * e
+        p3 = dp * e
+        dq = (SCALE * gam) * dq_s + tl.sum(tl.where(lower_eq3, p3 * k[None, :, :], 0.0), axis=1)
+        dk = beta[:, None] * gam * dx + gc * dk_s
+        dk += tl.sum(tl.where(lower_eq3, p3 * q[:, None, :], 0.0), axis=0)
+        dk += tl.sum(tl.where(lower3, a3 * k[:, None, :], 0.0), axis=0)
+        dk += tl.sum(tl.where(lower3, a3 * k[None, :, :], 0.0), axis=1)
+        de = tl.where(lower3, a3 * k[:, None, :] * k[None, :, :], 0.0)
+        de += tl.where(lower_eq3, p3 * q[:, None, :] * k[None, :, :], 0.0)
+        # the log gates: Gamma_t spans [first, t], E_tj (j, t], Gc_j (j, last], Gamma_C all;
+        # g_s gets E_tj's for j < s <= t: the sums over j < s of the reverse running sums
+        dg = tl.cumsum(gam * (beta[:, None] * k * dx + SCALE * q * dq_s), axis=0, reverse=True)
+        dg += tl.sum(tl.where(lower3, (gc * k * dk_s)[None, :, :], 0.0), axis=1)
+        dg += tl.sum(tl.where(lower3, tl.cumsum(de, axis=0, reverse=True), 0.0), axis=1)
+        dg += total[None, :] * d_total
+        q_dq += tl.sum(q * dq, axis=1)
+        k_dk += tl.sum(k * dk, axis=1)
+        tl.debug_barrier()  # every thread has read these blocks
+        tl.store(DQ + at, dq, mask=mk)
+        tl.store(DK + at, dk, mask=mk)
+        tl.store(DG + at, dg, mask=mk)
+    if L2NORM:
+        _through_l2norm(Q, K_, DQ, DK, n, h, first, end, sq_n, sq_h, sq_l, sk_n, sk_h, sk_l, K,
+                        rq, rk, q_dq, k_dk, out, C, GB)  # fmt: skip
 
 
 # One binary per dtype and tile: no specialisation on sizes, strides or flags.
@@ -659,6 +843,7 @@ _chunk_output = untuned(_chunk_output)
 _chunk_states_bwd = untuned(_chunk_states_bwd)
 _chunk_grads_v = untuned(_chunk_grads_v)
 _chunk_grads_k = untuned(_chunk_grads_k)
+_chunk_grads_kda = untuned(_chunk_grads_kda)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -670,10 +855,8 @@ MAX_K = 128
 
 
 def supported(k: torch.Tensor, g: torch.Tensor) -> bool:
-    """Scalar gates and key heads up to :data:`MAX_K`. KDA's per-channel gates need a reference
-    point inside the chunk (a factor ``exp`` of a positive sum otherwise), which these kernels
-    do not take yet."""
-    return g.dim() == 3 and k.shape[-1] <= MAX_K
+    """Key heads up to :data:`MAX_K`, scalar gates or KDA's per-channel ones."""
+    return k.shape[-1] <= MAX_K
 
 
 def _plan(q, cu_seqlens, C):
@@ -699,6 +882,11 @@ def _plan(q, cu_seqlens, C):
 def _meta(q, C):
     return {"DTYPE": _TL_DTYPES[q.dtype], "PRECISION": dot_precision(q.dtype), "C": C,
             "num_warps": WARPS, "num_stages": 1}  # fmt: skip
+
+
+def _gate_strides(g) -> tuple[int, ...]:
+    """``g``'s strides over ``(N, Hv, L, K)``: a scalar gate's over the key columns is 0."""
+    return (*g.stride()[:3], g.stride(3) if g.dim() == 4 else 0)
 
 
 def _block_v(V: int) -> int:
@@ -735,19 +923,19 @@ def _walk(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm, C, plan, s
     meta = _meta(q, C)
     bv = _block_v(V)
     group, packed, l2 = Hv // H, int(cu_seqlens is not None), int(use_qk_l2norm)
-    gates = (*g.stride(), *beta.stride())
+    gates = (*_gate_strides(g), *beta.stride())
     _chunk_wy[(slots, Hv)](
         q, k, v, g, beta, w, u, unused if t_inv is None else t_inv,
         unused if scores is None else scores, seq_of, cu, offsets, sequences,
         L, nC, group, K, V, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *gates, packed,
-        l2, BACKWARD=backward, STATE_PRECISION=_state_precision(q), BV=bv,
-        KB=_key_block(K), **meta,
+        l2, BACKWARD=backward, STATE_PRECISION=_state_precision(q), KDA=g.dim() == 4, BV=bv,
+        KB=_key_block(K), GB=_key_block(K, KDA_KEY_BLOCK), **meta,
     )  # fmt: skip
     init = initial_state
     sbv = min(STATE_BLOCK_V, bv)
     _chunk_states[(sequences, Hv, triton.cdiv(V, sbv))](
         k, g, w, u, states, init if init is not None else unused, final,
-        cu, offsets, L, nC, group, K, V, *k.stride()[:3], *g.stride(),
+        cu, offsets, L, nC, group, K, V, *k.stride()[:3], *_gate_strides(g),
         *(init.stride() if init is not None else (0, 0, 0, 0)),
         int(init is not None), packed, l2, STATE_PRECISION=_state_precision(q), C=C,
         KB=_key_block(K, WALK_KEY_BLOCK), BV=sbv, num_warps=WALK_WARPS, num_stages=1,
@@ -770,10 +958,10 @@ def forward(q, k, v, g, beta, scale, initial_state=None, output_final_state=Fals
     bv = _block_v(V)
     _chunk_output[(slots, Hv, triton.cdiv(V, bv))](
         q, k, g, beta, states, u, out, seq_of, cu, offsets, sequences, L, nC, Hv // H, K, V,
-        float(scale), *q.stride()[:3], *k.stride()[:3], *g.stride(), *beta.stride(),
+        float(scale), *q.stride()[:3], *k.stride()[:3], *_gate_strides(g), *beta.stride(),
         int(cu_seqlens is not None), int(use_qk_l2norm),
         **{**_meta(q, CHUNK), "BK": max(16, triton.next_power_of_2(K)), "BV": bv,
-           "num_warps": OUTPUT_WARPS},
+           "KDA": g.dim() == 4, "GB": _key_block(K, KDA_KEY_BLOCK), "num_warps": OUTPUT_WARPS},
     )  # fmt: skip
     if final is None:
         return out, q.new_empty(0)
@@ -806,7 +994,7 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
     group, packed, l2 = Hv // H, int(cu_seqlens is not None), int(use_qk_l2norm)
     _chunk_states_bwd[(sequences, Hv, triton.cdiv(V, sbv))](
         q, k, g, w, scores, g_out, g_final if has_dfinal else d_init, dsc, du, d_init, cu, offsets,
-        L, nC, group, K, V, float(scale), *q.stride()[:3], *k.stride()[:3], *g.stride(),
+        L, nC, group, K, V, float(scale), *q.stride()[:3], *k.stride()[:3], *_gate_strides(g),
         *g_out.stride()[:3], *(g_final.stride() if has_dfinal else (0, 0, 0, 0)),
         int(has_dfinal), packed, l2, STATE_PRECISION=precision, C=C,
         KB=_key_block(K, WALK_KEY_BLOCK), BV=sbv,
@@ -815,7 +1003,8 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
     dq = torch.empty((N, Hv, L, K), **f32)
     dk = torch.empty((N, Hv, L, K), **f32)
     db = torch.empty((N, Hv, L), **f32)
-    dg = torch.empty((N, Hv, L), **f32)
+    kda = g.dim() == 4
+    dg = torch.empty((N, Hv, L, *((K,) if kda else ())), **f32)
     dv = torch.empty((N, Hv, L, V), dtype=v.dtype, device=q.device)
     dpt = torch.empty((slots, Hv, 2, C, C), **f32)
     if cu_seqlens is not None:  # positions in no sequence (past the last offset) stay zero
@@ -824,16 +1013,23 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
     _chunk_grads_v[(slots, Hv)](
         v, beta, t_inv, states, u, du, dsc, g_out, dq, dk, w, dpt, dv, db, dg, seq_of, cu,
         offsets, sequences, L, nC, K, V, *v.stride()[:3], *beta.stride(), *g_out.stride()[:3],
-        packed, STATE_PRECISION=precision, C=C, KB=_key_block(K), BV=bv, num_warps=GRAD_WARPS,
-        num_stages=1,
+        packed, STATE_PRECISION=precision, KDA=kda, C=C, KB=_key_block(K), BV=bv,
+        num_warps=GRAD_WARPS, num_stages=1,
     )  # fmt: skip
-    _chunk_grads_k[(slots, Hv)](
-        q, k, g, beta, t_inv, scores, w, dpt, dq, dk, db, dg, seq_of, cu, offsets, sequences, L, nC,
-        group, K, float(scale), *q.stride()[:3], *k.stride()[:3], *g.stride(), *beta.stride(),
-        packed, l2, STATE_PRECISION=GRAD_PRECISION, C=C, KB=_key_block(K, GRAD_KEY_BLOCK),
-        num_warps=GRAD_WARPS,
-        num_stages=1,
-    )  # fmt: skip
+    if kda:
+        _chunk_grads_kda[(slots, Hv)](
+            q, k, g, beta, t_inv, w, dpt, dq, dk, db, dg, seq_of, cu, offsets, sequences, L, nC,
+            group, K, float(scale), *q.stride()[:3], *k.stride()[:3], *_gate_strides(g),
+            *beta.stride(), packed, l2, STATE_PRECISION=GRAD_PRECISION, C=C,
+            GB=_key_block(K, KDA_KEY_BLOCK), num_warps=GRAD_WARPS, num_stages=1,
+        )  # fmt: skip
+    else:
+        _chunk_grads_k[(slots, Hv)](
+            q, k, g, beta, t_inv, scores, w, dpt, dq, dk, db, dg, seq_of, cu, offsets, sequences,
+            L, nC, group, K, float(scale), *q.stride()[:3], *k.stride()[:3], *g.stride(),
+            *beta.stride(), packed, l2, STATE_PRECISION=GRAD_PRECISION, C=C,
+            KB=_key_block(K, GRAD_KEY_BLOCK), num_warps=GRAD_WARPS, num_stages=1,
+        )  # fmt: skip
     dq = dq.view(N, H, group, L, K).sum(2)
     dk = dk.view(N, H, group, L, K).sum(2)
     return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), db.to(beta.dtype),

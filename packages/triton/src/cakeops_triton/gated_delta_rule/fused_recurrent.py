@@ -17,7 +17,7 @@ key head). Gates enter only as ``exp(g_t)`` of one step (``g_t <= 0``): a gate o
 exact reset. Every sum runs in a fixed order: deterministic.
 
 These kernels do one position at a time with no tensor cores: the path for short calls
-(decoding), for KDA, and for every backward until the chunked form has one (:mod:`.chunk`).
+(decoding) and for key heads wider than the chunked kernels take (:mod:`.chunk`).
 """
 
 from __future__ import annotations
