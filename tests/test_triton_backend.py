@@ -258,25 +258,28 @@ TUNED_PATH = textwrap.dedent(
             got[backend] = [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
     for mine, ref in zip(got["triton"], got["reference"]):
         assert_matches(mine, ref, "causal_dot_product log_gates")
-    # the chunked delta rule on a GPU's chunks and blocks: two key blocks of the walks, two
-    # column blocks of their states
+    # the chunked delta rule on a GPU's chunks and blocks, scalar gates and KDA's: two key
+    # blocks of the walks, two column blocks of their states, KDA's C x C x 8 tiles
     from cakeops_triton.gated_delta_rule import chunk
     chunk.CHUNK, chunk.WALK_KEY_BLOCK, chunk.GRAD_KEY_BLOCK = 16, 32, 32
+    chunk.KDA_KEY_BLOCK = 8
     torch.manual_seed(0)
     N, H, L, K, V = 1, 2, 40, 64, 48
-    q, k = (torch.randn(N, H, L, K) for _ in "qk")
-    v = torch.randn(N, H, L, V)
-    g, beta = -torch.rand(N, H, L) * 0.2, torch.rand(N, H, L)
-    leaves = [q, k, v, g, beta]
-    for t in leaves:
-        t.requires_grad_()
-    got = {}
-    for backend in ("triton", "reference"):
-        with cakeops.use_backend(backend):
-            out = cakeops.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)
-            got[backend] = [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
-    for mine, ref in zip(got["triton"], got["reference"]):
-        assert_matches(mine, ref, "gated_delta_rule")
+    for kda in (False, True):
+        q, k = (torch.randn(N, H, L, K) for _ in "qk")
+        v = torch.randn(N, H, L, V)
+        g = -torch.rand(N, H, L, *((K,) if kda else ())) * 0.2
+        beta = torch.rand(N, H, L)
+        leaves = [q, k, v, g, beta]
+        for t in leaves:
+            t.requires_grad_()
+        got = {}
+        for backend in ("triton", "reference"):
+            with cakeops.use_backend(backend):
+                out = cakeops.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)
+                got[backend] = [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
+        for mine, ref in zip(got["triton"], got["reference"]):
+            assert_matches(mine, ref, "gated_delta_rule")
     print("ok")
     """
 )

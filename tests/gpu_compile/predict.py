@@ -61,9 +61,13 @@ WALK_LATENCY = (1.0e-6, 3.0e-6)
 #: a float32 product as three TF32 products (``tf32x3``, for 16-bit inputs), in bf16-rate FLOPs:
 #: TF32 runs at half the bf16 rate, three times
 TF32X3 = 6
+#: FMA-unit operations per term of KDA's ``sum_c x_tc y_jc exp(E_tjc)``: the running sum, the
+#: ``exp`` (on the special-function units, counted as two), two products, the masked add
+KDA_TERM_FLOPS = 6
 START, END = "<!-- gpu-predict:start -->", "<!-- gpu-predict:end -->"
 GATED = "causal_dot_product, log_gates"
 DELTA = "gated_delta_rule"
+KDA = "gated_delta_rule, KDA"
 SHORT = {"forward": "fwd", "backward": "bwd"}
 
 
@@ -187,6 +191,11 @@ def _chunk_model(kernel: str, a: dict, per_sm: int) -> dict:
     es = _size(a["K_"] if "K_" in a else a["V_"])  # the inputs' dtype
     fma = BF16_RATE / FP32_FMA_RATE  # one FMA-unit FLOP in bf16-rate FLOPs
     x3 = TF32X3 if a.get("STATE_PRECISION") == "tf32x3" else 1
+    # KDA: a gate per key column (read as a C x K block where a scalar gate is C numbers), and
+    # each C x C score matrix formed on FMA over C x C x K terms (running sum, exp, products)
+    kda = kernel == "_chunk_grads_kda" or bool(a.get("KDA"))
+    gate_bytes = C * K * _size(a["G"]) if kda and "G" in a else 0
+    scores = KDA_TERM_FLOPS * C * C * K * fma
     if kernel in ("_chunk_states", "_chunk_states_bwd"):
         sequences, _, blocks = a["_grid"]
         L = a["L"] if not a["PACKED"] else (a["CU"][1:] - a["CU"][:-1]).max().item()
@@ -200,6 +209,7 @@ def _chunk_model(kernel: str, a: dict, per_sm: int) -> dict:
         else:  # read W, P, k, q, dO; write dS per chunk, dU
             nbytes = tiles * (C * K * (4 + 2 * es) + C * C * 4 + C * V * (es + 4) + K * V * 4)
             flops = tiles * blocks * 2 * (3 * C * K * bv + C * C * bv) * x3
+        nbytes += tiles * gate_bytes
         return {"bytes": nbytes, "flops": flops, "l2": keys + 3 * tiles * blocks * K * bv * 4,
                 "chain": chunks, "programs": sequences * Hv * blocks, "per_sm": per_sm,
                 "latency": WALK_LATENCY}  # fmt: skip
@@ -211,12 +221,18 @@ def _chunk_model(kernel: str, a: dict, per_sm: int) -> dict:
                           + (2 * C * C * 4 if back else 0))  # fmt: skip
         flops = tiles * (2 * C * C * K + (C**3 + 2 * C * C * (K + V)) * fma
                          + (2 * C * C * K * TF32X3 if back else 0))  # fmt: skip
+        if kda:  # A (and P) as sums of gated terms
+            nbytes += tiles * gate_bytes
+            flops += tiles * scores * (2 if back else 1)
         return {"bytes": nbytes, "flops": flops, "l2": 0, "chain": 0, "programs": tiles,
                 "per_sm": per_sm}  # fmt: skip
     if kernel == "_chunk_output":  # q, k, the chunk states, U in; O out
         blocks = a["_grid"][2]
         nbytes = tiles * (K * V * _size(a["STATES"]) + C * V * (4 + es)) + tiles * 2 * C * K * es
         flops = tiles * blocks * 2 * (C * C * K + C * K * a["BV"] + C * C * a["BV"])
+        if kda:  # each column block forms the scores again
+            nbytes += tiles * gate_bytes
+            flops += tiles * blocks * scores
         return {"bytes": nbytes, "flops": flops, "l2": tiles * blocks * 2 * C * K * es,
                 "chain": 0, "programs": tiles * blocks, "per_sm": per_sm}  # fmt: skip
     if kernel == "_chunk_grads_v":  # the states and their gradients, U, dU, dO, v in
@@ -227,6 +243,12 @@ def _chunk_model(kernel: str, a: dict, per_sm: int) -> dict:
     if kernel == "_chunk_grads_k":  # q, k, the sums in; dq, dk, dbeta, dg out (FMA products)
         nbytes = tiles * (2 * C * K * es + 5 * C * K * 4 + 4 * C * C * 4)
         flops = tiles * 2 * (9 * C * C * K + 4 * C**3) * fma
+        return {"bytes": nbytes, "flops": flops, "l2": tiles * 6 * C * K * (es + 4), "chain": 0,
+                "programs": tiles, "per_sm": per_sm}  # fmt: skip
+    if kernel == "_chunk_grads_kda":  # as _chunk_grads_k, with A's scores and their
+        # gradients over C x C x K terms (pass 2: about four times the scores' work)
+        nbytes = tiles * (2 * C * K * es + 5 * C * K * 4 + 4 * C * C * 4 + gate_bytes)
+        flops = tiles * (2 * (3 * C * C * K + 4 * C**3) * fma + 5 * scores)
         return {"bytes": nbytes, "flops": flops, "l2": tiles * 6 * C * K * (es + 4), "chain": 0,
                 "programs": tiles, "per_sm": per_sm}  # fmt: skip
     raise KeyError(f"no byte/FLOP model for kernel {kernel}")
@@ -370,6 +392,7 @@ def predict() -> list[dict]:
         GATED: Call("causal_dot_product", torch.bfloat16, causal, "gates"),
         "moe_experts": Call("moe_experts", torch.bfloat16, tuple(full["moe_experts"])),
         DELTA: Call("gated_delta_rule", torch.bfloat16, (N, H, Hv // H, L, D, D), "models"),
+        KDA: Call("gated_delta_rule", torch.bfloat16, (N, H, Hv // H, L, D, D), "models-kda"),
     }  # fmt: skip
     rows = []
     for op, call in calls.items():
@@ -424,6 +447,8 @@ def targets(rows: list[dict]) -> dict[str, str]:
         DELTA: "target: no slower than flash-linear-attention's chunk_gated_delta_rule (GPU "
         "only); chunked: the two walks over the chunks (their chains times the waves of "
         "programs) dominate",
+        KDA: "target: no slower than flash-linear-attention's chunk_kda (GPU only); the same "
+        "walks, and the C x C x K gated terms on FMA",
     }
 
 

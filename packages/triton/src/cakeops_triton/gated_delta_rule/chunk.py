@@ -75,9 +75,13 @@ WALK_KEY_BLOCK = 4 if INTERPRET else 32
 #: operand) spill at any key block; at 64 they reach 255 registers on sm_80.
 GRAD_KEY_BLOCK = 4 if INTERPRET else 32
 #: ... and of KDA's ``C x C x KB`` tiles (its ``C x C`` products over the key columns, each
-#: term with its own gate factor: :func:`_gated_scores`): 16 on a GPU (4,096 float32 a tile,
-#: 16 registers a thread on 8 warps).
-KDA_KEY_BLOCK = 4 if INTERPRET else 16
+#: term with its own gate factor: :func:`_gated_scores`), and the ``T``/``W`` kernel's key
+#: blocks for KDA: 8 on a GPU (2,048 float32 a tile, 8 registers a thread on 8 warps; at 16
+#: the ``T``/``W`` kernel spills on sm_80).
+KDA_KEY_BLOCK = 4 if INTERPRET else 8
+#: KDA's ``T``/``W`` kernel: 4 warps (on 8, ptxas spills 8 bytes of its backward's form on
+#: sm_90 with 128 registers a thread)
+KDA_WY_WARPS = 4
 GRAD_PRECISION = "ieee"
 #: Value columns per program of the outputs and of the walks: the widest that compile without
 #: spilling at head size 128 on sm_90 and sm_80 (``nox -s gpu_compile``).
@@ -136,26 +140,64 @@ def _start_carry(carry, X, GIVEN, seq, hv, sx_s, sx_h, sx_k, sx_v, K, V, vd,
 
 
 @triton.jit
-def _gate_block(G, n, hv, t, ok, k0, sg_n, sg_h, sg_l, sg_k, K, KB: tl.constexpr):
-    """The log gates at positions ``t`` (zeros where not ``ok``) of key columns
-    ``k0 .. k0 + KB`` as a float32 ``len(t) x KB`` block: KDA's per-channel gates, or a scalar
-    gate repeated over the columns (``sg_k`` 0), so that one formula serves both."""
-    kd = k0 + tl.arange(0, KB)
-    at = G + n * sg_n + hv * sg_h + t[:, None] * sg_l + kd[None, :] * sg_k
-    return tl.load(at, mask=ok[:, None] & (kd < K)[None, :], other=0.0).to(tl.float32)
+def _gate_block(G, n, hv, t, ok, k0, sg_n, sg_h, sg_l, sg_k, K, KDA: tl.constexpr,
+                KB: tl.constexpr):  # fmt: skip
+    """The log gates at positions ``t`` (zeros where not ``ok``) as float32: KDA's of key
+    columns ``k0 .. k0 + KB`` (``len(t) x KB``), or the scalar gates (``len(t)``), which
+    :func:`_gated` and :func:`_decayed` apply per row."""
+    if KDA:
+        kd = k0 + tl.arange(0, KB)
+        at = G + n * sg_n + hv * sg_h + t[:, None] * sg_l + kd[None, :] * sg_k
+        g = tl.load(at, mask=ok[:, None] & (kd < K)[None, :], other=0.0)
+    else:
+        g = tl.load(G + n * sg_n + hv * sg_h + t * sg_l, mask=ok, other=0.0)
+    return g.to(tl.float32)
 
 
 @triton.jit
-def _closing_gates(G, n, hv, start, end, k0, sg_n, sg_h, sg_l, sg_k, K,
+def _gated(x, f, KDA: tl.constexpr):
+    """A chunk's ``C x KB`` rows ``x`` times gate factors ``f``: KDA's one per element, a
+    scalar gate's one per row."""
+    if KDA:
+        return x * f
+    else:
+        return x * f[:, None]
+
+
+@triton.jit
+def _gated_block(X, n, h, first, end, sn, sh, sl, D, d0, r, f, KDA: tl.constexpr,
+                 C: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """:func:`_block` times the gate factors ``f`` (:func:`_gated`): a scalar gate's folded
+    into the rows' factors ``r``."""
+    if KDA:
+        x = _block(X, n, h, first, end, sn, sh, sl, D, d0, r, C, BD) * f
+    else:
+        x = _block(X, n, h, first, end, sn, sh, sl, D, d0, r * f, C, BD)
+    return x
+
+
+@triton.jit
+def _decayed(S, total, KDA: tl.constexpr):
+    """A state block ``S`` (``KB`` key rows) times the chunk's decay ``total``: KDA's one per
+    key row, a scalar gate's one number."""
+    if KDA:
+        return S * total[:, None]
+    else:
+        return S * total
+
+
+@triton.jit
+def _closing_gates(G, n, hv, start, end, k0, sg_n, sg_h, sg_l, sg_k, K, KDA: tl.constexpr,
                    C: tl.constexpr, KB: tl.constexpr):  # fmt: skip
     """The chunk from ``start``'s factors to its last step, for key columns ``k0 .. k0 + KB``:
     ``exp(Gc)`` (``C x KB``, ``Gc_j`` the log gates over ``(j, last]``: a reverse cumulative
-    sum of the next steps' gates) and ``exp(Gamma_C)`` (``KB``, over the whole chunk)."""
+    sum of the next steps' gates) and ``exp(Gamma_C)`` (``KB``, over the whole chunk); for
+    scalar gates ``C`` and one number (:func:`_gate_block`)."""
     tt = tl.arange(0, C)
     t = start + tt
-    g = _gate_block(G, n, hv, t, t < end, k0, sg_n, sg_h, sg_l, sg_k, K, KB)
+    g = _gate_block(G, n, hv, t, t < end, k0, sg_n, sg_h, sg_l, sg_k, K, KDA, KB)
     g_next = _gate_block(G, n, hv, t + 1, (t + 1 < end) & (tt + 1 < C), k0, sg_n, sg_h, sg_l,
-                         sg_k, K, KB)  # fmt: skip
+                         sg_k, K, KDA, KB)  # fmt: skip
     return tl.exp(tl.cumsum(g_next, axis=0, reverse=True)), tl.exp(tl.sum(g, axis=0))
 
 
@@ -179,7 +221,7 @@ def _gated_scores(X, Y, G, n, h, hv, first, end, sx_n, sx_h, sx_l, sy_n, sy_h, s
     for k0 in range(0, K, KB):
         x = _block(X, n, h, first, end, sx_n, sx_h, sx_l, K, k0, rx, C, KB)
         y = _block(Y, n, h, first, end, sy_n, sy_h, sy_l, K, k0, ry, C, KB)
-        g = _gate_block(G, n, hv, t, t < end, k0, sg_n, sg_h, sg_l, sg_k, K, KB)
+        g = _gate_block(G, n, hv, t, t < end, k0, sg_n, sg_h, sg_l, sg_k, K, True, KB)
         e = tl.cumsum(tl.where(after, g[:, None, :], 0.0), axis=0)
         terms = x[:, None, :] * y[None, :, :] * tl.exp(e)
         scores += tl.sum(tl.where(mask, terms, 0.0), axis=2)
@@ -296,8 +338,9 @@ def _chunk_wy(
         kd = k0 + tl.arange(0, KB)
         # X = diag(beta) (Gamma o K): Gamma_tc the gates over [first, t], per channel
         gam = tl.exp(tl.cumsum(_gate_block(G, n, hv, first + tt, first + tt < end, k0, sg_n,
-                                           sg_h, sg_l, sg_k, K, KB), axis=0))  # fmt: skip
-        x = _block(K_, n, h, first, end, sk_n, sk_h, sk_l, K, k0, beta * rk, C, KB) * gam
+                                           sg_h, sg_l, sg_k, K, KDA, KB), axis=0))  # fmt: skip
+        x = _gated_block(K_, n, h, first, end, sk_n, sk_h, sk_l, K, k0, beta * rk, gam, KDA, C,
+                         KB)  # fmt: skip
         w = _causal_dot(t_inv, x, tl.zeros((C, KB), dtype=tl.float32), tl.float32, "ieee")
         tl.store(W + (out + tt[:, None]) * K + kd[None, :], w, mask=(kd < K)[None, :])
     for v0 in range(0, V, BV):
@@ -314,7 +357,7 @@ def _chunk_states(
     K_, G, W, U, STATES, INIT, CARRY, CU, OFFSETS,
     L, nC, GROUP, K, V,
     sk_n, sk_h, sk_l, sg_n, sg_h, sg_l, sg_k, si_s, si_h, si_k, si_v,
-    HAS_INIT, PACKED, L2NORM, STATE_PRECISION: tl.constexpr,
+    HAS_INIT, PACKED, L2NORM, STATE_PRECISION: tl.constexpr, KDA: tl.constexpr,
     C: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     """Per (sequence, value head, block of value columns), its chunks in order: each chunk's
@@ -350,13 +393,19 @@ def _chunk_states(
             u = u - tl.dot(w, S, input_precision=STATE_PRECISION)
         tl.store(u_at, u, mask=(vd < V)[None, :])
         rk = _norms(K_, n, hv // GROUP, start, end, sk_n, sk_h, sk_l, K, L2NORM, C, KB)
+        if not KDA:  # scalar gates: the same factors for every block of key rows
+            gc, total = _closing_gates(G, n, hv, start, end, 0, sg_n, sg_h, sg_l, sg_k, K, KDA,
+                                       C, KB)  # fmt: skip
         for k0 in range(0, K, KB):
             kd = k0 + tl.arange(0, KB)
             mkv = (kd < K)[:, None] & (vd < V)[None, :]
             S = tl.load(carry + kd[:, None] * V + vd[None, :], mask=mkv, other=0.0)
-            gc, total = _closing_gates(G, n, hv, start, end, k0, sg_n, sg_h, sg_l, sg_k, K, C, KB)
-            k = _block(K_, n, hv // GROUP, start, end, sk_n, sk_h, sk_l, K, k0, rk, C, KB) * gc
-            S = tl.dot(tl.trans(k), u, S * total[:, None], input_precision=STATE_PRECISION)
+            if KDA:
+                gc, total = _closing_gates(G, n, hv, start, end, k0, sg_n, sg_h, sg_l, sg_k, K,
+                                           KDA, C, KB)  # fmt: skip
+            k = _gated_block(K_, n, hv // GROUP, start, end, sk_n, sk_h, sk_l, K, k0, rk, gc, KDA,
+                             C, KB)  # fmt: skip
+            S = tl.dot(tl.trans(k), u, _decayed(S, total, KDA), input_precision=STATE_PRECISION)
             tl.debug_barrier()  # every thread has read this block
             tl.store(carry + kd[:, None] * V + vd[None, :], S, mask=mkv)
 
@@ -394,8 +443,9 @@ def _chunk_output(
                  mask=(kd < K)[:, None] & (vd < V)[None, :], other=0.0)  # fmt: skip
     u = tl.load(U + ((s * Hv + hv) * C + tt[:, None]) * V + vd[None, :], mask=(vd < V)[None, :],
                 other=0.0)  # fmt: skip
-    g = _gate_block(G, n, hv, first + tt, first + tt < end, 0, sg_n, sg_h, sg_l, sg_k, K, BK)
-    gq = round_to(tl.exp(tl.cumsum(g, axis=0)) * q, DTYPE)
+    g = _gate_block(G, n, hv, first + tt, first + tt < end, 0, sg_n, sg_h, sg_l, sg_k, K, KDA,
+                    BK)  # fmt: skip
+    gq = round_to(_gated(q, tl.exp(tl.cumsum(g, axis=0)), KDA), DTYPE)
     o = dot(gq, s0, tl.zeros((C, BV), dtype=tl.float32), PRECISION)
     o = _causal_dot(p, u, o, DTYPE, PRECISION) * SCALE
     t = first + tt
@@ -446,7 +496,7 @@ def _chunk_states_bwd(
     L, nC, GROUP, K, V, SCALE,
     sq_n, sq_h, sq_l, sk_n, sk_h, sk_l, sg_n, sg_h, sg_l, sg_k, sd_n, sd_h, sd_l,
     sf_s, sf_h, sf_k, sf_v,
-    HAS_DFINAL, PACKED, L2NORM, STATE_PRECISION: tl.constexpr,
+    HAS_DFINAL, PACKED, L2NORM, STATE_PRECISION: tl.constexpr, KDA: tl.constexpr,
     C: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     """Per (sequence, value head, block of value columns), its chunks from the last: the
@@ -479,26 +529,35 @@ def _chunk_states_bwd(
         du = _anticausal_dot(tl.trans(p), do, tl.zeros((C, BV), dtype=tl.float32),
                              STATE_PRECISION) * SCALE  # fmt: skip
         rk = _norms(K_, n, h, start, end, sk_n, sk_h, sk_l, K, L2NORM, C, KB)
+        if not KDA:  # scalar gates: the same factors for every block of key rows
+            gc, _ = _closing_gates(G, n, hv, start, end, 0, sg_n, sg_h, sg_l, sg_k, K, KDA, C, KB)
         tl.debug_barrier()  # dS's last writes, by every thread
         for k0 in range(0, K, KB):
             kd = k0 + tl.arange(0, KB)
             mkv = (kd < K)[:, None] & (vd < V)[None, :]
             dS = tl.load(carry + kd[:, None] * V + vd[None, :], mask=mkv, other=0.0)
             tl.store(DSC + ((slot * Hv + hv) * K + kd[:, None]) * V + vd[None, :], dS, mask=mkv)
-            gc, _ = _closing_gates(G, n, hv, start, end, k0, sg_n, sg_h, sg_l, sg_k, K, C, KB)
-            kc = _block(K_, n, h, start, end, sk_n, sk_h, sk_l, K, k0, rk, C, KB) * gc
+            if KDA:
+                gc, _ = _closing_gates(G, n, hv, start, end, k0, sg_n, sg_h, sg_l, sg_k, K, KDA,
+                                       C, KB)  # fmt: skip
+            kc = _gated_block(K_, n, h, start, end, sk_n, sk_h, sk_l, K, k0, rk, gc, KDA, C, KB)
             du = tl.dot(kc, dS, du, input_precision=STATE_PRECISION)
         tl.store(DU + rows[:, None] * V + vd[None, :], du, mask=(vd < V)[None, :])
         rq = _norms(Q, n, h, start, end, sq_n, sq_h, sq_l, K, L2NORM, C, KB) * SCALE
+        if not KDA:
+            g = _gate_block(G, n, hv, t, t < end, 0, sg_n, sg_h, sg_l, sg_k, K, KDA, KB)
+            gam = tl.exp(tl.cumsum(g, axis=0))
+            total = tl.exp(tl.sum(g, axis=0))
         for k0 in range(0, K, KB):
             kd = k0 + tl.arange(0, KB)
             mkv = (kd < K)[:, None] & (vd < V)[None, :]
             dS = tl.load(carry + kd[:, None] * V + vd[None, :], mask=mkv, other=0.0)
-            g = _gate_block(G, n, hv, t, t < end, k0, sg_n, sg_h, sg_l, sg_k, K, KB)
-            q = _block(Q, n, h, start, end, sq_n, sq_h, sq_l, K, k0, rq, C, KB)
-            q = q * tl.exp(tl.cumsum(g, axis=0))
-            total = tl.exp(tl.sum(g, axis=0))
-            dS = tl.dot(tl.trans(q), do, dS * total[:, None], input_precision=STATE_PRECISION)
+            if KDA:
+                g = _gate_block(G, n, hv, t, t < end, k0, sg_n, sg_h, sg_l, sg_k, K, KDA, KB)
+                gam = tl.exp(tl.cumsum(g, axis=0))
+                total = tl.exp(tl.sum(g, axis=0))
+            q = _gated_block(Q, n, h, start, end, sq_n, sq_h, sq_l, K, k0, rq, gam, KDA, C, KB)
+            dS = tl.dot(tl.trans(q), do, _decayed(dS, total, KDA), input_precision=STATE_PRECISION)
             w = tl.load(W + rows[:, None] * K + kd[None, :], mask=(kd < K)[None, :], other=0.0)
             dS = dS - tl.dot(tl.trans(w), du, input_precision=STATE_PRECISION)
             tl.debug_barrier()  # every thread has read this block
@@ -739,14 +798,15 @@ def _chunk_grads_kda(
     Q, K_, G, BETA, TINV, DW, DPT, DQ, DK, DB, DG, SEQ, CU, OFFSETS,
     S_, L, nC, GROUP, K, SCALE,
     sq_n, sq_h, sq_l, sk_n, sk_h, sk_l, sg_n, sg_h, sg_l, sg_k, sb_n, sb_h, sb_l,
-    PACKED, L2NORM, STATE_PRECISION: tl.constexpr, C: tl.constexpr, GB: tl.constexpr,
+    PACKED, L2NORM, STATE_PRECISION: tl.constexpr,
+    C: tl.constexpr, KB: tl.constexpr, GB: tl.constexpr,
 ):  # fmt: skip
     """:func:`_chunk_grads_k` for KDA's per-channel gates: every factor ``exp(E_tj)`` is one per
     key column, so ``A``'s and ``P``'s terms are ``C x C x GB`` tiles (as
     :func:`_gated_scores` forms them) and the gates' gradients are per column (``DG``
     ``(N, Hv, L, K)``). A pass over the key columns for ``dT`` and ``beta``'s sums, the
-    ``C x C`` algebra, then a pass for ``dq``, ``dk`` and the gates', ``GB`` columns at a
-    time."""
+    ``C x C`` algebra (``KB`` columns at a time), then a pass for ``dq``, ``dk`` and the
+    gates' (``GB`` at a time)."""
     s = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
     Hv = tl.num_programs(1)
@@ -769,14 +829,14 @@ def _chunk_grads_kda(
     # X = diag(beta) (Gamma o K), W = T X: dX = T^T dW, dT += dW X^T
     dt = tl.load(DPT + square + C * C)
     db = tl.load(DB + out, mask=ok, other=0.0)
-    for k0 in range(0, K, GB):
-        kd = k0 + tl.arange(0, GB)
-        gam = tl.exp(tl.cumsum(_gate_block(G, n, hv, t, ok, k0, sg_n, sg_h, sg_l, sg_k, K, GB),
-                               axis=0))  # fmt: skip
-        k = _block(K_, n, h, first, end, sk_n, sk_h, sk_l, K, k0, rk, C, GB)
+    for k0 in range(0, K, KB):
+        kd = k0 + tl.arange(0, KB)
+        gam = tl.exp(tl.cumsum(_gate_block(G, n, hv, t, ok, k0, sg_n, sg_h, sg_l, sg_k, K, True,
+                                           KB), axis=0))  # fmt: skip
+        k = _block(K_, n, h, first, end, sk_n, sk_h, sk_l, K, k0, rk, C, KB)
         dw = -tl.load(DW + (base + tt[:, None]) * K + kd[None, :], mask=(kd < K)[None, :],
                       other=0.0)  # fmt: skip
-        dx = _anticausal_dot(tl.trans(t_inv), dw, tl.zeros((C, GB), dtype=tl.float32),
+        dx = _anticausal_dot(tl.trans(t_inv), dw, tl.zeros((C, KB), dtype=tl.float32),
                              STATE_PRECISION)  # fmt: skip
         dt = tl.dot(dw, tl.trans(beta[:, None] * gam * k), dt, input_precision=STATE_PRECISION)
         db += tl.sum(gam * k * dx, axis=1)
@@ -796,9 +856,10 @@ def _chunk_grads_kda(
         kd = k0 + tl.arange(0, GB)
         mk = ok[:, None] & (kd < K)[None, :]
         at = out[:, None] * K + kd[None, :]
-        g = _gate_block(G, n, hv, t, ok, k0, sg_n, sg_h, sg_l, sg_k, K, GB)
+        g = _gate_block(G, n, hv, t, ok, k0, sg_n, sg_h, sg_l, sg_k, K, True, GB)
         gam = tl.exp(tl.cumsum(g, axis=0))
-        gc, total = _closing_gates(G, n, hv, first, end, k0, sg_n, sg_h, sg_l, sg_k, K, C, GB)
+        gc, total = _closing_gates(G, n, hv, first, end, k0, sg_n, sg_h, sg_l, sg_k, K, True, C,
+                                   GB)  # fmt: skip
         e = tl.exp(tl.cumsum(tl.where(lower3, g[:, None, :], 0.0), axis=0))
         k = _block(K_, n, h, first, end, sk_n, sk_h, sk_l, K, k0, rk, C, GB)
         q = _block(Q, n, h, first, end, sq_n, sq_h, sq_l, K, k0, rq, C, GB)
@@ -897,6 +958,11 @@ def _key_block(K: int, block: int = KEY_BLOCK) -> int:
     return min(block, max(16, triton.next_power_of_2(K)))
 
 
+def _gate_key_block(K: int) -> int:
+    """KDA's key columns a ``C x C x GB`` tile takes (no ``tl.dot``: any power of two)."""
+    return min(KDA_KEY_BLOCK, triton.next_power_of_2(K))
+
+
 def _state_precision(q) -> str:
     """float32 inputs: the user's float32 products (TF32 where enabled); 16-bit ones: float32's
     accuracy on tensor cores (three TF32 products)."""
@@ -924,12 +990,14 @@ def _walk(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm, C, plan, s
     bv = _block_v(V)
     group, packed, l2 = Hv // H, int(cu_seqlens is not None), int(use_qk_l2norm)
     gates = (*_gate_strides(g), *beta.stride())
+    kda = g.dim() == 4
     _chunk_wy[(slots, Hv)](
         q, k, v, g, beta, w, u, unused if t_inv is None else t_inv,
         unused if scores is None else scores, seq_of, cu, offsets, sequences,
         L, nC, group, K, V, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *gates, packed,
-        l2, BACKWARD=backward, STATE_PRECISION=_state_precision(q), KDA=g.dim() == 4, BV=bv,
-        KB=_key_block(K), GB=_key_block(K, KDA_KEY_BLOCK), **meta,
+        l2, BACKWARD=backward, STATE_PRECISION=_state_precision(q), KDA=kda, BV=bv,
+        KB=_gate_key_block(K) if kda else _key_block(K), GB=_gate_key_block(K),
+        **{**meta, "num_warps": KDA_WY_WARPS if kda else WARPS},
     )  # fmt: skip
     init = initial_state
     sbv = min(STATE_BLOCK_V, bv)
@@ -937,7 +1005,7 @@ def _walk(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm, C, plan, s
         k, g, w, u, states, init if init is not None else unused, final,
         cu, offsets, L, nC, group, K, V, *k.stride()[:3], *_gate_strides(g),
         *(init.stride() if init is not None else (0, 0, 0, 0)),
-        int(init is not None), packed, l2, STATE_PRECISION=_state_precision(q), C=C,
+        int(init is not None), packed, l2, STATE_PRECISION=_state_precision(q), KDA=kda, C=C,
         KB=_key_block(K, WALK_KEY_BLOCK), BV=sbv, num_warps=WALK_WARPS, num_stages=1,
     )  # fmt: skip
     return w, u, t_inv, scores, states, final if want_final else None
@@ -961,7 +1029,7 @@ def forward(q, k, v, g, beta, scale, initial_state=None, output_final_state=Fals
         float(scale), *q.stride()[:3], *k.stride()[:3], *_gate_strides(g), *beta.stride(),
         int(cu_seqlens is not None), int(use_qk_l2norm),
         **{**_meta(q, CHUNK), "BK": max(16, triton.next_power_of_2(K)), "BV": bv,
-           "KDA": g.dim() == 4, "GB": _key_block(K, KDA_KEY_BLOCK), "num_warps": OUTPUT_WARPS},
+           "KDA": g.dim() == 4, "GB": _gate_key_block(K), "num_warps": OUTPUT_WARPS},
     )  # fmt: skip
     if final is None:
         return out, q.new_empty(0)
@@ -988,6 +1056,7 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
     du = torch.empty((slots, Hv, C, V), **f32)
     d_init = torch.empty((sequences, Hv, K, V), **f32)
     has_dfinal = output_final_state and g_final.numel() > 0
+    kda = g.dim() == 4
     precision = _state_precision(q)
     bv = _block_v(V)
     sbv = min(STATE_BLOCK_V, bv)
@@ -996,14 +1065,13 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
         q, k, g, w, scores, g_out, g_final if has_dfinal else d_init, dsc, du, d_init, cu, offsets,
         L, nC, group, K, V, float(scale), *q.stride()[:3], *k.stride()[:3], *_gate_strides(g),
         *g_out.stride()[:3], *(g_final.stride() if has_dfinal else (0, 0, 0, 0)),
-        int(has_dfinal), packed, l2, STATE_PRECISION=precision, C=C,
+        int(has_dfinal), packed, l2, STATE_PRECISION=precision, KDA=kda, C=C,
         KB=_key_block(K, WALK_KEY_BLOCK), BV=sbv,
         num_warps=WALK_WARPS, num_stages=1,
     )  # fmt: skip
     dq = torch.empty((N, Hv, L, K), **f32)
     dk = torch.empty((N, Hv, L, K), **f32)
     db = torch.empty((N, Hv, L), **f32)
-    kda = g.dim() == 4
     dg = torch.empty((N, Hv, L, *((K,) if kda else ())), **f32)
     dv = torch.empty((N, Hv, L, V), dtype=v.dtype, device=q.device)
     dpt = torch.empty((slots, Hv, 2, C, C), **f32)
@@ -1021,7 +1089,8 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
             q, k, g, beta, t_inv, w, dpt, dq, dk, db, dg, seq_of, cu, offsets, sequences, L, nC,
             group, K, float(scale), *q.stride()[:3], *k.stride()[:3], *_gate_strides(g),
             *beta.stride(), packed, l2, STATE_PRECISION=GRAD_PRECISION, C=C,
-            GB=_key_block(K, KDA_KEY_BLOCK), num_warps=GRAD_WARPS, num_stages=1,
+            KB=_key_block(K, GRAD_KEY_BLOCK), GB=_gate_key_block(K), num_warps=GRAD_WARPS,
+            num_stages=1,
         )  # fmt: skip
     else:
         _chunk_grads_k[(slots, Hv)](
