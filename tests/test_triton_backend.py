@@ -262,7 +262,6 @@ TUNED_PATH = textwrap.dedent(
     # blocks of the walks, two column blocks of their states, KDA's C x C x 8 tiles
     from cakeops_triton.gated_delta_rule import chunk
     chunk.CHUNK, chunk.WALK_KEY_BLOCK, chunk.GRAD_KEY_BLOCK = 16, 32, 32
-    chunk.KDA_KEY_BLOCK = 8
     torch.manual_seed(0)
     N, H, L, K, V = 1, 2, 40, 64, 48
     for kda in (False, True):
