@@ -1,8 +1,8 @@
 """The gated delta rule (and KDA) in plain PyTorch, chunked in the UT/WY form.
 
-Within a chunk of ``CHUNK`` positions, starting from the state ``S0``, with ``E_tj`` the gate
-product over the steps ``(j, t]`` (per key channel for KDA), ``Gamma_t`` over ``[1, t]`` and
-``Gc_t`` over ``(t, C]``::
+Within a chunk of ``C`` positions (:data:`CHUNK`, :data:`KDA_CHUNK` for KDA), starting from
+the state ``S0``, with ``E_tj`` the gate product over the steps ``(j, t]`` (per key channel for
+KDA), ``Gamma_t`` over ``[1, t]`` and ``Gc_t`` over ``(t, C]``::
 
     A_tj = beta_t sum_c k_tc k_jc E_tjc   (j < t)      P_tj = sum_c q_tc k_jc E_tjc   (j <= t)
     U = (I + A)^{-1} diag(beta) (V - (Gamma k) S0)     (one triangular solve per chunk)
@@ -40,7 +40,13 @@ from ._causal import causal_mm as _causal_mm
 from ._compile import FAILED, run_compiled, use_compiled
 
 OP = "gated_delta_rule"
+#: Positions per chunk with scalar gates: the state's chain makes ``L / CHUNK`` rounds of
+#: products, each chunk ``C x C`` pairs.
 CHUNK = 64
+#: ... with KDA's gates, whose pairs are ``C x C x K`` factors (a gate per key channel): short
+#: chunks make ``C K`` factors a position where 64 made ``64 K``, at the cost of more, smaller
+#: rounds of the chain (measured on the CPU: ``docs/content/ops/gated_delta_rule.md``).
+KDA_CHUNK = 8
 #: Bytes of the state-independent quantities of one group of chunks, computed at once (the
 #: backward keeps a state per chunk of one group, and one per group).
 GROUP_BYTES = 32 << 20
@@ -54,8 +60,8 @@ class _Layout:
     """Where each chunk's positions come from: ``B`` rows of ``n`` chunks; per chunk, whether a
     sequence starts or ends there and which sequence it belongs to."""
 
-    def __init__(self, N: int, L: int, cu_seqlens: torch.Tensor | None):
-        C = CHUNK
+    def __init__(self, N: int, L: int, cu_seqlens: torch.Tensor | None, C: int = CHUNK):
+        self.C = C
         if cu_seqlens is None:
             self.B, self.n = N, -(-L // C)
             self.index = None
@@ -93,15 +99,15 @@ class _Layout:
         if self.index is None:
             if self.pad:
                 x = F.pad(x, (0, 0) * len(rest) + (0, self.pad))
-            return x.reshape(x.shape[0], x.shape[1], self.n, CHUNK, *rest)
+            return x.reshape(x.shape[0], x.shape[1], self.n, self.C, *rest)
         mask = self.valid.view(-1, *([1] * len(rest)))
         x = x[:, :, self.index.clamp(min=0)] * mask
-        return x.reshape(1, x.shape[1], self.n, CHUNK, *rest)
+        return x.reshape(1, x.shape[1], self.n, self.C, *rest)
 
     def unchunk(self, x: torch.Tensor, L: int) -> torch.Tensor:
         """The inverse of :meth:`chunks`: ``(B, Hx, n, C, *rest)`` -> ``(N, Hx, L, *rest)``."""
         rest = x.shape[4:]
-        x = x.reshape(x.shape[0], x.shape[1], self.n * CHUNK, *rest)
+        x = x.reshape(x.shape[0], x.shape[1], self.n * self.C, *rest)
         if self.index is None:
             return x[:, :, :L]
         out = x.new_zeros(1, x.shape[1], L, *rest)
@@ -209,7 +215,7 @@ def _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm):
     ``use_qk_l2norm``, q and k are normalised a group of chunks at a time (:func:`_intra`)."""
     N, H, L, _ = q.shape
     ct = compute_dtype(q.dtype)
-    layout = _Layout(N, L, cu_seqlens)
+    layout = _Layout(N, L, cu_seqlens, KDA_CHUNK if g.dim() == 4 else CHUNK)
     chunks = [layout.chunks(t, ct).unsqueeze(2) for t in (q, k)]  # (B, H, 1, n, C, K)
     chunks += [_heads(layout.chunks(t, ct), H) for t in (v, g, beta)]
     norms = None
@@ -222,7 +228,7 @@ def _groups(layout: _Layout, shape: tuple[int, ...], kda: bool):
     """Ranges of chunks whose state-independent quantities are computed at once: about
     ``GROUP_BYTES`` of ``C x C (x K)`` factors and ``C x K`` products."""
     B, H, G, K, V = shape
-    C = CHUNK
+    C = layout.C
     per_chunk = (
         B * H * G * 4 * (C * C * (3 * (K if kda else 1) + 4) + C * (6 * K + 5 * V) + 2 * K * V)
     )
