@@ -153,6 +153,10 @@ def bench(session: nox.Session) -> None:
     qn = ["--quick"] if "--quick" in session.posargs else [
         "--markdown", "docs/bench/cpu/qwen3_next.md"]  # fmt: skip
     session.run("python", "-m", "cakeops.bench.qwen3_next", *qn)
+    # Kimi Linear's KDA layer: Hugging Face's against KDA on cakeops.
+    kl = ["--quick"] if "--quick" in session.posargs else [
+        "--markdown", "docs/bench/cpu/kimi_linear.md"]  # fmt: skip
+    session.run("python", "-m", "cakeops.bench.kimi_linear", *kl)
     # Mamba2: the SSD scan, the mixer's training step and a decode, Hugging Face's against
     # cakeops.
     m2 = ["--quick"] if "--quick" in session.posargs else [

@@ -206,3 +206,17 @@ def test_qwen3_next_benchmark_runs_and_writes_its_table(tmp_path, monkeypatch):
     assert "`python -m cakeops.bench.qwen3_next`" in table
     assert "| cakeops layer, tiny | 70 |" in table
     assert "The two models generated the same tokens." in table
+
+
+def test_kimi_linear_benchmark_runs_and_writes_its_table(tmp_path, monkeypatch):
+    """``python -m cakeops.bench.kimi_linear --quick``: the KDA layer's rows and the decode's."""
+    from cakeops.bench import kimi_linear
+
+    monkeypatch.setattr(kimi_linear, "QUICK_SHAPES", {"tiny": (70, 32, 2, 8)})
+    monkeypatch.setattr(kimi_linear, "DECODE_TOKENS", 3)
+    out = tmp_path / "kimi_linear.md"
+    assert kimi_linear.main(["--quick", "--markdown", str(out)]) == 0
+    table = out.read_text()
+    assert "`python -m cakeops.bench.kimi_linear`" in table
+    assert "| cakeops layer, tiny | 70 |" in table
+    assert "The two models generated the same tokens." in table

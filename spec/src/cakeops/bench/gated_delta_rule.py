@@ -1,6 +1,7 @@
-"""``gated_delta_rule`` against transformers' PyTorch fallback (``torch_chunk_gated_delta_rule``
-under autograd, what Qwen3-Next, Qwen3.5 and OLMo-Hybrid run without flash-linear-attention),
-in the models' ``(N, L, H, D)`` layout, with l2-normalised q and k as they call it."""
+"""``gated_delta_rule`` against transformers' PyTorch fallbacks under autograd, what the models
+run without flash-linear-attention: ``torch_chunk_gated_delta_rule`` (Qwen3-Next, Qwen3.5,
+OLMo-Hybrid) and, for KDA's per-channel gates, ``chunk_kimi_delta_attention`` (Kimi Linear);
+in the models' ``(N, L, H, D)`` layout, with l2-normalised q and k as they call them."""
 
 from __future__ import annotations
 
@@ -12,32 +13,43 @@ import cakeops
 from cakeops.bench.tables import format_table
 from cakeops.bench.timing import cakeops_rows, fwd_bwd, measure, result_row
 
-#: name -> (N, L, H key heads, Hv value heads, K = V)
+#: name -> (N, L, H key heads, Hv value heads, K = V, KDA)
 CASES = {
-    "N1 L4096 H8 Hv16 D128": (1, 4096, 8, 16, 128),
-    "N1 L2048 H16 Hv32 D128 (Qwen3-Next 80B)": (1, 2048, 16, 32, 128),
+    "N1 L4096 H8 Hv16 D128": (1, 4096, 8, 16, 128, False),
+    "N1 L2048 H16 Hv32 D128 (Qwen3-Next 80B)": (1, 2048, 16, 32, 128, False),
+    # KDA: the fallback's peak grows as L K heads (its C x C x K decay factors of every chunk at
+    # once): 11.5 GB at L 2048 with Kimi Linear's 32 heads of 128, so that size runs at L 1024
+    "KDA N1 L4096 H8 D64": (1, 4096, 8, 8, 64, True),
+    "KDA N1 L1024 H32 D128 (Kimi Linear)": (1, 1024, 32, 32, 128, True),
 }
-QUICK_CASES = {"N1 L256 H2 Hv4 D32": (1, 256, 2, 4, 32)}
+QUICK_CASES = {
+    "N1 L256 H2 Hv4 D32": (1, 256, 2, 4, 32, False),
+    "KDA N1 L256 H2 D32": (1, 256, 2, 2, 32, True),
+}
 
 
-def transformers_fallback():
-    """transformers' chunked fallback itself (not its hub wrapper), or None without it."""
+def transformers_fallback(kda: bool = False):
+    """transformers' chunked fallback itself (not its hub wrapper): Qwen3-Next's, or Kimi
+    Linear's for KDA; None without it."""
     try:
-        from transformers.models.qwen3_next import modeling_qwen3_next as m
+        if kda:
+            from transformers.models.kimi_linear import modeling_kimi_linear as m
+        else:
+            from transformers.models.qwen3_next import modeling_qwen3_next as m
     except ImportError:
         return None
-    fn = m.torch_chunk_gated_delta_rule
+    fn = m.chunk_kimi_delta_attention if kda else m.torch_chunk_gated_delta_rule
     return getattr(fn, "__wrapped__", fn)
 
 
 def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
     rows = []
-    fallback = transformers_fallback()
-    for name, (N, L, H, Hv, D) in (QUICK_CASES if quick else CASES).items():
+    for name, (N, L, H, Hv, D, kda) in (QUICK_CASES if quick else CASES).items():
+        fallback = transformers_fallback(kda)
         gen = torch.Generator().manual_seed(0)
         q, k = (torch.randn(N, L, H, D, generator=gen).to(device) for _ in "qk")
         v = torch.randn(N, L, Hv, D, generator=gen).to(device)
-        g = -torch.rand(N, L, Hv, generator=gen).to(device) * 0.1
+        g = -torch.rand(N, L, Hv, *((D,) if kda else ()), generator=gen).to(device) * 0.1
         beta = torch.rand(N, L, Hv, generator=gen).to(device)
         leaves = tuple(t.requires_grad_() for t in (q, k, v, g, beta))
         upstream = torch.randn(N, L, Hv, D, generator=gen).to(device)
@@ -50,8 +62,11 @@ def run(device: torch.device, quick: bool) -> list[dict[str, Any]]:
         rows_ = list(cakeops_rows(op, cakeops.explain(cakeops.gated_delta_rule, *(
             t.transpose(1, 2) for t in leaves), use_qk_l2norm=True).backend))  # fmt: skip
         if fallback is not None:
-            rows_.append(("transformers fallback",
-                          lambda *a: fallback(*a, use_qk_l2norm_in_kernel=True)[0]))  # fmt: skip
+
+            def hf(*a, f=fallback):
+                return f(*a, use_qk_l2norm_in_kernel=True)[0]
+
+            rows_.append(("transformers fallback", hf))
         contenders = {label: fwd_bwd(fn, leaves, upstream) for label, fn in rows_}
         results = measure(contenders, device, repeats=2 if quick else 3)
         baseline = "transformers fallback" if fallback is not None else next(iter(results))
@@ -93,11 +108,11 @@ def gpu_peers(inputs) -> dict[str, Any]:
 
     kda = inputs["g"].dim() == 4
     peers: dict[str, Any] = {}
-    fallback = transformers_fallback()
+    fallback = transformers_fallback(kda)
     if fallback is None:
         peers["transformers fallback"] = "does not import"
-    elif kda:
-        peers["transformers fallback"] = "compared for the gated delta rule only"
+    elif kda and inputs["v"].shape[1] != inputs["q"].shape[1]:
+        peers["transformers fallback"] = "KDA's takes as many key heads as value heads"
     else:
 
         def hf():

@@ -1,6 +1,7 @@
 """What the benchmarks of a Hugging Face layer against its cakeops-patched copy share
-(``cakeops.bench.qwen3_next``, ``cakeops.bench.mamba2``): the patched copy, a layer's
-training step, a greedy decode timed in alternation, and the command line."""
+(``cakeops.bench.qwen3_next``, ``cakeops.bench.kimi_linear``, ``cakeops.bench.mamba2``): the
+patched copy, a layer's training step and its table, a greedy decode timed in alternation, and
+the command line."""
 
 from __future__ import annotations
 
@@ -58,6 +59,23 @@ def time_decode(model, patched, prompt: torch.Tensor, tokens: int, quick: bool,
           f"tokens: {same}): " + ", ".join(f"{k} {v * 1e3:.1f} ms"
                                            for k, v in seconds.items()))  # fmt: skip
     return seconds, same
+
+
+def layer_table(layers: dict[str, dict[str, Any]]) -> list[str]:
+    """The markdown lines of the training steps ``{name: {"shape": (L, ...), "results": ...}}``
+    against Hugging Face's layer."""
+    lines = [
+        "| layer, forward+backward | L | time (ms) | vs Hugging Face | peak (MiB) | saved (MiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, case in layers.items():
+        r = case["results"]
+        base = r["Hugging Face layer"]["time_s"]
+        for label, x in r.items():
+            mib = f"{x['peak_bytes'] / 2**20:.1f} | {x['saved_bytes'] / 2**20:.1f}"
+            lines.append(f"| {label}, {name} | {case['shape'][0]} | {x['time_s'] * 1e3:.1f} | "
+                         f"{base / x['time_s']:.2f}x | {mib} |")  # fmt: skip
+    return lines
 
 
 def decode_table(what: str, decode: dict[str, float], same: bool) -> list[str]:

@@ -94,16 +94,8 @@ def markdown(record: dict[str, Any]) -> str:
         "(`torch_chunk_gated_delta_rule` and `causal_conv1d_fn`, flash-linear-attention and "
         "causal-conv1d not installed).",
         "",
-        "| layer, forward+backward | L | time (ms) | vs Hugging Face | peak (MiB) | saved (MiB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        *hf_layers.layer_table(record["layers"]),
     ]
-    for name, case in record["layers"].items():
-        r = case["results"]
-        base = r["Hugging Face layer"]["time_s"]
-        for label, x in r.items():
-            mib = f"{x['peak_bytes'] / 2**20:.1f} | {x['saved_bytes'] / 2**20:.1f}"
-            lines.append(f"| {label}, {name} | {case['shape'][0]} | {x['time_s'] * 1e3:.1f} | "
-                         f"{base / x['time_s']:.2f}x | {mib} |")  # fmt: skip
     what = (f"greedy decode, {DECODE_TOKENS} tokens after a {PREFILL}-token prompt, two layers "
             f"({record['decode_shape']})")  # fmt: skip
     lines += hf_layers.decode_table(what, record["decode_s"], record["same_tokens"])
