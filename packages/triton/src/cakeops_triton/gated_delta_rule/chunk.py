@@ -98,6 +98,11 @@ OUTPUT_WARPS = 4
 #: (heads up to 16) no longer spill (40 bytes on sm_90 at 8: warps holding copies of tiles too
 #: small to split).
 WALK_WARPS = 4
+#: The backward walk's register ceiling for its smallest state blocks (heads up to 16): left to
+#: itself, ptxas's occupancy heuristic kept 128 registers a thread there and spilled 16-24 bytes
+#: (sm_80 and sm_90); told it may use 255, it takes 167-204 and spills none. The wider blocks
+#: keep ptxas's choice (168 on sm_90: three programs a multiprocessor, where 255 allows two).
+MAX_REGISTERS = 255
 GRAD_WARPS = 8
 
 
@@ -523,41 +528,46 @@ def _chunk_states_bwd(
         start = first + c * C
         t = start + tt
         rows = (slot * Hv + hv) * C + tt
+        if not KDA:  # one factor a row, the same for every block of key rows
+            g = _gate_block(G, n, hv, t, t < end, 0, sg_n, sg_h, sg_l, sg_k, K, KDA, KB)
+            g_next = _gate_block(G, n, hv, t + 1, (t + 1 < end) & (tt + 1 < C), 0, sg_n, sg_h,
+                                 sg_l, sg_k, K, KDA, KB)  # fmt: skip
         tv = (t < end)[:, None] & (vd < V)[None, :]
         do = tl.load(DO + n * sd_n + hv * sd_h + t[:, None] * sd_l + vd[None, :], mask=tv,
                      other=0.0).to(tl.float32)  # fmt: skip
         p = tl.load(P + rows[:, None] * C + tt[None, :])
         du = _anticausal_dot(tl.trans(p), do, tl.zeros((C, BV), dtype=tl.float32),
                              STATE_PRECISION) * SCALE  # fmt: skip
+        # a scalar gate's factors folded into the rows' once (computed a block at a time, and
+        # loaded later, they spilled on sm_80 at head size 8)
         rk = _norms(K_, n, h, start, end, sk_n, sk_h, sk_l, K, L2NORM, C, KB)
-        if not KDA:  # scalar gates: the same factors for every block of key rows
-            gc, _ = _closing_gates(G, n, hv, start, end, 0, sg_n, sg_h, sg_l, sg_k, K, KDA, C, KB)
+        if not KDA:
+            rk = rk * tl.exp(tl.cumsum(g_next, axis=0, reverse=True))
         tl.debug_barrier()  # dS's last writes, by every thread
         for k0 in range(0, K, KB):
             kd = k0 + tl.arange(0, KB)
             mkv = (kd < K)[:, None] & (vd < V)[None, :]
             dS = tl.load(carry + kd[:, None] * V + vd[None, :], mask=mkv, other=0.0)
             tl.store(DSC + ((slot * Hv + hv) * K + kd[:, None]) * V + vd[None, :], dS, mask=mkv)
+            kc = _block(K_, n, h, start, end, sk_n, sk_h, sk_l, K, k0, rk, C, KB)
             if KDA:
-                gc, _ = _closing_gates(G, n, hv, start, end, k0, sg_n, sg_h, sg_l, sg_k, K, KDA,
-                                       C, KB)  # fmt: skip
-            kc = _gated_block(K_, n, h, start, end, sk_n, sk_h, sk_l, K, k0, rk, gc, KDA, C, KB)
+                kc = kc * _closing_gates(G, n, hv, start, end, k0, sg_n, sg_h, sg_l, sg_k, K, KDA,
+                                         C, KB)[0]  # fmt: skip
             du = tl.dot(kc, dS, du, input_precision=STATE_PRECISION)
         tl.store(DU + rows[:, None] * V + vd[None, :], du, mask=(vd < V)[None, :])
         rq = _norms(Q, n, h, start, end, sq_n, sq_h, sq_l, K, L2NORM, C, KB) * SCALE
         if not KDA:
-            g = _gate_block(G, n, hv, t, t < end, 0, sg_n, sg_h, sg_l, sg_k, K, KDA, KB)
-            gam = tl.exp(tl.cumsum(g, axis=0))
+            rq = rq * tl.exp(tl.cumsum(g, axis=0))
             total = tl.exp(tl.sum(g, axis=0))
         for k0 in range(0, K, KB):
             kd = k0 + tl.arange(0, KB)
             mkv = (kd < K)[:, None] & (vd < V)[None, :]
             dS = tl.load(carry + kd[:, None] * V + vd[None, :], mask=mkv, other=0.0)
+            q = _block(Q, n, h, start, end, sq_n, sq_h, sq_l, K, k0, rq, C, KB)
             if KDA:
                 g = _gate_block(G, n, hv, t, t < end, k0, sg_n, sg_h, sg_l, sg_k, K, KDA, KB)
-                gam = tl.exp(tl.cumsum(g, axis=0))
+                q = q * tl.exp(tl.cumsum(g, axis=0))
                 total = tl.exp(tl.sum(g, axis=0))
-            q = _gated_block(Q, n, h, start, end, sq_n, sq_h, sq_l, K, k0, rq, gam, KDA, C, KB)
             dS = tl.dot(tl.trans(q), do, _decayed(dS, total, KDA), input_precision=STATE_PRECISION)
             w = tl.load(W + rows[:, None] * K + kd[None, :], mask=(kd < K)[None, :], other=0.0)
             dS = dS - tl.dot(tl.trans(w), du, input_precision=STATE_PRECISION)
@@ -964,6 +974,12 @@ def _gate_key_block(K: int) -> int:
     return min(KDA_KEY_BLOCK, triton.next_power_of_2(K))
 
 
+def _register_ceiling(K: int, bv: int) -> int | None:
+    """``maxnreg`` for the backward walk: :data:`MAX_REGISTERS` for the smallest state
+    blocks, else None (ptxas's choice)."""
+    return MAX_REGISTERS if _key_block(K, WALK_KEY_BLOCK) * bv <= 256 else None
+
+
 def _state_precision(q) -> str:
     """float32 inputs: the user's float32 products (TF32 where enabled); 16-bit ones: float32's
     accuracy on tensor cores (three TF32 products)."""
@@ -1067,8 +1083,8 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
         L, nC, group, K, V, float(scale), *q.stride()[:3], *k.stride()[:3], *_gate_strides(g),
         *g_out.stride()[:3], *(g_final.stride() if has_dfinal else (0, 0, 0, 0)),
         int(has_dfinal), packed, l2, STATE_PRECISION=precision, KDA=kda, C=C,
-        KB=_key_block(K, WALK_KEY_BLOCK), BV=sbv,
-        num_warps=WALK_WARPS, num_stages=1,
+        KB=_key_block(K, WALK_KEY_BLOCK), BV=sbv, num_warps=WALK_WARPS, num_stages=1,
+        maxnreg=_register_ceiling(K, sbv),
     )  # fmt: skip
     dq = torch.empty((N, Hv, L, K), **f32)
     dk = torch.empty((N, Hv, L, K), **f32)
