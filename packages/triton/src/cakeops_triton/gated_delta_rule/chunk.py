@@ -55,7 +55,7 @@ from cakeops_triton._common import (
     untuned,
 )
 
-from .fused_recurrent import EPS
+from .fused_recurrent import EPS, gate_strides
 
 #: Positions per chunk: 16 on a GPU (the tensor-core products' M; at 32 the chunk's ``T`` and
 #: ``W`` kernel and the backward's gradients spill at head size 64, ``nox -s gpu_compile``); 4
@@ -956,11 +956,6 @@ def _meta(q, C):
             "num_warps": WARPS, "num_stages": 1}  # fmt: skip
 
 
-def _gate_strides(g) -> tuple[int, ...]:
-    """``g``'s strides over ``(N, Hv, L, K)``: a scalar gate's over the key columns is 0."""
-    return (*g.stride()[:3], g.stride(3) if g.dim() == 4 else 0)
-
-
 def _block_v(V: int) -> int:
     return min(BLOCK_V, max(16, triton.next_power_of_2(V)))
 
@@ -1006,7 +1001,7 @@ def _walk(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm, C, plan, s
     meta = _meta(q, C)
     bv = _block_v(V)
     group, packed, l2 = Hv // H, int(cu_seqlens is not None), int(use_qk_l2norm)
-    gates = (*_gate_strides(g), *beta.stride())
+    gates = (*gate_strides(g), *beta.stride())
     kda = g.dim() == 4
     _chunk_wy[(slots, Hv)](
         q, k, v, g, beta, w, u, unused if t_inv is None else t_inv,
@@ -1020,7 +1015,7 @@ def _walk(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm, C, plan, s
     sbv = min(STATE_BLOCK_V, bv)
     _chunk_states[(sequences, Hv, triton.cdiv(V, sbv))](
         k, g, w, u, states, init if init is not None else unused, final,
-        cu, offsets, L, nC, group, K, V, *k.stride()[:3], *_gate_strides(g),
+        cu, offsets, L, nC, group, K, V, *k.stride()[:3], *gate_strides(g),
         *(init.stride() if init is not None else (0, 0, 0, 0)),
         int(init is not None), packed, l2, STATE_PRECISION=_state_precision(q), KDA=kda, C=C,
         KB=_key_block(K, WALK_KEY_BLOCK), BV=sbv, num_warps=WALK_WARPS, num_stages=1,
@@ -1043,7 +1038,7 @@ def forward(q, k, v, g, beta, scale, initial_state=None, output_final_state=Fals
     bv = _block_v(V)
     _chunk_output[(slots, Hv, triton.cdiv(V, bv))](
         q, k, g, beta, states, u, out, seq_of, cu, offsets, sequences, L, nC, Hv // H, K, V,
-        float(scale), *q.stride()[:3], *k.stride()[:3], *_gate_strides(g), *beta.stride(),
+        float(scale), *q.stride()[:3], *k.stride()[:3], *gate_strides(g), *beta.stride(),
         int(cu_seqlens is not None), int(use_qk_l2norm),
         **{**_meta(q, CHUNK), "BK": max(16, triton.next_power_of_2(K)), "BV": bv,
            "KDA": g.dim() == 4, "GB": _gate_key_block(K), "num_warps": OUTPUT_WARPS},
@@ -1080,7 +1075,7 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
     group, packed, l2 = Hv // H, int(cu_seqlens is not None), int(use_qk_l2norm)
     _chunk_states_bwd[(sequences, Hv, triton.cdiv(V, sbv))](
         q, k, g, w, scores, g_out, g_final if has_dfinal else d_init, dsc, du, d_init, cu, offsets,
-        L, nC, group, K, V, float(scale), *q.stride()[:3], *k.stride()[:3], *_gate_strides(g),
+        L, nC, group, K, V, float(scale), *q.stride()[:3], *k.stride()[:3], *gate_strides(g),
         *g_out.stride()[:3], *(g_final.stride() if has_dfinal else (0, 0, 0, 0)),
         int(has_dfinal), packed, l2, STATE_PRECISION=precision, KDA=kda, C=C,
         KB=_key_block(K, WALK_KEY_BLOCK), BV=sbv, num_warps=WALK_WARPS, num_stages=1,
@@ -1104,7 +1099,7 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
     if kda:
         _chunk_grads_kda[(slots, Hv)](
             q, k, g, beta, t_inv, w, dpt, dq, dk, db, dg, seq_of, cu, offsets, sequences, L, nC,
-            group, K, float(scale), *q.stride()[:3], *k.stride()[:3], *_gate_strides(g),
+            group, K, float(scale), *q.stride()[:3], *k.stride()[:3], *gate_strides(g),
             *beta.stride(), packed, l2, STATE_PRECISION=GRAD_PRECISION, C=C,
             KB=_key_block(K, GRAD_KEY_BLOCK), GB=_gate_key_block(K), num_warps=GRAD_WARPS,
             num_stages=1,

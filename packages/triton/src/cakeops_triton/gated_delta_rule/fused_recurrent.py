@@ -258,6 +258,12 @@ def _sequences(q, cu_seqlens) -> int:
     return q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
 
 
+def gate_strides(g: torch.Tensor) -> tuple[int, ...]:
+    """``g``'s strides over ``(N, Hv, L, K)``: a scalar gate's over the key columns is 0 (one
+    gate read for every key row)."""
+    return (*g.stride()[:3], g.stride(3) if g.dim() == 4 else 0)
+
+
 def _common(q, k, v, g, beta, cu_seqlens):
     """The arguments both kernels take first: the tensors, the packed sequences' offsets and
     where their stored states start (int64; unused placeholders unpacked), the strides (a gate
@@ -275,8 +281,7 @@ def _common(q, k, v, g, beta, cu_seqlens):
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         # at most L / CHUNK plus one per sequence: no host synchronisation
         slots = L // CHUNK + cu.numel()
-    g_strides = (*g.stride()[:3], g.stride(3) if g.dim() == 4 else 0)
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g_strides, *beta.stride())
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *gate_strides(g), *beta.stride())
     return (q, k, v, g, beta), cu, offsets, strides, (N, H, L, K, Hv, V), max(slots, 1)
 
 
