@@ -194,29 +194,19 @@ if __name__ == "__main__":
     print(f"wrote {path}")
 
 
-def test_qwen3_next_benchmark_runs_and_writes_its_table(tmp_path, monkeypatch):
-    """``python -m cakeops.bench.qwen3_next --quick``: the layer's rows and the decode's."""
-    from cakeops.bench import qwen3_next
+@pytest.mark.parametrize("name, shape", [("qwen3_next", (70, 32, 2, 4, 8)),
+                                         ("kimi_linear", (70, 32, 2, 8))])  # fmt: skip
+def test_layer_benchmark_runs_and_writes_its_table(tmp_path, monkeypatch, name, shape):
+    """``python -m cakeops.bench.<name> --quick`` (Qwen3-Next's Gated DeltaNet layer, Kimi
+    Linear's KDA layer): the layer's rows and the decode's."""
+    import importlib
 
-    monkeypatch.setattr(qwen3_next, "QUICK_SHAPES", {"tiny": (70, 32, 2, 4, 8)})
-    monkeypatch.setattr(qwen3_next, "DECODE_TOKENS", 3)
-    out = tmp_path / "qwen3_next.md"
-    assert qwen3_next.main(["--quick", "--markdown", str(out)]) == 0
+    bench = importlib.import_module(f"cakeops.bench.{name}")
+    monkeypatch.setattr(bench, "QUICK_SHAPES", {"tiny": shape})
+    monkeypatch.setattr(bench, "DECODE_TOKENS", 3)
+    out = tmp_path / f"{name}.md"
+    assert bench.main(["--quick", "--markdown", str(out)]) == 0
     table = out.read_text()
-    assert "`python -m cakeops.bench.qwen3_next`" in table
-    assert "| cakeops layer, tiny | 70 |" in table
-    assert "The two models generated the same tokens." in table
-
-
-def test_kimi_linear_benchmark_runs_and_writes_its_table(tmp_path, monkeypatch):
-    """``python -m cakeops.bench.kimi_linear --quick``: the KDA layer's rows and the decode's."""
-    from cakeops.bench import kimi_linear
-
-    monkeypatch.setattr(kimi_linear, "QUICK_SHAPES", {"tiny": (70, 32, 2, 8)})
-    monkeypatch.setattr(kimi_linear, "DECODE_TOKENS", 3)
-    out = tmp_path / "kimi_linear.md"
-    assert kimi_linear.main(["--quick", "--markdown", str(out)]) == 0
-    table = out.read_text()
-    assert "`python -m cakeops.bench.kimi_linear`" in table
+    assert f"`python -m cakeops.bench.{name}`" in table
     assert "| cakeops layer, tiny | 70 |" in table
     assert "The two models generated the same tokens." in table

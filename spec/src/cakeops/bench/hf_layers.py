@@ -35,6 +35,40 @@ def layer_steps(layers: dict[str, torch.nn.Module], x: torch.Tensor, g: torch.Te
             for label, layer in layers.items()}  # fmt: skip
 
 
+def train_case(hf: torch.nn.Module, L: int, hidden: int, repeats: int, title: str):
+    """A training step of the layer ``hf`` and of its cakeops-patched copy on ``(1, L, hidden)``
+    inputs, timed in alternation (``repeats`` rounds); prints the table headed ``title``."""
+    from cakeops.bench.tables import format_table
+    from cakeops.bench.timing import measure
+
+    ours = on_cakeops(hf)
+    x = torch.randn(1, L, hidden, requires_grad=True)
+    g = torch.randn(1, L, hidden)
+    contenders = layer_steps({"Hugging Face layer": hf, "cakeops layer": ours}, x, g)
+    results = measure(contenders, torch.device("cpu"), repeats=repeats)
+    print(format_table(title, results, "Hugging Face layer"))
+    return results
+
+
+def run(shapes: dict[str, tuple], train: Callable[..., Any], config: Callable[..., Any],
+        quick: bool, prefill: int, tokens: int) -> dict[str, Any]:  # fmt: skip
+    """Each shape's training step (``train(*shape, quick)``), then a greedy decode of ``tokens``
+    tokens after a ``prefill``-token prompt with a model of the first shape
+    (``config(*shape[1:])``, the shape after ``L``), Hugging Face's and patched."""
+    import transformers as tf
+
+    layers = {name: {"shape": shape, "results": train(*shape, quick)}
+              for name, shape in shapes.items()}  # fmt: skip
+    torch.manual_seed(0)
+    cfg = config(*next(iter(shapes.values()))[1:])
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    patched = on_cakeops(model)
+    prompt = torch.randint(0, 256, (1, prefill), generator=torch.Generator().manual_seed(1))
+    decode_s, same = time_decode(model, patched, prompt, tokens, quick)
+    return {"layers": layers, "decode_shape": next(iter(shapes)), "decode_s": decode_s,
+            "same_tokens": same}  # fmt: skip
+
+
 def time_decode(model, patched, prompt: torch.Tensor, tokens: int, quick: bool,
                 repeats: int | None = None):  # fmt: skip
     """``(median seconds per model, same tokens)`` of a greedy decode of ``tokens`` tokens

@@ -19,9 +19,6 @@ from typing import Any
 import torch
 
 from cakeops.bench import hf_layers
-from cakeops.bench.hf_layers import on_cakeops
-from cakeops.bench.tables import format_table
-from cakeops.bench.timing import measure
 
 #: name -> (L, hidden, heads, head size) of the training step's layer. Hugging Face's KDA keeps
 #: the ``C x C x K`` decay factors of every chunk at once (11.5 GB at L 2048 with Kimi
@@ -57,30 +54,13 @@ def train_case(L: int, hidden: int, heads: int, head_dim: int, quick: bool):
 
     torch.manual_seed(0)
     hf = KimiLinearDeltaAttention(config(hidden, heads, head_dim), layer_idx=0)
-    ours = on_cakeops(hf)
-    x = torch.randn(1, L, hidden, requires_grad=True)
-    g = torch.randn(1, L, hidden)
-    contenders = hf_layers.layer_steps({"Hugging Face layer": hf, "cakeops layer": ours}, x, g)
-    results = measure(contenders, torch.device("cpu"), repeats=2 if quick else 3)
     title = f"\nKimi Linear KDA layer, fwd+bwd, L {L}, hidden {hidden}, {heads} heads of {head_dim}"
-    print(format_table(title, results, "Hugging Face layer"))
-    return results
+    return hf_layers.train_case(hf, L, hidden, 2 if quick else 3, title)
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    import transformers as tf
-
-    shapes = QUICK_SHAPES if quick else SHAPES
-    layers = {name: {"shape": shape, "results": train_case(*shape, quick)}
-              for name, shape in shapes.items()}  # fmt: skip
-    _, hidden, heads, head_dim = next(iter(shapes.values()))
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config(hidden, heads, head_dim)).eval()
-    patched = on_cakeops(model)
-    prompt = torch.randint(0, 256, (1, PREFILL), generator=torch.Generator().manual_seed(1))
-    decode_s, same = hf_layers.time_decode(model, patched, prompt, DECODE_TOKENS, quick)
-    return {"layers": layers, "decode_shape": next(iter(shapes)), "decode_s": decode_s,
-            "same_tokens": same}  # fmt: skip
+    return hf_layers.run(QUICK_SHAPES if quick else SHAPES, train_case, config, quick, PREFILL,
+                         DECODE_TOKENS)  # fmt: skip
 
 
 def markdown(record: dict[str, Any]) -> str:

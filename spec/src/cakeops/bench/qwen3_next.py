@@ -19,9 +19,6 @@ from typing import Any
 import torch
 
 from cakeops.bench import hf_layers
-from cakeops.bench.hf_layers import on_cakeops
-from cakeops.bench.tables import format_table
-from cakeops.bench.timing import measure
 
 #: name -> (L, hidden, key heads, value heads, head size) of the training step's layer
 SHAPES = {
@@ -49,35 +46,16 @@ def train_case(L: int, hidden: int, heads: int, value_heads: int, head_dim: int,
     """A training step of one Gated DeltaNet layer, Hugging Face's and on cakeops."""
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-    cfg = config(hidden, heads, value_heads, head_dim)
     torch.manual_seed(0)
-    hf = Qwen3NextGatedDeltaNet(cfg, layer_idx=0)
-    ours = on_cakeops(hf)
-    x = torch.randn(1, L, hidden, requires_grad=True)
-    g = torch.randn(1, L, hidden)
-    contenders = hf_layers.layer_steps({"Hugging Face layer": hf, "cakeops layer": ours}, x, g)
-    results = measure(contenders, torch.device("cpu"), repeats=2 if quick else 5)
+    hf = Qwen3NextGatedDeltaNet(config(hidden, heads, value_heads, head_dim), layer_idx=0)
     title = (f"\nQwen3-Next Gated DeltaNet layer, fwd+bwd, L {L}, hidden {hidden}, {heads} key "
              f"and {value_heads} value heads of {head_dim}")  # fmt: skip
-    print(format_table(title, results, "Hugging Face layer"))
-    return results
+    return hf_layers.train_case(hf, L, hidden, 2 if quick else 5, title)
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    import transformers as tf
-
-    shapes = QUICK_SHAPES if quick else SHAPES
-    layers = {name: {"shape": shape, "results": train_case(*shape, quick)}
-              for name, shape in shapes.items()}  # fmt: skip
-    _, hidden, heads, value_heads, head_dim = next(iter(shapes.values()))
-    cfg = config(hidden, heads, value_heads, head_dim)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    patched = on_cakeops(model)
-    prompt = torch.randint(0, 256, (1, PREFILL), generator=torch.Generator().manual_seed(1))
-    decode_s, same = hf_layers.time_decode(model, patched, prompt, DECODE_TOKENS, quick)
-    return {"layers": layers, "decode_shape": next(iter(shapes)), "decode_s": decode_s,
-            "same_tokens": same}  # fmt: skip
+    return hf_layers.run(QUICK_SHAPES if quick else SHAPES, train_case, config, quick, PREFILL,
+                         DECODE_TOKENS)  # fmt: skip
 
 
 def markdown(record: dict[str, Any]) -> str:
