@@ -23,6 +23,7 @@ import torch
 import cakeops
 from cakeops import registry
 from cakeops.ops import causal_dot_product as causal
+from cakeops.ops import gated_delta_rule as delta
 from cakeops.ops import rmsnorm_silu_gate as rmsnorm
 from cakeops.testing import assert_default_dtype_changes_nothing
 from cakeops.testing import test_causal_dot_product as suite
@@ -93,8 +94,31 @@ def test_automatic_choice_on_cpu():
         t = q.to(dtype)
         picked = registry.select("causal_dot_product", causal.Inputs(t, t, t))
         assert picked.name == expected, dtype
-    reasons = numba_backend.not_supported_reasons("gated_delta_rule", rmsnorm.Inputs(q, q, q))
-    assert any("serves devices cuda" in r for r in reasons)
+
+
+
+def test_delta_rule_cpu_kernel_is_chosen_from_a_few_positions():
+    """gated_delta_rule's njit recurrence is the implicit CPU choice from CPU_DELTA_RULE_FROM
+    positions on, both gate forms (explain says why shorter calls go to torch); named, it runs
+    a decode step too."""
+    from cakeops_numba import CPU_DELTA_RULE_FROM
+
+    def inputs(L, kda=False):
+        x = torch.randn(1, 2, L, 8)
+        g = -torch.rand(1, 2, L, 8) if kda else -torch.rand(1, 2, L)
+        return delta.Inputs(x, x, x, g, torch.rand(1, 2, L))
+
+    op = "gated_delta_rule"
+    for kda in (False, True):
+        assert registry.select(op, inputs(CPU_DELTA_RULE_FROM, kda)).name == "numba"
+        assert registry.select(op, inputs(CPU_DELTA_RULE_FROM - 1, kda)).name == "torch"
+    why = registry.explain_inputs(op, inputs(1))
+    assert why.reasons["numba"] == [
+        f"its CPU kernel is chosen implicitly from {CPU_DELTA_RULE_FROM} positions on (shorter "
+        "calls go to torch's vectorised steps), got 1"
+    ]
+    with cakeops.use_backend("numba"):
+        assert registry.select(op, inputs(1)).name == "numba"
 
 
 def test_norm_cpu_kernel_is_chosen_for_a_decode_steps_inputs():
@@ -646,3 +670,32 @@ def test_compile_check_records_the_scalar_types_a_launch_passes(monkeypatch):
         assert spec == [name], (value, spec)
         assert numba_check._numba_type(spec) == getattr(types, name if name != "bool" else
                                                         "boolean")  # fmt: skip
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_delta_rule_cpu_backward_across_stored_states(monkeypatch, kda):
+    """The CPU backward recomputes each stretch of ``chunk`` steps from the state stored at its
+    start: with stretches of 3 (packed sequences of 7 and 13 positions, a starting state,
+    grouped heads), its gradients are the torch backend's."""
+    from cakeops_numba.cpu import gated_delta_rule as cpu
+
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, 2, 20, 8, generator=gen) for _ in "qk")
+    v = torch.randn(1, 4, 20, 6, generator=gen)
+    g = -torch.rand((1, 4, 20, 8) if kda else (1, 4, 20), generator=gen)
+    beta = torch.rand(1, 4, 20, generator=gen)
+    state = torch.randn(2, 4, 8, 6, generator=gen)
+    args = [x.requires_grad_() for x in (q, k, v, g, beta, state)]
+    cu = torch.tensor([0, 7, 20])
+
+    def grads(backend):
+        with cakeops.use_backend(backend):
+            out, final = cakeops.gated_delta_rule(
+                *args[:5], initial_state=args[5], output_final_state=True, cu_seqlens=cu,
+                use_qk_l2norm=True,
+            )  # fmt: skip
+        return torch.autograd.grad((out.square().sum() + final.square().sum()), args)
+
+    monkeypatch.setattr(cpu, "chunk_for", lambda length: 3)
+    for got, want in zip(grads("numba"), grads("torch"), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -53,6 +53,11 @@ CPU_PRIORITY = 20  # above torch (10), for the ops with a CPU kernel
 #: float32, bfloat16 and float16 alike; wider inputs, where torch's vectorised ops (then its
 #: compiled kernel) win the forward, go to torch.
 CPU_NORM_ELEMENTS = 1 << 14
+#: The shortest ``gated_delta_rule`` call chosen implicitly on the CPU: from here the njit
+#: recurrence beats the torch backend (both gate forms); a decode step and the few positions
+#: below go to torch, whose few vectorised ops per step win there
+#: (``packages/numba/benchmarks/cpu_gated_delta_rule.py``).
+CPU_DELTA_RULE_FROM = 5
 
 
 def devices(cpu_kernel: bool, cuda: int = CUDA_PRIORITY) -> dict[str, int | None]:
@@ -184,13 +189,17 @@ class NumbaBackend(Backend):
         return reasons
 
     def not_preferred_reasons(self, op: str, inputs: OpInputs) -> list[str]:
-        if op != "rmsnorm_silu_gate" or inputs.device_type != "cpu" or SIMULATOR:
+        if inputs.device_type != "cpu" or SIMULATOR:
             return []
-        x = inputs.x
-        if x.numel() > CPU_NORM_ELEMENTS:
+        if op == "rmsnorm_silu_gate" and inputs.x.numel() > CPU_NORM_ELEMENTS:
             return [
                 f"its CPU kernel is chosen implicitly for up to {CPU_NORM_ELEMENTS} elements "
-                f"(a decode step's), got {x.numel()}"
+                f"(a decode step's), got {inputs.x.numel()}"
+            ]
+        if op == "gated_delta_rule" and inputs.q.shape[2] < CPU_DELTA_RULE_FROM:
+            return [
+                f"its CPU kernel is chosen implicitly from {CPU_DELTA_RULE_FROM} positions on "
+                f"(shorter calls go to torch's vectorised steps), got {inputs.q.shape[2]}"
             ]
         return []
 
@@ -206,8 +215,9 @@ backend = NumbaBackend(
         overrides={
             "moe_experts": {"devices": devices(cpu_kernel=False, cuda=CUDA_MATMUL_PRIORITY)},
             "routed_experts": {"devices": devices(cpu_kernel=False, cuda=CUDA_MATMUL_PRIORITY)},
-            # one thread per value column, step by step, no tensor cores: by name only on CUDA
-            "gated_delta_rule": {"devices": devices(cpu_kernel=False, cuda=CUDA_MATMUL_PRIORITY)},
+            # CUDA: one thread per value column, step by step, no tensor cores: by name only.
+            # CPU: the njit recurrence, from CPU_DELTA_RULE_FROM positions (float32 inside)
+            "gated_delta_rule": {"devices": devices(cpu_kernel=True, cuda=CUDA_MATMUL_PRIORITY)},
             # the njit CPU kernel computes in float32 (other dtypes converted)
             "rmsnorm_silu_gate": {"devices": devices(cpu_kernel=True)},
             "causal_dot_product": {

@@ -1,4 +1,6 @@
 """The gated delta rule (and KDA) in numba-cuda, step by step, one thread per value column.
+CPU tensors go to the ``njit`` kernels of :mod:`cakeops_numba.cpu.gated_delta_rule` (in the
+simulator, to the CUDA kernels).
 
 The state's columns evolve independently (``u_t = beta_t (v_t - S^T k_t)`` is per column), so
 a block owns a sequence, a value head and ``THREADS`` value columns, each thread walking its
@@ -30,6 +32,7 @@ from cakeops.ops.gated_delta_rule import L2NORM_EPS
 from cakeops_numba import SIMULATOR
 from cakeops_numba._elements import store, widen
 from cakeops_numba._launch import THREADS, on_stream, view
+from cakeops_numba.cpu import gated_delta_rule as cpu
 
 #: Steps between stored states in the backward's first pass, and per recomputed stretch; 4 in
 #: the simulator, so that its short test sequences cross chunks.
@@ -232,32 +235,38 @@ def _run_forward(qn, kn, v, g, beta, scale, initial_state, layout, save, write):
     return out, state.view(sequences, Hv, K, V), saved
 
 
+def _on_cpu_kernels(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and not SIMULATOR
+
+
 def forward(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
             cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
     qn, _ = _normalised(q, use_qk_l2norm)
     kn, _ = _normalised(k, use_qk_l2norm)
-    layout = _layout(q, v, g, cu_seqlens)
-    out, final, _ = _run_forward(qn, kn, v, g, beta, scale, initial_state, layout, save=False,
-                                 write=True)  # fmt: skip
+    if _on_cpu_kernels(q):
+        out, final = cpu.forward(qn, kn, v, g, beta, scale, initial_state, cu_seqlens)
+    else:
+        layout = _layout(q, v, g, cu_seqlens)
+        out, final, _ = _run_forward(qn, kn, v, g, beta, scale, initial_state, layout,
+                                     save=False, write=True)  # fmt: skip
     out = out.to(q.dtype)
     if not output_final_state:
         return out, q.new_empty(0)
     return out, final.to(initial_state.dtype if initial_state is not None else torch.float32)
 
 
-def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
-             output_final_state=False, cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
-    qn, rq = _normalised(q, use_qk_l2norm)
-    kn, rk = _normalised(k, use_qk_l2norm)
-    layout = _layout(q, v, g, cu_seqlens)
+def _cuda_backward(g_out, g_final, qn, kn, v, g, beta, scale, initial_state, cu_seqlens):
+    """``(dq, dk (N, Hv, L, K) per value head, dv, dg (N, Hv, L, 1 or K), dbeta, d_initial)``
+    from the CUDA kernels (float32 but ``dv``)."""
+    layout = _layout(qn, v, g, cu_seqlens)
     _, _, saved = _run_forward(qn, kn, v, g, beta, scale, initial_state, layout, save=True,
                                write=False)  # fmt: skip
-    N, H, L, K = q.shape
+    N, H, L, K = qn.shape
     Hv, V = v.shape[1], v.shape[3]
     g4, cu, offsets, packed, sequences, _ = layout
     blocks = -(-V // THREADS)
     f32 = {"dtype": torch.float32, "device": v.device}
-    if output_final_state and g_final.numel():
+    if g_final is not None and g_final.numel():
         dS = g_final.to(torch.float32, copy=True).reshape(sequences * Hv, K, V)
     else:
         dS = torch.zeros((sequences * Hv, K, V), **f32)
@@ -273,15 +282,25 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
             view(scratch), view(dS), view(cu), view(offsets), packed, Hv // H, float32(scale),
             g.dim() == 4, view(dq), view(dk), view(dv), view(dg), view(db),
         )  # fmt: skip
-    # blocks of columns, and value heads that share a key head, added up
-    dq = dq.view(blocks, N, H, Hv // H, L, K).sum((0, 3))
-    dk = dk.view(blocks, N, H, Hv // H, L, K).sum((0, 3))
+    return dq.sum(0), dk.sum(0), dv, dg.sum(0), db.sum(0), dS.view(sequences, Hv, K, V)
+
+
+def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
+             output_final_state=False, cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
+    qn, rq = _normalised(q, use_qk_l2norm)
+    kn, rk = _normalised(k, use_qk_l2norm)
+    g_final = g_final if output_final_state else None
+    run = cpu.backward if _on_cpu_kernels(q) else _cuda_backward
+    dq, dk, dv, dg, db, d_init = run(g_out, g_final, qn, kn, v, g, beta, scale, initial_state,
+                                     cu_seqlens)  # fmt: skip
+    N, H, L, K = q.shape
+    Hv = v.shape[1]
+    # value heads that share a key head, added up
+    dq = dq.view(N, H, Hv // H, L, K).sum(2)
+    dk = dk.view(N, H, Hv // H, L, K).sum(2)
     if use_qk_l2norm:  # through x / |x|: (dx - x^ (x^ . dx)) / |x|
         dq = rq * (dq - qn * (qn * dq).sum(-1, keepdim=True))
         dk = rk * (dk - kn * (kn * dk).sum(-1, keepdim=True))
-    dg = dg.sum(0).view(g.shape)
-    d_init = None
-    if initial_state is not None:
-        d_init = dS.view(sequences, Hv, K, V).to(initial_state.dtype)
-    return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), db.sum(0).to(beta.dtype),
-            d_init)  # fmt: skip
+    d_init = d_init.to(initial_state.dtype) if initial_state is not None else None
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.view(g.shape).to(g.dtype),
+            db.to(beta.dtype), d_init)  # fmt: skip

@@ -41,15 +41,19 @@ if hasattr(os, "register_at_fork"):  # (not on Windows, which does not fork)
 F32 = {"dtype": torch.float32, "device": torch.device("cpu")}
 
 
-def compiled(parallel: bool, fastmath: set[str] = FASTMATH):
+def compiled(parallel: bool, fastmath: set[str] = FASTMATH, inline: bool = False):
     """A decorator: ``fn`` compiled on first use (``parallel``: its ``prange`` loop runs on
     numba's threads), cached on disk (in ``__pycache__`` or numba's user cache directory) so
     later processes skip the seconds of compiling; without a writable cache location, compiled
     once per process. Division follows IEEE (``error_model="numpy"``): Python's check for a
-    zero divisor, a branch per division, would keep every loop that divides scalar."""
+    zero divisor, a branch per division, would keep every loop that divides scalar. ``inline``:
+    a helper inlined into its callers' numba IR, where the compiler sees which arrays are
+    distinct (called as a function, its loops over several array arguments stay scalar)."""
 
     def compile_(fn):
         options = {"parallel": parallel, "fastmath": fastmath, "error_model": "numpy"}
+        if inline:
+            return njit(**options, inline="always")(fn)
         try:
             return njit(**options, cache=True)(fn)
         except RuntimeError:  # numba: "cannot cache function ...: no locator available"
