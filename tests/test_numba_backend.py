@@ -114,8 +114,8 @@ def test_delta_rule_cpu_kernel_is_chosen_from_a_few_positions():
         assert registry.select(op, inputs(CPU_DELTA_RULE_FROM - 1, kda)).name == "torch"
     why = registry.explain_inputs(op, inputs(1))
     assert why.reasons["numba"] == [
-        f"its CPU kernel is chosen implicitly from {CPU_DELTA_RULE_FROM} positions on (shorter "
-        "calls go to torch's vectorised steps), got 1"
+        f"its CPU kernel is chosen implicitly from {CPU_DELTA_RULE_FROM} positions on (a decode "
+        "step goes to torch), got 1"
     ]
     with cakeops.use_backend("numba"):
         assert registry.select(op, inputs(1)).name == "numba"

@@ -8,10 +8,11 @@ ranks below ``triton`` and above ``torch``; the matrix-product ops (``causal_dot
 many times faster, and run on numba only when it is asked for by name.
 
 On the CPU, ``njit`` kernels serve the ops where they beat the ``torch`` backend on the op's
-benchmark shapes (``causal_dot_product``, in every dtype; see ``packages/numba/benchmarks``),
-as the automatic choice there; ``rmsnorm_silu_gate``'s is the automatic choice for a decode
-step's inputs (up to ``CPU_NORM_ELEMENTS`` elements; ``packages/numba/benchmarks``'
-``cpu_rmsnorm_silu_gate.py``), and runs the others when named.
+benchmark shapes (``causal_dot_product``, in every dtype; ``gated_delta_rule``, both gate forms,
+from ``CPU_DELTA_RULE_FROM`` positions; see ``packages/numba/benchmarks``), as the automatic
+choice there; ``rmsnorm_silu_gate``'s is the automatic choice for a decode step's inputs (up to
+``CPU_NORM_ELEMENTS`` elements; ``packages/numba/benchmarks``' ``cpu_rmsnorm_silu_gate.py``),
+and runs the others when named.
 
 The CUDA kernels need numba-cuda (``pip install 'cakeops-numba[cuda]'``); the CPU kernels need
 numba only. With ``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported) the CUDA kernels run
@@ -53,11 +54,11 @@ CPU_PRIORITY = 20  # above torch (10), for the ops with a CPU kernel
 #: float32, bfloat16 and float16 alike; wider inputs, where torch's vectorised ops (then its
 #: compiled kernel) win the forward, go to torch.
 CPU_NORM_ELEMENTS = 1 << 14
-#: The shortest ``gated_delta_rule`` call chosen implicitly on the CPU: from here the njit
-#: recurrence beats the torch backend (both gate forms); a decode step and the few positions
-#: below go to torch, whose few vectorised ops per step win there
+#: The shortest ``gated_delta_rule`` call chosen implicitly on the CPU: from two positions the
+#: njit recurrence beats the torch backend, forward and backward, both gate forms; a decode
+#: step, where its backward is the slower, goes to torch
 #: (``packages/numba/benchmarks/cpu_gated_delta_rule.py``).
-CPU_DELTA_RULE_FROM = 5
+CPU_DELTA_RULE_FROM = 2
 
 
 def devices(cpu_kernel: bool, cuda: int = CUDA_PRIORITY) -> dict[str, int | None]:
@@ -199,7 +200,7 @@ class NumbaBackend(Backend):
         if op == "gated_delta_rule" and inputs.q.shape[2] < CPU_DELTA_RULE_FROM:
             return [
                 f"its CPU kernel is chosen implicitly from {CPU_DELTA_RULE_FROM} positions on "
-                f"(shorter calls go to torch's vectorised steps), got {inputs.q.shape[2]}"
+                f"(a decode step goes to torch), got {inputs.q.shape[2]}"
             ]
         return []
 

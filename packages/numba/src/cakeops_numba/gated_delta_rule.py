@@ -298,9 +298,9 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
     # value heads that share a key head, added up
     dq = dq.view(N, H, Hv // H, L, K).sum(2)
     dk = dk.view(N, H, Hv // H, L, K).sum(2)
-    if use_qk_l2norm:  # through x / |x|: (dx - x^ (x^ . dx)) / |x|
-        dq = rq * (dq - qn * (qn * dq).sum(-1, keepdim=True))
-        dk = rk * (dk - kn * (kn * dk).sum(-1, keepdim=True))
+    if use_qk_l2norm:  # through x / |x|: (dx - x^ (x^ . dx)) / |x|, in place (fresh sums)
+        dq = dq.sub_(qn * (qn * dq).sum(-1, keepdim=True)).mul_(rq)
+        dk = dk.sub_(kn * (kn * dk).sum(-1, keepdim=True)).mul_(rk)
     d_init = d_init.to(initial_state.dtype) if initial_state is not None else None
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.view(g.shape).to(g.dtype),
             db.to(beta.dtype), d_init)  # fmt: skip

@@ -16,8 +16,9 @@ matrix-product form, this is what wins on the CPU. Gates enter only as ``exp(g_t
 The backward walks back with the state's gradient ``dS`` (two passes a step as well, see
 :func:`_step_back`), which needs every step's ``S_{t-1}``: a task first runs its forward,
 keeping the state at the start of every stretch of ``chunk`` steps, then recomputes one stretch
-at a time into a scratch of ``chunk`` states before walking it back. ``chunk`` is about
-``sqrt(L)``, so a thread holds ``~2 sqrt(L)`` states at a time, whatever ``L``. Every sum runs in
+at a time into a scratch of ``chunk`` states before walking it back. Each of numba's threads
+takes every ``threads``-th task with a work area of its own (a PyTorch tensor). ``chunk`` is about
+``sqrt(L) / 2``, so a thread holds ``~2.5 sqrt(L)`` states at a time, whatever ``L``. Every sum runs in
 a fixed order: deterministic. Inputs arrive as float32 contiguous tensors (q and k already
 normalised with ``use_qk_l2norm``); the gradients of the value heads that share a key head are
 added by the caller.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 import torch
 from numba import prange
@@ -38,9 +40,10 @@ MIN_CHUNK = 16
 
 
 def chunk_for(length: int) -> int:
-    """Steps between the backward's stored states: ``~sqrt(length)``, which balances the stored
-    states (``length / chunk``) against the recomputed stretch (``chunk``)."""
-    return max(MIN_CHUNK, math.isqrt(max(length - 1, 0)) + 1)
+    """Steps between the backward's stored states: ``~sqrt(length) / 2``, so that a thread holds
+    ``~2.5 sqrt(length)`` states (``length / chunk`` stored, ``chunk`` recomputed), the
+    recomputed ones, walked back and forth, the fewer."""
+    return max(MIN_CHUNK, (math.isqrt(max(length - 1, 0)) + 2) // 2)
 
 
 @compiled(parallel=False, inline=True)
@@ -169,53 +172,58 @@ def _step_back(S_prev, D, q, k, v, a, beta, do, scale, dq, dk, dv, dg, r, u, du)
 
 
 @compiled(parallel=True)
-def _backward(q, k, v, g, beta, do, cu, packed, group, scale, chunk, state, D, dq, dk, dv, dg,
-              db):  # fmt: skip  # pragma: no cover - compiled
+def _backward(q, k, v, g, beta, do, cu, packed, group, scale, chunk, state, D, work, dq, dk, dv,
+              dg, db):  # fmt: skip  # pragma: no cover - compiled
     """The gradients, walking back (arguments as in :func:`_forward`; ``state`` the starting
     states, read only). ``D`` (tasks, K, V): the final states' gradients, left holding the
-    starting states'; ``dq``, ``dk`` (N, Hv, L, K) per value head; ``dv`` (N, Hv, L, V);
-    ``dg`` (N, Hv, L, 1 or K); ``db`` (N, Hv, L)."""
+    starting states'; ``work`` (workers, stretches + chunk, K, V): each worker's stored and
+    recomputed states (worker ``w`` takes tasks ``w, w + workers, ...``); ``dq``, ``dk``
+    (N, Hv, L, K) per value head; ``dv`` (N, Hv, L, V); ``dg`` (N, Hv, L, 1 or K); ``db``
+    (N, Hv, L)."""
     Hv, L, V = v.shape[1], v.shape[2], v.shape[3]
     K = q.shape[3]
+    tasks, workers = state.shape[0], work.shape[0]
     none = np.empty(0, np.float32)
-    for task in prange(state.shape[0]):
-        n, hv, first, end = _task(task, Hv, L, cu, packed)
-        h = hv // group
+    for w in prange(workers):
         a = np.empty(K, np.float32)
         x = np.empty(V, np.float32)
         y = np.empty(V, np.float32)
         z = np.empty(V, np.float32)
         gsum = np.empty(K, np.float32)
-        stretches = (end - first + chunk - 1) // chunk
-        stored = np.empty((max(stretches, 1), K, V), np.float32)
-        S = state[task].copy()
-        for t in range(first, end):  # the forward, keeping each stretch's first state
-            if (t - first) % chunk == 0:
-                stored[(t - first) // chunk] = S
-            _decays(g[n, hv, t], a)
-            _advance(S, S, none, k[n, h, t], v[n, hv, t], a, beta[n, hv, t], x, y)
-        scratch = np.empty((chunk, K, V), np.float32)
-        for i in range(stretches):
-            c = stretches - 1 - i
-            start = first + c * chunk
-            stop = min(start + chunk, end)
-            scratch[0] = stored[c]
-            for t in range(start, stop - 1):  # the stretch's states S_{t-1}
-                j = t - start
+        stored = work[w, : work.shape[1] - chunk]
+        scratch = work[w, work.shape[1] - chunk :]
+        for task in range(w, tasks, workers):
+            n, hv, first, end = _task(task, Hv, L, cu, packed)
+            h = hv // group
+            stretches = (end - first + chunk - 1) // chunk
+            S = scratch[0]
+            S[:] = state[task]
+            for t in range(first, end):  # the forward, keeping each stretch's first state
+                if (t - first) % chunk == 0:
+                    stored[(t - first) // chunk] = S
                 _decays(g[n, hv, t], a)
-                _advance(scratch[j], scratch[j + 1], none, k[n, h, t], v[n, hv, t], a,
-                         beta[n, hv, t], x, y)  # fmt: skip
-            for t in range(stop - 1, start - 1, -1):
-                _decays(g[n, hv, t], a)
-                db[n, hv, t] = _step_back(
-                    scratch[t - start], D[task], q[n, h, t], k[n, h, t], v[n, hv, t], a,
-                    beta[n, hv, t], do[n, hv, t], scale, dq[n, hv, t], dk[n, hv, t],
-                    dv[n, hv, t], gsum, x, y, z,
-                )  # fmt: skip
-                if g.shape[3] == K:
-                    dg[n, hv, t] = gsum
-                else:
-                    dg[n, hv, t, 0] = gsum.sum()
+                _advance(S, S, none, k[n, h, t], v[n, hv, t], a, beta[n, hv, t], x, y)
+            for i in range(stretches):
+                c = stretches - 1 - i
+                start = first + c * chunk
+                stop = min(start + chunk, end)
+                scratch[0] = stored[c]
+                for t in range(start, stop - 1):  # the stretch's states S_{t-1}
+                    j = t - start
+                    _decays(g[n, hv, t], a)
+                    _advance(scratch[j], scratch[j + 1], none, k[n, h, t], v[n, hv, t], a,
+                             beta[n, hv, t], x, y)  # fmt: skip
+                for t in range(stop - 1, start - 1, -1):
+                    _decays(g[n, hv, t], a)
+                    db[n, hv, t] = _step_back(
+                        scratch[t - start], D[task], q[n, h, t], k[n, h, t], v[n, hv, t], a,
+                        beta[n, hv, t], do[n, hv, t], scale, dq[n, hv, t], dk[n, hv, t],
+                        dv[n, hv, t], gsum, x, y, z,
+                    )  # fmt: skip
+                    if g.shape[3] == K:
+                        dg[n, hv, t] = gsum
+                    else:
+                        dg[n, hv, t, 0] = gsum.sum()
 
 
 def _sequences(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[np.ndarray, bool, int]:
@@ -270,11 +278,16 @@ def backward(g_out, g_final, qn, kn, v, g, beta, scale, initial_state, cu_seqlen
     dv = torch.zeros((N, Hv, L, V), **F32)
     dg = torch.zeros(g32.shape, **F32)
     db = torch.zeros((N, Hv, L), **F32)
-    chunk = chunk_for(L if not packed else int((cu[1:] - cu[:-1]).max(initial=0)))
+    longest = L if not packed else int((cu[1:] - cu[:-1]).max(initial=0))
+    chunk = chunk_for(longest)
     with launching():
+        workers = min(numba.get_num_threads(), tasks)
+        # a PyTorch allocation, so that its memory shows where PyTorch's is measured
+        work = torch.empty((workers, -(-longest // chunk) + chunk, K, V), **F32)
         _backward(
             array_at(q32), array_at(k32), array_at(v32), array_at(g32), array_at(b32),
             array_at(do), cu, packed, Hv // H, np.float32(scale), chunk, array_at(state),
-            array_at(D), array_at(dq), array_at(dk), array_at(dv), array_at(dg), array_at(db),
+            array_at(D), array_at(work), array_at(dq), array_at(dk), array_at(dv),
+            array_at(dg), array_at(db),
         )  # fmt: skip
     return dq, dk, dv, dg, db, D.view(sequences, Hv, K, V)
