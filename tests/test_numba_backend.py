@@ -96,7 +96,6 @@ def test_automatic_choice_on_cpu():
         assert picked.name == expected, dtype
 
 
-
 def test_delta_rule_cpu_kernel_is_chosen_from_a_few_positions():
     """gated_delta_rule's njit recurrence is the implicit CPU choice from CPU_DELTA_RULE_FROM
     positions on, both gate forms (explain says why shorter calls go to torch); named, it runs

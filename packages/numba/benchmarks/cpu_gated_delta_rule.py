@@ -84,10 +84,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two tiny shapes, two repeats")
     quick = parser.parse_args().quick
-    print(f"gated_delta_rule, float32, use_qk_l2norm, {torch.get_num_threads()} threads, "
-          "milliseconds (medians); peak MiB of PyTorch's allocations, forward+backward\n")  # fmt: skip
-    print("| gates | heads x D | L | numba fwd | torch fwd | ratio | numba fwd+bwd | "
-          "torch fwd+bwd | ratio | numba peak MiB | torch peak MiB | implicit choice |")  # fmt: skip
+    threads = torch.get_num_threads()
+    print(f"gated_delta_rule, float32, use_qk_l2norm, {threads} threads, milliseconds "
+          "(medians); peak MiB of PyTorch's allocations, forward+backward\n")  # fmt: skip
+    print("| gates | heads x D | L | numba fwd | torch fwd | ratio | numba fwd+bwd | torch "
+          "fwd+bwd | ratio | numba peak MiB | torch peak MiB | implicit choice |")  # fmt: skip
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for form, N, H, L, D in QUICK_SHAPES if quick else SHAPES:
         compare(form, N, H, L, D, repeats=2 if quick else (3 if L >= 1024 else 50))

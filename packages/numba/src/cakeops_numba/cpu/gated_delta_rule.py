@@ -17,11 +17,11 @@ The backward walks back with the state's gradient ``dS`` (two passes a step as w
 :func:`_step_back`), which needs every step's ``S_{t-1}``: a task first runs its forward,
 keeping the state at the start of every stretch of ``chunk`` steps, then recomputes one stretch
 at a time into a scratch of ``chunk`` states before walking it back. Each of numba's threads
-takes every ``threads``-th task with a work area of its own (a PyTorch tensor). ``chunk`` is about
-``sqrt(L) / 2``, so a thread holds ``~2.5 sqrt(L)`` states at a time, whatever ``L``. Every sum runs in
-a fixed order: deterministic. Inputs arrive as float32 contiguous tensors (q and k already
-normalised with ``use_qk_l2norm``); the gradients of the value heads that share a key head are
-added by the caller.
+takes every ``threads``-th task with a work area of its own (a PyTorch tensor). ``chunk`` is
+about ``sqrt(L) / 2``, so a thread holds ``~2.5 sqrt(L)`` states at a time, whatever ``L``.
+Every sum runs in a fixed order: deterministic. Inputs arrive as float32 contiguous tensors
+(q and k already normalised with ``use_qk_l2norm``); the gradients of the value heads that
+share a key head are added by the caller.
 """
 
 from __future__ import annotations
