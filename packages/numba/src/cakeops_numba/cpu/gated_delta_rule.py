@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from numba import prange
 
+from cakeops.helpers import state_floor
 from cakeops_numba.cpu._njit import F32, array_at, as_float32, compiled, launching
 
 #: The fewest steps between the backward's stored states.
@@ -57,14 +58,15 @@ def _task(task, Hv, L, cu, packed):  # pragma: no cover - compiled
 
 
 @compiled(parallel=False, inline=True)
-def _decays(g, a):  # pragma: no cover - compiled
-    """``a[e] = exp(g[e])`` (KDA) or ``exp(g[0])`` for every row (a scalar gate)."""
+def _decays(g, a, floor):  # pragma: no cover - compiled
+    """``a[e] = exp(g[e])`` (KDA) or ``exp(g[0])`` for every row (a scalar gate), exactly 0
+    under ``exp(floor)`` (NaN stays NaN)."""
     K = a.shape[0]
     if g.shape[0] == K:
         for e in range(K):
-            a[e] = np.exp(g[e])
+            a[e] = np.float32(0.0) if g[e] < floor else np.exp(g[e])
     else:
-        x = np.exp(g[0])
+        x = np.float32(0.0) if g[0] < floor else np.exp(g[0])
         for e in range(K):
             a[e] = x
 
@@ -99,9 +101,10 @@ def _advance(S_in, S, q, k, v, a, beta, p, o):  # pragma: no cover - compiled
 
 
 @compiled(parallel=True)
-def _forward(q, k, v, g, beta, cu, packed, group, scale, state, out):  # pragma: no cover
+def _forward(q, k, v, g, beta, cu, packed, group, scale, floor, state, out):  # pragma: no cover
     """``q, k``: (N, H, L, K); ``v``: (N, Hv, L, V); ``g``: (N, Hv, L, 1 or K); ``beta``:
-    (N, Hv, L); ``state`` (tasks, K, V): the starting states, left holding the last ones;
+    (N, Hv, L); ``floor``: gates under it decay by exactly 0 (see :func:`_floor`); ``state``
+    (tasks, K, V): the starting states, left holding the last ones;
     ``out`` (N, Hv, L, V); ``cu`` (sequences + 1,): the packed sequences' offsets along L."""
     Hv, L, V = v.shape[1], v.shape[2], v.shape[3]
     K = q.shape[3]
@@ -112,7 +115,7 @@ def _forward(q, k, v, g, beta, cu, packed, group, scale, state, out):  # pragma:
         a = np.empty(K, np.float32)
         p = np.empty(V, np.float32)
         for t in range(first, end):
-            _decays(g[n, hv, t], a)
+            _decays(g[n, hv, t], a, floor)
             o = out[n, hv, t]
             _advance(S, S, q[n, h, t], k[n, h, t], v[n, hv, t], a, beta[n, hv, t], p, o)
             for m in range(V):
@@ -172,8 +175,8 @@ def _step_back(S_prev, D, q, k, v, a, beta, do, scale, dq, dk, dv, dg, r, u, du)
 
 
 @compiled(parallel=True)
-def _backward(q, k, v, g, beta, do, cu, packed, group, scale, chunk, state, D, work, dq, dk, dv,
-              dg, db):  # fmt: skip  # pragma: no cover - compiled
+def _backward(q, k, v, g, beta, do, cu, packed, group, scale, floor, chunk, state, D, work, dq,
+              dk, dv, dg, db):  # fmt: skip  # pragma: no cover - compiled
     """The gradients, walking back (arguments as in :func:`_forward`; ``state`` the starting
     states, read only). ``D`` (tasks, K, V): the final states' gradients, left holding the
     starting states'; ``work`` (workers, stretches + chunk, K, V): each worker's stored and
@@ -201,7 +204,7 @@ def _backward(q, k, v, g, beta, do, cu, packed, group, scale, chunk, state, D, w
             for t in range(first, end):  # the forward, keeping each stretch's first state
                 if (t - first) % chunk == 0:
                     stored[(t - first) // chunk] = S
-                _decays(g[n, hv, t], a)
+                _decays(g[n, hv, t], a, floor)
                 _advance(S, S, none, k[n, h, t], v[n, hv, t], a, beta[n, hv, t], x, y)
             for i in range(stretches):
                 c = stretches - 1 - i
@@ -210,11 +213,11 @@ def _backward(q, k, v, g, beta, do, cu, packed, group, scale, chunk, state, D, w
                 scratch[0] = stored[c]
                 for t in range(start, stop - 1):  # the stretch's states S_{t-1}
                     j = t - start
-                    _decays(g[n, hv, t], a)
+                    _decays(g[n, hv, t], a, floor)
                     _advance(scratch[j], scratch[j + 1], none, k[n, h, t], v[n, hv, t], a,
                              beta[n, hv, t], x, y)  # fmt: skip
                 for t in range(stop - 1, start - 1, -1):
-                    _decays(g[n, hv, t], a)
+                    _decays(g[n, hv, t], a, floor)
                     db[n, hv, t] = _step_back(
                         scratch[t - start], D[task], q[n, h, t], k[n, h, t], v[n, hv, t], a,
                         beta[n, hv, t], do[n, hv, t], scale, dq[n, hv, t], dk[n, hv, t],
@@ -224,6 +227,14 @@ def _backward(q, k, v, g, beta, do, cu, packed, group, scale, chunk, state, D, w
                         dg[n, hv, t] = gsum
                     else:
                         dg[n, hv, t, 0] = gsum.sum()
+
+
+def _floor(*states) -> np.float32:
+    """Where a gate's factor is taken as 0: ``cakeops.helpers.state_floor`` of the given
+    states, as the torch backend does. Such a factor is far below float32's rounding of the
+    terms beside it, and kept, its products with the state reach float32's subnormal range,
+    which x86 CPUs compute tens of times slower (the strong gates models start from)."""
+    return np.float32(float(state_floor(*states, dtype=torch.float32)))
 
 
 def _sequences(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[np.ndarray, bool, int]:
@@ -255,10 +266,12 @@ def forward(qn, kn, v, g, beta, scale, initial_state, cu_seqlens):
     Hv, V = v32.shape[1], v32.shape[3]
     cu, packed, sequences = _sequences(q32, cu_seqlens)
     state = _states(initial_state, sequences * Hv, K, V)
+    floor = _floor((initial_state, kn, v))
     out = torch.zeros((N, Hv, L, V), **F32)
     with launching():
         _forward(array_at(q32), array_at(k32), array_at(v32), array_at(g32), array_at(b32), cu,
-                 packed, Hv // H, np.float32(scale), array_at(state), array_at(out))  # fmt: skip
+                 packed, Hv // H, np.float32(scale), floor, array_at(state),
+                 array_at(out))  # fmt: skip
     return out, state.view(sequences, Hv, K, V)
 
 
@@ -272,7 +285,9 @@ def backward(g_out, g_final, qn, kn, v, g, beta, scale, initial_state, cu_seqlen
     cu, packed, sequences = _sequences(q32, cu_seqlens)
     tasks = sequences * Hv
     state = _states(initial_state, tasks, K, V)
-    D = _states(g_final if g_final is not None and g_final.numel() else None, tasks, K, V)
+    final = g_final if g_final is not None and g_final.numel() else None
+    D = _states(final, tasks, K, V)
+    floor = _floor((initial_state, kn, v), (final, qn, g_out))
     dq = torch.zeros((N, Hv, L, K), **F32)
     dk = torch.zeros((N, Hv, L, K), **F32)
     dv = torch.zeros((N, Hv, L, V), **F32)
@@ -286,7 +301,7 @@ def backward(g_out, g_final, qn, kn, v, g, beta, scale, initial_state, cu_seqlen
         work = torch.empty((workers, -(-longest // chunk) + chunk, K, V), **F32)
         _backward(
             array_at(q32), array_at(k32), array_at(v32), array_at(g32), array_at(b32),
-            array_at(do), cu, packed, Hv // H, np.float32(scale), chunk, array_at(state),
+            array_at(do), cu, packed, Hv // H, np.float32(scale), floor, chunk, array_at(state),
             array_at(D), array_at(work), array_at(dq), array_at(dk), array_at(dv),
             array_at(dg), array_at(db),
         )  # fmt: skip
