@@ -97,12 +97,14 @@ def tests(session: nox.Session) -> None:
     # thread's every scalar operation in Python (about 10 us each): the two L = 8192 checks of
     # causal_dot_product alone would take over 10 minutes, so they run only on a real GPU
     # (the GPU check, tests/gpu/run.py, runs them on CUDA). The experts' checks of the op's
-    # PyTorch glue (opcheck, compile, torch.func, autocast, the default dtype), which is the
-    # same for every backend and runs in full above, take a third of this run there: with
+    # PyTorch glue (opcheck, compile, torch.func, autocast, the default dtype, checkpointing,
+    # the saved tensors), which is the same for every backend and runs in full above, take a
+    # third of this run there, and their determinism check a few minutes (the simulator runs
+    # threads one after another; the GPU check runs it on CUDA): with
     # `nox -s tests -- --full` they run here too.
     skipped = "test_long_sequence" + ("" if full else " or (Contract_moe_experts or "
         "Contract_routed_experts) and (opcheck or compile or torch_func or autocast or "
-        "default_dtype)")  # fmt: skip
+        "default_dtype or checkpoint or saves_exactly or deterministic)")  # fmt: skip
     session.run(
         "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=numba", "-q", "-n", "auto",
         "-k", f"not ({skipped})", slowest, env={"NUMBA_ENABLE_CUDASIM": "1"},
