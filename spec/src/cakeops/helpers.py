@@ -78,8 +78,8 @@ def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def index_tensor(values: list[int], device: torch.device | str | None = None) -> torch.Tensor:
     """The int64 tensor of a host list of ints, through the list's bytes: ``torch.tensor(list)``
-    inspects each element for its type (28 us for 300 ints on a CPU, this 4), a bookkeeping
-    step's share of a small call."""
+    inspects each element for its type, several times the cost, a bookkeeping step's share of
+    a small call."""
     if not values:
         return torch.empty(0, dtype=torch.int64, device=device)
     t = torch.frombuffer(array.array("q", values), dtype=torch.int64)  # keeps the array alive
@@ -188,8 +188,8 @@ def log_multipliers(q, log_decay, log_gates, dtype=torch.float32) -> torch.Tenso
 #: factor (under 1.6e-28) is far below any dtype's rounding of those terms, and left in, it and
 #: its products reach float32's subnormal range, which x86 CPUs compute tens of times slower (a
 #: strong gate, as Mamba2's and Gated DeltaNet's models start from, made the matrix products of
-#: a chunk 4-8x slower). Factors on a carried state use :func:`state_floor`, lower by the
-#: state's scale.
+#: a chunk several times slower). Factors on a carried state use :func:`state_floor`, lower by
+#: the state's scale.
 LOG_FACTOR_FLOOR = -64.0
 
 

@@ -75,10 +75,10 @@ def blocks_for(rows: int, device: torch.device) -> int:
     return max(1, min(rows, 8 * sms))
 
 
-# The simulator's block scheduler busy-polls its threads; with Python's default 5 ms GIL switch
+# The simulator's block scheduler busy-polls its threads; with Python's default GIL switch
 # interval the poller holds the GIL for most of the time the simulated threads need it. Kernels
-# that synchronise often run 5-7x faster with a short interval; ones whose threads run long
-# loops between barriers prefer a longer one.
+# that synchronise often run several times faster with a short interval; ones whose threads run
+# long loops between barriers prefer a longer one.
 SIMULATOR_SWITCH_INTERVAL_S = 2e-4
 _SIMULATOR_LOCK = threading.RLock()
 

@@ -70,7 +70,7 @@ def run_compiled(op: str, fn: Callable, *args: Any) -> Any:
             torch._dynamo.maybe_mark_dynamic(t, 0)
     # Each dtype, width and variant is a graph of its own: allow more of them than dynamo's
     # default before it gives up compiling a function (set and restored directly: the config's
-    # patch() context costs a decode step's call 30 us).
+    # patch() context costs a decode step's call more than its math).
     config = torch._dynamo.config
     limit = getattr(config, _RECOMPILE_LIMIT)
     try:

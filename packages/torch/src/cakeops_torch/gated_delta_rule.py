@@ -337,8 +337,8 @@ def _final_states(layout, finals, initial_state, shape, dtype, device):
 #: by step: a handful of small products instead of a padded chunk's machinery.
 RECURRENT_UP_TO = 4
 #: On the CPU, a recurrence of 2 to ``RECURRENT_UP_TO`` positions, and a one-position backward,
-#: whose state has at least this many elements runs as one inductor-compiled function (a decode
-#: step's backward at Qwen3-Next's widths: 166 us instead of 300 of twenty small ops); smaller
+#: whose state has at least this many elements runs as one inductor-compiled function (faster
+#: than twenty small ops for a decode step's backward at Qwen3-Next's widths); smaller
 #: ones, as tests use, eagerly (no compile per shape). A one-position forward is always eager
 #: (:func:`_step`).
 RECURRENT_COMPILE_MIN_STATE = 1 << 15
@@ -393,7 +393,7 @@ def _step(q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
     """:func:`_recurrent` of one position (a decode step) in its fewest ops, eagerly: measured
     against the inductor-compiled recurrence, faster at every size from 4 value heads of 16 to
     32 of 128 (the compiled function's call costs more than the ops it fuses, above all with
-    caches cold: 260 against 476 us at 32 heads of 128, 155 against 284 at 16 of 64)."""
+    caches cold)."""
     N, H, _, K = q.shape
     Hv, V = v.shape[1], v.shape[3]
     G, ct = Hv // H, compute_dtype(q.dtype)

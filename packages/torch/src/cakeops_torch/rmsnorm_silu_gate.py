@@ -26,7 +26,7 @@ BLOCK_ELEMENTS = 1 << 18
 # The fused forward keeps no temporaries: bigger blocks, fewer calls. The fused backward writes
 # one float32 dweight term per element into a buffer reused by every block, summed outside: its
 # blocks are sized for that buffer (4 MiB) to stay in the last-level cache between being written
-# and summed (a float32 step at D 4096 1.3x faster than with 1 << 21 when no page faults hide it).
+# and summed (faster than blocks of 1 << 21 at D 4096 when no page faults hide it).
 COMPILED_BLOCK_ELEMENTS = 1 << 21
 COMPILED_BACKWARD_BLOCK_ELEMENTS = 1 << 20
 COMPILE_MIN_ELEMENTS = 1 << 16
@@ -124,8 +124,8 @@ def _small_forward(x, z, weight, eps, group_size, norm_before_gate):
     """The forward of one block's worth of rows in the fewest ops (the gate, the norm, the
     products) and Python calls: a decode step's call, where the blocked code's twenty small ops
     cost four times the math, and each call of a helper microseconds with caches cold.
-    (``F.rms_norm`` is not used: its CPU kernel costs 8 us at D 1024 where the norms' form
-    costs 5; on an H200, torch 2.11, its float64 kernel made a whole row NaN for one infinite
+    (``F.rms_norm`` is not used: its CPU kernel costs more than the norms' form at D 1024; on
+    an H200, torch 2.11, its float64 kernel made a whole row NaN for one infinite
     entry, where the math gives NaN there and zeros beside it.)"""
     out_dtype = x.dtype
     if out_dtype is not torch.float32 or weight.dtype is not torch.float32:

@@ -138,9 +138,9 @@ def _grouped(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 #: Experts without rows a run takes in between two with rows rather than end: on a CPU a grouped
-#: matmul costs about 1.5 us a group, an empty one too, and a run's own ops (its offsets, its
-#: rows' gather, two grouped matmuls, the activation) about 40 us (a decode step's 16 rows over
-#: 8 experts ran 3 runs of 6 grouped matmuls: now one run of 2). (The backward's weight
+#: matmul's group costs little, an empty one too, and a run's own ops (its offsets, its rows'
+#: gather, two grouped matmuls, the activation) far more (a decode step's 16 rows over 8 experts
+#: ran 3 runs of 6 grouped matmuls: now one run of 2). (The backward's weight
 #: gradients, one output matrix per group, are grouped over the run's experts with rows only.)
 EMPTY_GAP = 8
 
@@ -315,15 +315,12 @@ def _device_forward(x, routing: Routing, ew: ExpertWeights) -> torch.Tensor:
 
 
 #: A call of at most this many (token, slot) rows on a CPU may run as two batched products over
-#: its experts' rows padded to the busiest expert's count (:func:`_padded_forward`). Its time
-#: over the sorted path's grouped matmuls, measured on 2 cores: a prefill's 144 rows 0.95x at
-#: hidden 32 (0.61x with caches cold), 0.72x at hidden 256; 256 rows of 32 experts at hidden
-#: 1024 0.77x, 200 rows of 16 at hidden 2048 0.69x, 512 rows of 64 at hidden 512 0.71x; at 1024
-#: rows the sorted path is faster (1.10-1.14x: the padding's rows, the bookkeeping's Python).
-#: 256 keeps a margin below that.
+#: its experts' rows padded to the busiest expert's count (:func:`_padded_forward`): faster than
+#: the sorted path's grouped matmuls up to a few hundred rows, slower at 1024 (the padding's
+#: rows, the bookkeeping's Python); 256 keeps a margin below that.
 PADDED_ROWS = 256
-#: The weights of experts without rows inside its range that path may read: about 40 us of memory
-#: reads, against the ~9 us a product per expert it saves two of for each expert with rows.
+#: The weights of experts without rows inside its range that path may read: their reads against
+#: the products per expert it saves (two for each expert with rows).
 PADDED_SPARE_BYTES = 1 << 20
 
 
@@ -331,7 +328,7 @@ def _padded_forward(x, ids: torch.Tensor, weights: torch.Tensor, ew: ExpertWeigh
     """The experts of a few rows on a CPU, from their ids (``(T, k)``, read on the host; an id
     outside ``[0, E)`` is a dropped slot): two ``bmm`` over experts ``e0..e1-1`` (the first and
     last with rows), each expert's rows padded to the busiest one's count. Two products instead
-    of two per expert (each about 9 us on a CPU whatever its two or three rows) and no routing
+    of two per expert (each with a fixed cost on a CPU whatever its few rows) and no routing
     sort: the bookkeeping of a batch-8 decode step's 16 rows is two passes over one host list.
     ``None`` where the padding would more than double the rows, or read more than
     ``PADDED_SPARE_BYTES`` of experts without rows. A padding row repeats row 0 of ``x``; no
@@ -354,8 +351,8 @@ def _padded_forward(x, ids: torch.Tensor, weights: torch.Tensor, ew: ExpertWeigh
     e0, e1 = min(kept), max(kept) + 1
     m = max(count)
     # at most twice the rows, and at most PADDED_SPARE_BYTES of weights of experts in the range
-    # without rows (read all the same: a batch-1 call of experts 1 and 3 of 8 at hidden 1024
-    # read 1.5 times the weights, 1.35x slower than one product per expert)
+    # without rows (read all the same: reading many more weights than the rows' experts' was
+    # slower than one product per expert)
     unused = e1 - e0 - (E - count.count(0))
     if (e1 - e0) * m > 2 * len(kept):
         return None

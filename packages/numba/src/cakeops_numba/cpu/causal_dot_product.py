@@ -785,7 +785,7 @@ def _step_forward(q, k, v, ld, lg, s0, out, state, NH, G, H, E, M, has_ld, has_l
 
 #: A decode step's forward below this many state elements runs here, on the calling thread, faster
 #: hot and cold; from there PyTorch's few ops (``cakeops.helpers.causal_step``), on its threads,
-#: win on a hot loop (at 8 heads of 128 the pass is 1.27x of them hot, 0.89x with caches cold).
+#: win on a hot loop, if not with caches cold.
 STEP_FORWARD_BELOW = 1 << 16
 
 
@@ -866,7 +866,7 @@ def _step_grads(g, q, k, v, ld, lg, s0, gf, dq, dk, dv, d_init, dlm, NH, G, H, E
 _step_serial, _step_parallel = (_compiled(p)(_step_grads) for p in (False, True))
 #: A step's backward below this many state elements runs on the calling thread: numba's
 #: threads, asleep after the model's matrix products between two steps, took longer to wake
-#: than the step (a MiniMax layer's decode, 8 heads of 128: ~60 us a token slower in parallel).
+#: than the step (a MiniMax layer's decode was slower in parallel).
 STEP_SERIAL_BELOW = 1 << 21
 
 
