@@ -103,7 +103,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "backend" not in metafunc.fixturenames:
+    if "cakeops_backend" not in metafunc.fixturenames:
         return
     op = getattr(metafunc.cls, "op", None)
     if op is None:
@@ -123,7 +123,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if backend is None or (op in backend.ops and backend.ops[op].serves(device_type)):
             names.append(name)
     if "dtype" not in metafunc.fixturenames:
-        metafunc.parametrize("backend", names, indirect=True)
+        metafunc.parametrize("cakeops_backend", names, indirect=True)
         return
     marker = metafunc.definition.get_closest_marker("cakeops_dtypes")
     wanted = marker.args if marker else None
@@ -134,12 +134,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             if wanted is None or dtype in wanted:
                 pairs.append((name, dtype))
                 ids.append(f"{name}-{str(dtype).removeprefix('torch.')}")
-    metafunc.parametrize(("backend", "dtype"), pairs, ids=ids, indirect=["backend"])
+    metafunc.parametrize(("cakeops_backend", "dtype"), pairs, ids=ids, indirect=["cakeops_backend"])
 
 
 @pytest.fixture
-def backend(request: pytest.FixtureRequest):
-    """The backend under test, forced for the duration of the test."""
+def cakeops_backend(request: pytest.FixtureRequest):
+    """The backend under test (its name), forced for the duration of the test. Named for the
+    project, as is :func:`cakeops_device`: the plugin loads into every pytest session of an
+    environment with cakeops installed, where a project's own ``backend`` or ``device``
+    fixture must not meet ours."""
     import cakeops
     from cakeops import registry
 
@@ -154,7 +157,8 @@ def backend(request: pytest.FixtureRequest):
 
 
 @pytest.fixture
-def device(request: pytest.FixtureRequest):
+def cakeops_device(request: pytest.FixtureRequest):
+    """The device under test (``--cakeops-device``)."""
     import torch
 
     return torch.device(request.config.getoption("cakeops_device"))
@@ -167,10 +171,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         callspec = getattr(item, "callspec", None)
         is_suite = getattr(getattr(item, "cls", None), "op", None) is not None
-        backend = callspec.params.get("backend") if callspec else None
+        backend = callspec.params.get("cakeops_backend") if callspec else None
         if (
             is_suite
-            and "backend" in getattr(item, "fixturenames", ())
+            and "cakeops_backend" in getattr(item, "fixturenames", ())
             and not isinstance(backend, str)
         ):
             drop.append(item)

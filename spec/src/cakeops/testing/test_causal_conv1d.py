@@ -82,32 +82,32 @@ class TestCausalConv1d:
     op = OP
 
     @pytest.mark.parametrize("case", list(OPTION_CASES))
-    def test_options_match_the_reference(self, backend, dtype, device, case):
+    def test_options_match_the_reference(self, cakeops_backend, dtype, cakeops_device, case):
         """Each option alone and together: the output, the final state and every gradient
         against the float64 sum."""
-        check_against_reference(*make_inputs(OPTION_CASES[case], dtype, device))
+        check_against_reference(*make_inputs(OPTION_CASES[case], dtype, cakeops_device))
 
     @pytest.mark.parametrize("W", [1, 2, 3, 5])
-    def test_widths(self, backend, dtype, device, W):
+    def test_widths(self, cakeops_backend, dtype, cakeops_device, W):
         """Kernel widths other than 4 (1: no state at all), every option."""
         given = ("bias", "silu", "initial_state", "final", "packed")
-        check_against_reference(*make_inputs(given, dtype, device, W=W))
+        check_against_reference(*make_inputs(given, dtype, cakeops_device, W=W))
 
     @pytest.mark.parametrize("L", [1, 2, 5])
     @pytest.mark.parametrize("start", ["initial_state", "zeros"])
-    def test_short_sequences(self, backend, dtype, device, L, start):
+    def test_short_sequences(self, cakeops_backend, dtype, cakeops_device, L, start):
         """Decoding's sizes (one position; fewer positions than the state holds), from a given
         state and from zeros."""
         given = ("bias", "silu", "final") + (("initial_state",) if start != "zeros" else ())
-        check_against_reference(*make_inputs(given, dtype, device, L=L))
+        check_against_reference(*make_inputs(given, dtype, cakeops_device, L=L))
 
     @pytest.mark.cakeops_dtypes(torch.float16, torch.bfloat16)
-    def test_float32_weight_and_state_with_16_bit_x(self, backend, dtype, device):
+    def test_float32_weight_and_state_with_16_bit_x(self, cakeops_backend, dtype, cakeops_device):
         """As models may call it in 16-bit: x in 16-bit, weight, bias and the state in float32;
         every result within the 16-bit tolerance, each gradient in its input's dtype, the final
         state in the initial state's dtype."""
         given = ("bias", "silu", "initial_state", "final")
-        tensors, fixed, g_out, g_final = make_inputs(given, dtype, device)
+        tensors, fixed, g_out, g_final = make_inputs(given, dtype, cakeops_device)
         for name in ("weight", "bias", "initial_state"):
             tensors[name] = tensors[name].detach().float().requires_grad_()
         got = run(tensors, fixed, g_out, g_final)
@@ -119,23 +119,23 @@ class TestCausalConv1d:
         for name, t, grad in zip(tensors, tensors.values(), got[2:], strict=True):
             assert grad.dtype == t.dtype, name
 
-    def test_final_state_is_the_last_inputs(self, backend, dtype, device):
+    def test_final_state_is_the_last_inputs(self, cakeops_backend, dtype, cakeops_device):
         """The final state holds the inputs themselves (exactly: no arithmetic), reaching into
         the initial state for a sequence shorter than it."""
         given = ("initial_state", "final", "packed")
-        tensors, fixed, _, _ = make_inputs(given, dtype, device)
+        tensors, fixed, _, _ = make_inputs(given, dtype, cakeops_device)
         _, final = cakeops.causal_conv1d(**tensors, **fixed)
         x, s0 = tensors["x"].detach(), tensors["initial_state"].detach()
         for i, (s, e) in enumerate(itertools.pairwise(CU_SEQLENS)):
             want = torch.cat([s0[i], x[0, :, s:e]], 1)[:, -3:]
             assert torch.equal(final[i], want), f"sequence {i}"
 
-    def test_packed_sequences_equal_separate_calls(self, backend, dtype, device):
+    def test_packed_sequences_equal_separate_calls(self, cakeops_backend, dtype, cakeops_device):
         """A packed batch (empty sequences, and sequences shorter than the state, included)
         gives, per sequence, the output, final state and gradients of that sequence run
         alone."""
         given = ("bias", "silu", "initial_state", "final", "packed")
-        tensors, fixed, g_out, g_final = make_inputs(given, dtype, device)
+        tensors, fixed, g_out, g_final = make_inputs(given, dtype, cakeops_device)
         packed = run(tensors, fixed, g_out, g_final)
         for i, (s, e) in enumerate(itertools.pairwise(CU_SEQLENS)):
             alone = {n: (t.detach()[i : i + 1] if n == "initial_state"
@@ -150,18 +150,22 @@ class TestCausalConv1d:
             assert_matches(dinitial[i : i + 1], got[-1], "dinitial_state", dtype)
 
     @pytest.mark.parametrize("length", [L, 1])
-    def test_default_dtype_changes_nothing(self, backend, device, length):
+    def test_default_dtype_changes_nothing(self, cakeops_backend, cakeops_device, length):
         """Every option, a prefill and a decode step: PyTorch's default dtype (bfloat16 in many
         inference scripts) reaches no kernel."""
         given = OPTION_CASES["together"]
         given = given if length == L else tuple(g for g in given if g != "packed")
-        inputs = make_inputs(given, device=device, L=length)
+        inputs = make_inputs(given, device=cakeops_device, L=length)
         assert_default_dtype_changes_nothing(lambda: run(*inputs))
 
-    def test_prefill_then_continuation_equals_the_whole(self, backend, dtype, device):
+    def test_prefill_then_continuation_equals_the_whole(
+        self, cakeops_backend, dtype, cakeops_device
+    ):
         """Prefill, then continuing from its final state (one step at a time, then a block)
         gives the whole sequence's outputs, final state and gradients (decoding's path)."""
-        tensors, fixed, g_out, g_final = make_inputs(("bias", "silu", "final"), dtype, device)
+        tensors, fixed, g_out, g_final = make_inputs(
+            ("bias", "silu", "final"), dtype, cakeops_device
+        )
         whole = run(tensors, fixed, g_out, g_final)
         leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
         cut = 2 * L // 3
@@ -182,12 +186,12 @@ class TestCausalConv1d:
             assert_matches(a, b.double(), f"d{name}", dtype)
 
     @pytest.mark.parametrize("packed", [False, True])
-    def test_strided_views_in_the_models_layout(self, backend, device, packed):
+    def test_strided_views_in_the_models_layout(self, cakeops_backend, cakeops_device, packed):
         """x in Hugging Face's ``(N, L, C)`` layout passed as a ``transpose(1, 2)`` view gives
         the results of a contiguous copy, its output and gradient laid out like x (the models
         transpose them back without a copy)."""
         given = ("bias", "silu", "initial_state", "final") + (("packed",) if packed else ())
-        tensors, fixed, g_out, g_final = make_inputs(given, torch.float32, device, C=6)
+        tensors, fixed, g_out, g_final = make_inputs(given, torch.float32, cakeops_device, C=6)
         views = dict(tensors)
         views["x"] = tensors["x"].detach().transpose(1, 2).contiguous().transpose(1, 2)
         views["x"].requires_grad_()
@@ -200,12 +204,12 @@ class TestCausalConv1d:
         for name, a, b in zip(names, got, want, strict=True):  # the sums' order may differ
             assert_matches(a, b.double(), name, torch.float32)
 
-    def test_opcheck_and_compile_in_the_models_layout(self, backend, device):
+    def test_opcheck_and_compile_in_the_models_layout(self, cakeops_backend, cakeops_device):
         """With x a transposed view, the custom op passes opcheck (its fake output laid out
         like x, as the kernel's) and a compiled call returns the eager results, in x's
         layout."""
         given = ("bias", "silu", "initial_state", "final")
-        tensors, fixed, _, _ = make_inputs(given, torch.float32, device, L=12)
+        tensors, fixed, _, _ = make_inputs(given, torch.float32, cakeops_device, L=12)
         x = tensors["x"].detach().transpose(1, 2).contiguous().transpose(1, 2)
         tensors["x"] = x.requires_grad_()
         from cakeops.ops import SPECS
@@ -220,24 +224,24 @@ class TestCausalConv1d:
         assert compiled[0].stride() == x.stride()
 
     @pytest.mark.parametrize("packed", [False, True])
-    def test_opcheck_and_compile(self, backend, device, packed):
+    def test_opcheck_and_compile(self, cakeops_backend, cakeops_device, packed):
         """The custom op with every option passes torch.library.opcheck (its backward too), and
         torch.compile(fullgraph=True) gives the eager results."""
         given = ("bias", "silu", "initial_state", "final") + (("packed",) if packed else ())
-        tensors, fixed, g_out, g_final = make_inputs(given, torch.float32, device, L=12)
+        tensors, fixed, g_out, g_final = make_inputs(given, torch.float32, cakeops_device, L=12)
         if packed:
-            fixed["cu_seqlens"] = torch.tensor([0, 2, 2, 7, 12], device=device)
+            fixed["cu_seqlens"] = torch.tensor([0, 2, 2, 7, 12], device=cakeops_device)
             tensors["initial_state"] = tensors["initial_state"].detach()[:4].requires_grad_()
             g_final = g_final[:4]
         assert_opcheck_and_compile_with_state(OP, tensors, fixed, g_out, g_final)
 
     @pytest.mark.cakeops_dtypes(torch.float64)
-    def test_gradcheck(self, backend, dtype, device):
+    def test_gradcheck(self, cakeops_backend, dtype, cakeops_device):
         """Float64 gradcheck of the output and the final state in every differentiable input,
         every option given, packed (a sequence shorter than the state among them)."""
         given = ("bias", "silu", "initial_state", "final", "packed")
-        tensors, fixed, _, _ = make_inputs(given, dtype, device, C=2, L=9, W=3)
-        fixed["cu_seqlens"] = torch.tensor([0, 1, 1, 6, 9], device=device)
+        tensors, fixed, _, _ = make_inputs(given, dtype, cakeops_device, C=2, L=9, W=3)
+        fixed["cu_seqlens"] = torch.tensor([0, 1, 1, 6, 9], device=cakeops_device)
         tensors["initial_state"] = tensors["initial_state"].detach()[:4].requires_grad_()
         names = list(tensors)
 
@@ -247,12 +251,12 @@ class TestCausalConv1d:
         assert torch.autograd.gradcheck(fn, tuple(tensors.values()))
 
     @pytest.mark.parametrize("poisoned", ["x", "g_out"])
-    def test_non_finite_values_stay_local(self, backend, dtype, device, poisoned):
+    def test_non_finite_values_stay_local(self, cakeops_backend, dtype, cakeops_device, poisoned):
         """A NaN makes non-finite exactly the entries of the output and of the gradients that
         the float64 sum makes non-finite (the windows it falls in), and leaves every other
         entry as it is without it."""
         given = ("bias", "silu", "initial_state", "final")
-        tensors, fixed, g_out, g_final = make_inputs(given, dtype, device)
+        tensors, fixed, g_out, g_final = make_inputs(given, dtype, cakeops_device)
         bad = {n: t.detach().clone() for n, t in tensors.items()}
         bad["g_out"] = g_out.clone()
         bad[poisoned][0, 1, L // 2] = float("nan")
@@ -270,9 +274,9 @@ class TestCausalConv1d:
     @pytest.mark.parametrize("bad", ["x-2d", "weight-shape", "weight-empty", "bias-shape",
                                      "weight-dtype", "activation", "cu-unsorted", "cu-n2",
                                      "initial-shape", "cu-float"])  # fmt: skip
-    def test_bad_inputs_raise(self, backend, device, bad):
-        x = torch.randn(2, 4, 8, device=device)
-        weight = torch.randn(4, 4, device=device)
+    def test_bad_inputs_raise(self, cakeops_backend, cakeops_device, bad):
+        x = torch.randn(2, 4, 8, device=cakeops_device)
+        weight = torch.randn(4, 4, device=cakeops_device)
         args = {"x": x, "weight": weight}
         cases = {
             "x-2d": ({"x": x[0]}, ValueError, "x"),
@@ -291,7 +295,7 @@ class TestCausalConv1d:
         kwargs, error, argument = cases[bad]
         if bad in ("cu-unsorted", "cu-float"):
             args["x"] = x[:1]
-        kwargs = {n: t.to(device) if isinstance(t, torch.Tensor) else t
+        kwargs = {n: t.to(cakeops_device) if isinstance(t, torch.Tensor) else t
                   for n, t in kwargs.items()}  # fmt: skip
         call = lambda: cakeops.causal_conv1d(**{**args, **kwargs})  # noqa: E731
         assert_bad_input_raises(OP, call, error, argument)

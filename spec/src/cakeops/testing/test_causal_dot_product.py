@@ -77,23 +77,25 @@ class TestCausalDotProduct:
     op = OP
 
     @pytest.mark.parametrize("case", list(CASES))
-    def test_matches_reference(self, backend, dtype, device, case):
-        q, k, v, g = make_inputs(*CASES[case], dtype, device)
+    def test_matches_reference(self, cakeops_backend, dtype, cakeops_device, case):
+        q, k, v, g = make_inputs(*CASES[case], dtype, cakeops_device)
         check_against_reference(q, k, v, g, run_with_grads(op, (q, k, v), g))
 
     @pytest.mark.cakeops_dtypes(torch.float32, torch.bfloat16)
-    def test_long_sequence_error_stays_within_tolerance(self, backend, dtype, device):
-        q, k, v, g = make_inputs(1, 1, LONG_L, 16, 16, dtype, device)
+    def test_long_sequence_error_stays_within_tolerance(
+        self, cakeops_backend, dtype, cakeops_device
+    ):
+        q, k, v, g = make_inputs(1, 1, LONG_L, 16, 16, dtype, cakeops_device)
         got = run_with_grads(op, (q, k, v), g)
         check_against_reference(q, k, v, g, got)
 
     @pytest.mark.cakeops_not_for(
         "reference", reason="the float64 reference keeps a state per position"
     )
-    def test_long_sequence_memory_is_chunked(self, backend, device):
+    def test_long_sequence_memory_is_chunked(self, cakeops_backend, cakeops_device):
         N, H, L, E, M = 1, 1, LONG_L, 16, 16
-        q, k, v, g = make_inputs(N, H, L, E, M, torch.float32, device)
-        peak = peak_memory(lambda: run_with_grads(op, (q, k, v), g), device)
+        q, k, v, g = make_inputs(N, H, L, E, M, torch.float32, cakeops_device)
+        peak = peak_memory(lambda: run_with_grads(op, (q, k, v), g), cakeops_device)
         io_bytes = sum(t.numel() * t.element_size() for t in (q, k, v, g))
         bound = 4 * io_bytes + 4 * N * H * (L * CHUNK_BOUND + E * M) * 4
         square = N * H * L * L * 4
@@ -102,42 +104,42 @@ class TestCausalDotProduct:
 
     @pytest.mark.cakeops_dtypes(torch.float64)
     @pytest.mark.parametrize("shape", [(1, 2, 5, 3, 4), (2, 1, 9, 2, 2)])
-    def test_gradcheck(self, backend, dtype, device, shape):
-        q, k, v, _ = make_inputs(*shape, dtype, device)
+    def test_gradcheck(self, cakeops_backend, dtype, cakeops_device, shape):
+        q, k, v, _ = make_inputs(*shape, dtype, cakeops_device)
         assert torch.autograd.gradcheck(op, (q, k, v))
 
     @pytest.mark.parametrize("shape", [(1, 2, 0, 4, 4), (0, 2, 5, 4, 4), (1, 2, 5, 0, 3)])
-    def test_empty(self, backend, dtype, device, shape):
-        q, k, v, g = make_inputs(*shape, dtype, device)
+    def test_empty(self, cakeops_backend, dtype, cakeops_device, shape):
+        q, k, v, g = make_inputs(*shape, dtype, cakeops_device)
         out, dq, dk, dv = run_with_grads(op, (q, k, v), g)
         assert out.shape == (*shape[:3], shape[4])
         assert torch.equal(out, torch.zeros_like(out))  # E = 0: every dot product is 0
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
         assert torch.equal(dv, torch.zeros_like(dv))
 
-    def test_transposed_inputs(self, backend, dtype, device):
+    def test_transposed_inputs(self, cakeops_backend, dtype, cakeops_device):
         # fast-transformers' layer passes (N, L, H, E) tensors transposed to (N, H, L, E).
         N, L, H, E, M = 2, 45, 3, 6, 5
         gen = torch.Generator().manual_seed(1)
 
         def nlhe(dim, scale):
             t = torch.randn(N, L, H, dim, generator=gen, dtype=torch.float64) * scale
-            return t.to(device, dtype).transpose(1, 2).requires_grad_()
+            return t.to(cakeops_device, dtype).transpose(1, 2).requires_grad_()
 
         q, k, v = nlhe(E, E**-0.5), nlhe(E, E**-0.5), nlhe(M, 1.0)
-        g = torch.randn(N, H, L, M, generator=gen, dtype=torch.float64).to(device, dtype)
+        g = torch.randn(N, H, L, M, generator=gen, dtype=torch.float64).to(cakeops_device, dtype)
         assert not q.is_contiguous()
         check_against_reference(q, k, v, g, run_with_grads(op, (q, k, v), g))
 
     @pytest.mark.parametrize("poisoned", ["q", "k", "v", "g"])
     def test_non_finite_values_reach_only_what_depends_on_them(
-        self, backend, dtype, device, poisoned
+        self, cakeops_backend, dtype, cakeops_device, poisoned
     ):
         """The non-finite contract (the op's docs page): a NaN or Inf in an input or in the
         upstream gradient makes non-finite exactly the output and gradient entries the float64
         reference makes non-finite (causal in time, no masked zero times NaN), and every other
         entry is what it is without it. NaN and -Inf sit mid-chunk in different heads."""
-        q, k, v, g = make_inputs(1, 2, 40, 4, 4, dtype, device)
+        q, k, v, g = make_inputs(1, 2, 40, 4, 4, dtype, cakeops_device)
         clean = dict(q=q, k=k, v=v)
         tensors = {name: t.detach().clone() for name, t in (*clean.items(), ("g", g))}
         tensors[poisoned][0, 1, 21, 1] = float("nan")
@@ -187,8 +189,8 @@ class TestCausalDotProductBadInput:
     op = OP
 
     @pytest.mark.parametrize("case", list(_bad_inputs("cpu")))
-    def test_bad_input_raises(self, backend, device, case):
-        args, error, argument = _bad_inputs(device)[case]
+    def test_bad_input_raises(self, cakeops_backend, cakeops_device, case):
+        args, error, argument = _bad_inputs(cakeops_device)[case]
         assert_bad_input_raises(OP, lambda: cakeops.causal_dot_product(*args), error, argument)
 
 
@@ -328,31 +330,33 @@ class TestCausalOptions:
     op = OP
 
     @pytest.mark.parametrize("case", list(OPTION_CASES))
-    def test_options_match_the_scan(self, backend, dtype, device, case):
+    def test_options_match_the_scan(self, cakeops_backend, dtype, cakeops_device, case):
         """Each option alone and together: the output, the final state and every gradient
         against the float64 scan (``S_t = exp(log_decay + log_gates_t) S_{t-1} + k_t v_t^T``)."""
-        if backend in NOT_YET:
-            pytest.xfail(NOT_YET[backend])
-        (q, k, v), tensors, fixed, g, g_final = _option_inputs(OPTION_CASES[case], dtype, device)
+        if cakeops_backend in NOT_YET:
+            pytest.xfail(NOT_YET[cakeops_backend])
+        (q, k, v), tensors, fixed, g, g_final = _option_inputs(
+            OPTION_CASES[case], dtype, cakeops_device
+        )
         # at these sizes the log multipliers' gradients meet the plain tolerance too
         check_against_scan((q, k, v), tensors, fixed, g, g_final, plain_logs=True)
 
     @pytest.mark.parametrize("case", [c for c in OPTION_CASES if c != "packed"])
-    def test_a_decode_step(self, backend, dtype, device, case):
+    def test_a_decode_step(self, cakeops_backend, dtype, cakeops_device, case):
         """One position, each option alone and together (a decode step, which a kernel may
         run apart from its chunked form): against the float64 scan."""
-        if backend in NOT_YET:
-            pytest.xfail(NOT_YET[backend])
+        if cakeops_backend in NOT_YET:
+            pytest.xfail(NOT_YET[cakeops_backend])
         given = OPTION_CASES[case]
-        (q, k, v), tensors, fixed, g, g_final = _option_inputs(given, dtype, device, L=1)
+        (q, k, v), tensors, fixed, g, g_final = _option_inputs(given, dtype, cakeops_device, L=1)
         check_against_scan((q, k, v), tensors, fixed, g, g_final, plain_logs=True)
 
     @pytest.mark.parametrize("case, L", [("all", 45), ("packed", 45), ("initial", 45), ("all", 1)])
-    def test_default_dtype_changes_nothing(self, backend, device, case, L):
+    def test_default_dtype_changes_nothing(self, cakeops_backend, cakeops_device, case, L):
         """Every option, a prefill and a decode step: PyTorch's default dtype (bfloat16 in many
         inference scripts) reaches no kernel."""
         qkv, tensors, fixed, g, g_final = _option_inputs(OPTION_CASES[case], torch.float32,
-                                                         device, L=L)  # fmt: skip
+                                                         cakeops_device, L=L)  # fmt: skip
         leaves = [*qkv, *tensors.values()]
 
         def run():
@@ -364,14 +368,14 @@ class TestCausalOptions:
 
         assert_default_dtype_changes_nothing(run)
 
-    def test_no_positions_hand_the_initial_state_on(self, backend, dtype, device):
+    def test_no_positions_hand_the_initial_state_on(self, cakeops_backend, dtype, cakeops_device):
         """L = 0: the final states are the initial ones, and their gradient reaches them."""
-        q, k, v = (torch.zeros(1, 2, 0, d, device=device, dtype=dtype) for d in (3, 3, 4))
-        s0 = torch.randn(3, 2, 3, 4, device=device, dtype=dtype, requires_grad=True)
-        decay = torch.tensor([-0.1, -0.2], device=device, dtype=dtype, requires_grad=True)
+        q, k, v = (torch.zeros(1, 2, 0, d, device=cakeops_device, dtype=dtype) for d in (3, 3, 4))
+        s0 = torch.randn(3, 2, 3, 4, device=cakeops_device, dtype=dtype, requires_grad=True)
+        decay = torch.tensor([-0.1, -0.2], device=cakeops_device, dtype=dtype, requires_grad=True)
         out, final = cakeops.causal_dot_product(
             q, k, v, log_decay=decay, initial_state=s0, output_final_state=True,
-            cu_seqlens=torch.tensor([0, 0, 0, 0], device=device))  # fmt: skip
+            cu_seqlens=torch.tensor([0, 0, 0, 0], device=cakeops_device))  # fmt: skip
         assert out.shape == (1, 2, 0, 4)
         torch.testing.assert_close(final, s0.detach(), rtol=0, atol=0)
         g_final = torch.randn_like(final)
@@ -379,11 +383,11 @@ class TestCausalOptions:
         torch.testing.assert_close(d_init, g_final, rtol=0, atol=0)
         assert not d_decay.any()
 
-    def test_wide_heads(self, backend, dtype, device):
+    def test_wide_heads(self, cakeops_backend, dtype, cakeops_device):
         """Heads wider than 128 features with every option (kernels may split E, as Triton's
         float32 runs do): output, final state and every gradient against the scan."""
         given = ("log_decay", "log_gates", "initial_state", "final")
-        (q, k, v), tensors, _, g, g_final = _option_inputs(given, dtype, device, N=1, H=2,
+        (q, k, v), tensors, _, g, g_final = _option_inputs(given, dtype, cakeops_device, N=1, H=2,
                                                                L=20, E=136, M=4)  # fmt: skip
         leaves = {"q": q, "k": k, "v": v, **tensors}
         out, state = cakeops.causal_dot_product(q, k, v, **tensors, output_final_state=True)
@@ -400,16 +404,16 @@ class TestCausalOptions:
             assert_matches(a, b, f"d{name}", leaves[name].dtype)
 
     @pytest.mark.parametrize("packed", [False, True])
-    def test_opcheck_and_compile(self, backend, device, packed):
+    def test_opcheck_and_compile(self, cakeops_backend, cakeops_device, packed):
         """The custom op with every option (and its backward, a final state's gradient
         included) passes torch.library.opcheck, and torch.compile(fullgraph=True) gives the
         eager results."""
         given = ("scale", "log_decay", "log_gates", "initial_state", "final")
         given += ("cu_seqlens",) if packed else ()
-        (q, k, v), tensors, fixed, g, g_final = _option_inputs(given, torch.float32, device,
+        (q, k, v), tensors, fixed, g, g_final = _option_inputs(given, torch.float32, cakeops_device,
                                                                L=21)  # fmt: skip
         if packed:
-            fixed["cu_seqlens"] = torch.tensor([0, 5, 5, 12, 21], device=device)
+            fixed["cu_seqlens"] = torch.tensor([0, 5, 5, 12, 21], device=cakeops_device)
         kwargs = {**tensors, **fixed, "output_final_state": True}
         from cakeops.ops import SPECS
 
@@ -439,30 +443,33 @@ class TestCausalOptions:
 
     @pytest.mark.cakeops_dtypes(torch.float64)
     @pytest.mark.parametrize("packed", [False, True])
-    def test_gradcheck(self, backend, dtype, device, packed):
+    def test_gradcheck(self, cakeops_backend, dtype, cakeops_device, packed):
         """Float64 gradcheck of the output and the final state in every differentiable input."""
-        if backend in NOT_YET:
-            pytest.xfail(NOT_YET[backend])
+        if cakeops_backend in NOT_YET:
+            pytest.xfail(NOT_YET[cakeops_backend])
         given = ("log_decay", "log_gates", "initial_state", "scale")
         if packed:
             given += ("cu_seqlens",)
-        (q, k, v), tensors, fixed, _, _ = _option_inputs(given, dtype, device, N=2, H=2, L=13,
-                                                         E=3, M=2)  # fmt: skip
+        (q, k, v), tensors, fixed, _, _ = _option_inputs(
+            given, dtype, cakeops_device, N=2, H=2, L=13, E=3, M=2
+        )
         if packed:
-            fixed["cu_seqlens"] = torch.tensor([0, 4, 4, 9, 13], device=device)
+            fixed["cu_seqlens"] = torch.tensor([0, 4, 4, 9, 13], device=cakeops_device)
             tensors["initial_state"] = tensors["initial_state"].detach()[:4].requires_grad_()
         # a log multiplier nudged by gradcheck stays <= 0
         assert_gradcheck((q, k, v), tensors, fixed)
 
     @pytest.mark.parametrize("poisoned", ["q", "k", "v", "g"])
-    def test_non_finite_values_stay_causal_with_decay(self, backend, dtype, device, poisoned):
+    def test_non_finite_values_stay_causal_with_decay(
+        self, cakeops_backend, dtype, cakeops_device, poisoned
+    ):
         """The non-finite contract with log multipliers: a NaN or Inf makes non-finite exactly
         the entries of out, dq, dk, dv that the float64 scan makes non-finite, and leaves every
         other entry as it is without it."""
-        if backend in NOT_YET:
-            pytest.xfail(NOT_YET[backend])
-        q, k, v, g = make_inputs(1, 2, 40, 4, 4, dtype, device)
-        log_decay = torch.tensor([-0.05, -0.3], device=device, dtype=dtype)
+        if cakeops_backend in NOT_YET:
+            pytest.xfail(NOT_YET[cakeops_backend])
+        q, k, v, g = make_inputs(1, 2, 40, 4, 4, dtype, cakeops_device)
+        log_decay = torch.tensor([-0.05, -0.3], device=cakeops_device, dtype=dtype)
         tensors = {name: t.detach().clone() for name, t in (("q", q), ("k", k), ("v", v),
                                                              ("g", g))}  # fmt: skip
         tensors[poisoned][0, 1, 21, 1] = float("nan")
@@ -491,25 +498,25 @@ class TestCausalOptions:
     @pytest.mark.cakeops_not_for(
         "reference", reason="the float64 scan is a Python loop: too slow at 65,536 steps"
     )
-    def test_strong_decay_over_65536_steps_stays_finite(self, backend, device):
-        if backend in NOT_YET:
-            pytest.xfail(NOT_YET[backend])
+    def test_strong_decay_over_65536_steps_stays_finite(self, cakeops_backend, cakeops_device):
+        if cakeops_backend in NOT_YET:
+            pytest.xfail(NOT_YET[cakeops_backend])
         # the emulators (Triton's interpreter, numba's simulator) run 4,096 steps: 256 chunks,
         # far past the first underflow of exp(-30)
         L = 4096 if EMULATED else 65536
-        q = torch.randn(1, 2, L, 8, device=device)
+        q = torch.randn(1, 2, L, 8, device=cakeops_device)
         out, state = cakeops.causal_dot_product(
-            q, q, q, log_decay=torch.tensor([-30.0, -1e-3], device=device),
+            q, q, q, log_decay=torch.tensor([-30.0, -1e-3], device=cakeops_device),
             output_final_state=True,
         )  # fmt: skip
         assert torch.isfinite(out).all() and torch.isfinite(state).all()
 
     @pytest.mark.parametrize("reset", ["gates-inf", "decay-inf", "gates-1e30"])
-    def test_hard_reset(self, backend, dtype, device, reset):
+    def test_hard_reset(self, cakeops_backend, dtype, cakeops_device, reset):
         """A log multiplier of -inf (or -1e30) cuts the state: a multiplier of exactly 0.
         Output, final state and every gradient finite and equal to the scan's (they were NaN)."""
         given = ("log_decay", "log_gates", "initial_state", "final")
-        (q, k, v), tensors, _, g, g_final = _option_inputs(given, dtype, device, L=45)
+        (q, k, v), tensors, _, g, g_final = _option_inputs(given, dtype, cakeops_device, L=45)
         with torch.no_grad():
             if reset == "decay-inf":
                 tensors["log_decay"][1] = -torch.inf
@@ -520,11 +527,11 @@ class TestCausalOptions:
                 tensors["log_gates"][1, 0, 44] = cut
         check_against_scan((q, k, v), tensors, {}, g, g_final)
 
-    def test_a_large_gate_keeps_the_small_ones(self, backend, dtype, device):
+    def test_a_large_gate_keeps_the_small_ones(self, cakeops_backend, dtype, cakeops_device):
         """One gate of -1e4 among small ones: the factors across the small ones keep their
         accuracy (a chunk's running sum of the gates lost them: errors of 4e-4 in float32)."""
         given = ("log_gates", "initial_state", "final")
-        (q, k, v), tensors, _, g, g_final = _option_inputs(given, dtype, device, L=45)
+        (q, k, v), tensors, _, g, g_final = _option_inputs(given, dtype, cakeops_device, L=45)
         with torch.no_grad():
             tensors["log_gates"].mul_(0.01)
             tensors["log_gates"][:, :, 5] = -1e4
@@ -534,7 +541,9 @@ class TestCausalOptions:
     @pytest.mark.cakeops_dtypes(torch.float32, torch.float64)  # 16-bit holds no 1e25
     @pytest.mark.parametrize("L", [3, 45])
     @pytest.mark.parametrize("large", ["initial_state", "g_final"])
-    def test_a_large_state_behind_a_strong_gate(self, backend, dtype, device, L, large):
+    def test_a_large_state_behind_a_strong_gate(
+        self, cakeops_backend, dtype, cakeops_device, L, large
+    ):
         """A state far larger than the terms beside it (``1e25`` in float64, ``1e30`` in
         float32: the initial state, or the final state's gradient for the backward's) behind
         gates of ``-66``: the factor ``exp(-66)`` leaves it a share the size of the terms, so
@@ -542,7 +551,7 @@ class TestCausalOptions:
         3e-4 in float64 and 100% in float32). At L = 3, a step-by-step forward beside a
         chunked backward; at 45, across chunks."""
         given = ("log_gates", "initial_state", "final")
-        (q, k, v), tensors, _, g, g_final = _option_inputs(given, dtype, device, L=L)
+        (q, k, v), tensors, _, g, g_final = _option_inputs(given, dtype, cakeops_device, L=L)
         big = 1e25 if dtype == torch.float64 else 1e30
         with torch.no_grad():
             tensors["log_gates"].mul_(0.1)
@@ -556,7 +565,7 @@ class TestCausalOptions:
         check_against_scan((q, k, v), tensors, {}, g, g_final)
 
     @pytest.mark.cakeops_dtypes(torch.float32, torch.float64)  # the decay's gradient: ~1e8
-    def test_weak_decay_over_a_long_sequence(self, backend, dtype, device):
+    def test_weak_decay_over_a_long_sequence(self, cakeops_backend, dtype, cakeops_device):
         """A factor just below 1 over thousands of steps (exp(-1e-4), 4,096 of them; 1,024
         under the emulators) with positive inputs, whose sums do not cancel: a float32 factor
         rounded the same way at every step compounded to 3e-5 (numba's CPU kernel)."""
@@ -566,31 +575,31 @@ class TestCausalOptions:
         v, g = (torch.rand(1, 2, L, 8, generator=gen, dtype=torch.float64) for _ in "vg")
         tensors = {"log_decay": torch.full((2,), -1e-4, dtype=torch.float64),
                    "log_gates": torch.zeros(1, 2, L, dtype=torch.float64)}  # fmt: skip
-        leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
-        tensors = {n: t.to(device, dtype).requires_grad_() for n, t in tensors.items()}
-        check_against_scan(leaves, tensors, {}, g.to(device, dtype), None)
+        leaves = [t.to(cakeops_device, dtype).requires_grad_() for t in (q, k, v)]
+        tensors = {n: t.to(cakeops_device, dtype).requires_grad_() for n, t in tensors.items()}
+        check_against_scan(leaves, tensors, {}, g.to(cakeops_device, dtype), None)
 
-    def test_scale_is_applied_before_rounding(self, backend, dtype, device):
+    def test_scale_is_applied_before_rounding(self, cakeops_backend, dtype, cakeops_device):
         """16-bit outputs hold the scaled value: an unscaled product beyond float16's range
         (65504) with a scaled one of about 1600 is finite and within the tolerance."""
         gen = torch.Generator().manual_seed(0)
         q, k = (torch.randn(1, 2, 40, 8, generator=gen, dtype=torch.float64) * 40 for _ in "qk")
         v = torch.randn(1, 2, 40, 8, generator=gen, dtype=torch.float64)
-        q, k, v = (t.to(device, dtype) for t in (q, k, v))
+        q, k, v = (t.to(cakeops_device, dtype) for t in (q, k, v))
         ref_out, _ = ref.scan(q, k, v, scale=1 / 64)
         assert ref_out.abs().max() * 64 > 65504  # unscaled, float16 would overflow
-        for options in ({}, {"log_decay": torch.zeros(2, device=device, dtype=dtype)}):
+        for options in ({}, {"log_decay": torch.zeros(2, device=cakeops_device, dtype=dtype)}):
             out = cakeops.causal_dot_product(q, k, v, scale=1 / 64, **options)
             assert_matches(out, ref_out, "out", dtype)
 
     @pytest.mark.parametrize("decay", [-10.0, -30.0])
-    def test_log_multiplier_gradient_accuracy(self, backend, dtype, device, decay):
+    def test_log_multiplier_gradient_accuracy(self, cakeops_backend, dtype, cakeops_device, decay):
         """The stated accuracy of the log multipliers' gradients (the op's page): within the
         tolerance relative to ``Gamma_t = sum_{i >= t} (|q_i . dq_i| + |k_i . dk_i|)``, the
         size of the terms whose difference they are, not relative to the gradient itself,
         which a strong decay makes many times smaller (exp(-10) per step)."""
         given = ("log_decay", "log_gates")
-        (q, k, v), tensors, _, g, _ = _option_inputs(given, dtype, device, N=1, L=256, E=8,
+        (q, k, v), tensors, _, g, _ = _option_inputs(given, dtype, cakeops_device, N=1, L=256, E=8,
                                                      M=8)  # fmt: skip
         with torch.no_grad():
             tensors["log_decay"].fill_(decay)
@@ -606,25 +615,27 @@ class TestCausalOptions:
             assert_matches(a, b, f"d{name}", dtype)
         assert_log_grads_match(got[3:], want[3:], log_multiplier_scale(exact, g), dtype)
 
-    def test_strongly_decaying_gates_in_packed_sequences(self, backend, dtype, device):
+    def test_strongly_decaying_gates_in_packed_sequences(
+        self, cakeops_backend, dtype, cakeops_device
+    ):
         """Mamba2's scan (``dt A`` down to -16): a gate of exp(-12) to exp(-6) at every step,
         packed sequences with initial and final states: the log gates' gradients within the
         tolerance relative to the sizes of their own terms (summed as ``q.dq - k.dk``
         backwards over the row, each position's own term and every later one cancelled: 20
         times that)."""
         given = ("cu_seqlens", "log_gates", "initial_state", "final")
-        (q, k, v), tensors, fixed, g, g_final = _option_inputs(given, dtype, device, L=150,
+        (q, k, v), tensors, fixed, g, g_final = _option_inputs(given, dtype, cakeops_device, L=150,
                                                                E=8, M=8)  # fmt: skip
-        fixed["cu_seqlens"] = torch.tensor([0, 70, 70, 83, 150], device=device)
+        fixed["cu_seqlens"] = torch.tensor([0, 70, 70, 83, 150], device=cakeops_device)
         with torch.no_grad():
             tensors["log_gates"].uniform_(-12.0, -6.0)
         check_against_scan((q, k, v), tensors, fixed, g, g_final)
 
-    def test_strided_cu_seqlens(self, backend, device):
+    def test_strided_cu_seqlens(self, cakeops_backend, cakeops_device):
         """``cu_seqlens`` as a strided view (every other element of a buffer) gives the results
         of its contiguous copy (Triton read it as contiguous: out of bounds)."""
         given = ("cu_seqlens", "log_decay", "initial_state", "final")
-        (q, k, v), tensors, fixed, g, g_final = _option_inputs(given, torch.float32, device)
+        (q, k, v), tensors, fixed, g, g_final = _option_inputs(given, torch.float32, cakeops_device)
         buffer = torch.stack([fixed["cu_seqlens"], torch.full_like(fixed["cu_seqlens"], 999)], 1)
         strided = buffer.reshape(-1)[::2]
         assert not strided.is_contiguous() and torch.equal(strided, fixed["cu_seqlens"])
@@ -640,8 +651,8 @@ class TestCausalOptions:
     @pytest.mark.parametrize("bad", ["positive-decay", "positive-gates", "gates-shape",
                                      "decay-int", "scale-nan", "cu-unsorted", "cu-past-end",
                                      "cu-n2", "initial-shape", "cu-float"])  # fmt: skip
-    def test_bad_options_raise(self, backend, device, bad, monkeypatch):
-        q = torch.randn(2, 2, 8, 4, device=device)
+    def test_bad_options_raise(self, cakeops_backend, cakeops_device, bad, monkeypatch):
+        q = torch.randn(2, 2, 8, 4, device=cakeops_device)
         cases = {
             "positive-decay": ({"log_decay": torch.tensor([0.1, -0.1])}, ValueError, "log_decay"),
             "positive-gates": ({"log_gates": torch.full((2, 2, 8), 0.5)}, ValueError,
@@ -658,10 +669,10 @@ class TestCausalOptions:
         }  # fmt: skip
         kwargs, error, argument = cases[bad]
         x = q[:1] if bad.startswith("cu-") and bad != "cu-n2" else q
-        kwargs = {n: t.to(device) if isinstance(t, torch.Tensor) else t
+        kwargs = {n: t.to(cakeops_device) if isinstance(t, torch.Tensor) else t
                   for n, t in kwargs.items()}  # fmt: skip
         call = lambda: cakeops.causal_dot_product(x, x, x, **kwargs)  # noqa: E731
-        if bad.startswith("positive") and device.type != "cpu":
+        if bad.startswith("positive") and cakeops_device.type != "cpu":
             # a device's log multipliers are read only when asked (a host synchronisation a
             # call): unchecked, a positive one grows the state and the call runs
             call()
@@ -691,42 +702,45 @@ class TestKeyHeadGroups:
 
     @pytest.mark.parametrize("key_heads", [1, 2])
     @pytest.mark.parametrize("case", list(GROUP_CASES))
-    def test_value_heads_share_key_heads(self, backend, dtype, device, case, key_heads):
+    def test_value_heads_share_key_heads(
+        self, cakeops_backend, dtype, cakeops_device, case, key_heads
+    ):
         """Without options and with each kind of option: the output, the final state and every
         gradient (each key head's the sum over its group) against the float64 scan."""
-        qkv, tensors, fixed, g, g_final = _grouped_inputs(GROUP_CASES[case], dtype, device,
+        qkv, tensors, fixed, g, g_final = _grouped_inputs(GROUP_CASES[case], dtype, cakeops_device,
                                                           key_heads)  # fmt: skip
         check_against_scan(qkv, tensors, fixed, g, g_final, plain_logs=True)
 
     @pytest.mark.parametrize("key_heads", [1, 2])
-    def test_a_decode_step(self, backend, dtype, device, key_heads):
+    def test_a_decode_step(self, cakeops_backend, dtype, cakeops_device, key_heads):
         """One position with every option but packing, from key heads shared by groups."""
-        qkv, tensors, fixed, g, g_final = _grouped_inputs(OPTION_CASES["all"], dtype, device,
-                                                          key_heads, L=1)  # fmt: skip
+        qkv, tensors, fixed, g, g_final = _grouped_inputs(
+            OPTION_CASES["all"], dtype, cakeops_device, key_heads, L=1
+        )
         check_against_scan(qkv, tensors, fixed, g, g_final, plain_logs=True)
 
-    def test_many_value_heads_per_key_head(self, backend, dtype, device):
+    def test_many_value_heads_per_key_head(self, cakeops_backend, dtype, cakeops_device):
         """One key head for 16 value heads (Mamba2's one group), packed: more value heads than
         a backend may give each task."""
         qkv, tensors, fixed, g, g_final = _grouped_inputs(
-            OPTION_CASES["packed"], dtype, device, 1, group=16, L=45, E=4, M=3
+            OPTION_CASES["packed"], dtype, cakeops_device, 1, group=16, L=45, E=4, M=3
         )
         check_against_scan(qkv, tensors, fixed, g, g_final, plain_logs=True)
 
     @pytest.mark.cakeops_dtypes(torch.float64)
-    def test_gradcheck(self, backend, dtype, device):
+    def test_gradcheck(self, cakeops_backend, dtype, cakeops_device):
         """Float64 gradcheck of the output and the final state, two key heads for four value
         heads, packed, every option."""
         given = ("log_decay", "log_gates", "initial_state", "scale", "cu_seqlens")
-        (q, k, v), tensors, fixed, _, _ = _grouped_inputs(given, dtype, device, 2, group=2,
+        (q, k, v), tensors, fixed, _, _ = _grouped_inputs(given, dtype, cakeops_device, 2, group=2,
                                                           L=13, E=3, M=2)  # fmt: skip
-        fixed["cu_seqlens"] = torch.tensor([0, 4, 4, 9, 13], device=device)
+        fixed["cu_seqlens"] = torch.tensor([0, 4, 4, 9, 13], device=cakeops_device)
         assert_gradcheck((q, k, v), tensors, fixed)
 
-    def test_opcheck(self, backend, device):
+    def test_opcheck(self, cakeops_backend, cakeops_device):
         """The custom op and its backward pass torch.library.opcheck with shared key heads."""
         (q, k, v), tensors, fixed, g, g_final = _grouped_inputs(OPTION_CASES["all"],
-                                                                torch.float32, device, 2,
+                                                                torch.float32, cakeops_device, 2,
                                                                 L=21)  # fmt: skip
         from cakeops.ops import SPECS
 

@@ -56,49 +56,49 @@ class Contract:
     def spec(self) -> OpSpec:
         return SPECS[self.op]
 
-    def test_saves_exactly_the_inputs(self, backend, device):
-        tensors, g, op, inputs = example(self.spec, device)
+    def test_saves_exactly_the_inputs(self, cakeops_backend, cakeops_device):
+        tensors, g, op, inputs = example(self.spec, cakeops_device)
         names = [n for n in self.spec.saved if inputs[n] is not None]
         saved = tuple(inputs[n] for n in names)
         out = assert_saves_exactly(lambda *_: op(*tensors), saved, names)
         out.backward(g)
 
-    def test_checkpoint_gives_same_gradients(self, backend, device):
-        tensors, g, op, _ = example(self.spec, device)
+    def test_checkpoint_gives_same_gradients(self, cakeops_backend, cakeops_device):
+        tensors, g, op, _ = example(self.spec, cakeops_device)
         plain = run_with_grads(op, tensors, g)
         ckpt = run_with_grads(lambda *t: checkpoint(op, *t, use_reentrant=False), tensors, g)
         for a, b in zip(plain, ckpt, strict=True):
             assert torch.equal(a, b)
 
-    def test_deterministic(self, backend, dtype, device):
+    def test_deterministic(self, cakeops_backend, dtype, cakeops_device):
         if EMULATED and dtype != torch.float32:
             # a kernel's order of summation does not depend on the dtype; under an emulator
             # (minutes per experts op) one dtype, natively and on a GPU every one
             pytest.skip("under an emulator, determinism is checked in float32 only")
-        tensors, g, op, _ = example(self.spec, device, dtype)
+        tensors, g, op, _ = example(self.spec, cakeops_device, dtype)
         first = run_with_grads(op, tensors, g)
         second = run_with_grads(op, tensors, g)
         for a, b in zip(first, second, strict=True):
             assert torch.equal(a, b)
 
-    def test_autocast_does_not_reach_the_kernels(self, backend, device):
+    def test_autocast_does_not_reach_the_kernels(self, cakeops_backend, cakeops_device):
         """The ops have no autocast rule: inside an autocast region, float32 inputs give exactly
         the float32 results and gradients, forward and backward alike."""
-        tensors, g, op, _ = example(self.spec, device)
+        tensors, g, op, _ = example(self.spec, cakeops_device)
         assert_autocast_changes_nothing(op, tensors, g)
 
-    def test_default_dtype_changes_nothing(self, backend, device):
+    def test_default_dtype_changes_nothing(self, cakeops_backend, cakeops_device):
         """PyTorch's default dtype (bfloat16 in many inference scripts) reaches no kernel."""
-        tensors, g, op, _ = example(self.spec, device)
+        tensors, g, op, _ = example(self.spec, cakeops_device)
         assert_default_dtype_changes_nothing(lambda: run_with_grads(op, tensors, g))
 
-    def test_torch_func_grad(self, backend, device):
-        tensors, g, op, _ = example(self.spec, device)
+    def test_torch_func_grad(self, cakeops_backend, cakeops_device):
+        tensors, g, op, _ = example(self.spec, cakeops_device)
         assert_func_grad_matches_autograd(op, tensors, g)
 
-    def test_forward_mode_ad_is_refused(self, backend, device):
+    def test_forward_mode_ad_is_refused(self, cakeops_backend, cakeops_device):
         """No silent zero tangents: jvp and dual tensors get a clear error."""
-        tensors, _, op, inputs = example(self.spec, device)
+        tensors, _, op, inputs = example(self.spec, cakeops_device)
         first, *rest = (t.detach() for t in tensors)
         with pytest.raises(NotImplementedError, match="forward-mode AD"):
             torch.func.jvp(lambda a: op(a, *rest), (first,), (torch.ones_like(first),))
@@ -107,8 +107,8 @@ class Contract:
             plain = (first, *rest)
             op(*plain[:-1], fwAD.make_dual(plain[-1], torch.ones_like(plain[-1])))
 
-    def test_opcheck(self, backend, device):
-        _, g, _, inputs = example(self.spec, device)
+    def test_opcheck(self, cakeops_backend, cakeops_device):
+        _, g, _, inputs = example(self.spec, cakeops_device)
         values = list(inputs.values())
         torch.library.opcheck(getattr(torch.ops.cakeops, self.op).default, tuple(values))
         detached = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
@@ -125,16 +125,16 @@ class Contract:
             backward = getattr(torch.ops.cakeops, f"{self.op}_defaults_backward").default
             torch.library.opcheck(backward, (*grads, *detached[:n]))
 
-    def test_compile_fullgraph(self, backend, device):
-        tensors, g, op, _ = example(self.spec, device)
+    def test_compile_fullgraph(self, cakeops_backend, cakeops_device):
+        tensors, g, op, _ = example(self.spec, cakeops_device)
         torch._dynamo.reset()
         eager = run_with_grads(op, tensors, g)
         compiled = run_with_grads(torch.compile(op, fullgraph=True), tensors, g)
         assert_compiled_matches(eager, compiled)
 
-    def test_empty_first_dimension(self, backend, dtype, device):
+    def test_empty_first_dimension(self, cakeops_backend, dtype, cakeops_device):
         """No rows: an empty output and gradients, zero where they have elements."""
-        _, _, _, inputs = example(self.spec, device, dtype)
+        _, _, _, inputs = example(self.spec, cakeops_device, dtype)
         first = self.spec.tensor_names[0]
         rows = inputs[first].shape[0]
         empty = {  # the tensors sharing the first dim shrink with it
@@ -150,9 +150,9 @@ class Contract:
 
     @pytest.mark.parametrize("kind", ["not-a-tensor", "integer", "other-device", "bad-type",
                                       "huge-number"])  # fmt: skip
-    def test_bad_argument_types(self, backend, device, kind):
+    def test_bad_argument_types(self, cakeops_backend, cakeops_device, kind):
         """Generic bad inputs from the argument schema: each raises naming the argument."""
-        _, _, _, inputs = example(self.spec, device)
+        _, _, _, inputs = example(self.spec, cakeops_device)
         for name, bad, error in _bad_arguments(self.spec, inputs, kind):
             args = tuple(bad if k == name else v for k, v in inputs.items())
             assert_bad_input_raises(self.op, lambda a=args: self.spec.positional(*a), error, name)
@@ -181,11 +181,11 @@ def _bad_arguments(spec: OpSpec, inputs, kind: str) -> list[tuple[str, Any, type
 class FinalStateContract(Contract):
     """What an op with a final state promises besides."""
 
-    def test_final_state_without_gradient(self, backend, device):
+    def test_final_state_without_gradient(self, cakeops_backend, cakeops_device):
         """A final state asked for that the loss leaves out: the gradients are those of a zero
         gradient for it given explicitly (the kernel's backward gets an empty ``g_final``, the
         kernel contract's "no gradient", instead of a state of zeros)."""
-        _, _, _, inputs = example(self.spec, device)
+        _, _, _, inputs = example(self.spec, cakeops_device)
         asked = self.spec.inputs(**{**inputs, self.spec.second_flag: True})
         tensors, g, op, _ = _as_function(self.spec, asked)
         unused = torch.autograd.grad(op(*tensors)[0], tensors, g)

@@ -102,28 +102,30 @@ class TestGatedDeltaRule:
     op = OP
 
     @pytest.mark.parametrize("case", list(OPTION_CASES))
-    def test_options_match_the_recurrence(self, backend, dtype, device, case):
+    def test_options_match_the_recurrence(self, cakeops_backend, dtype, cakeops_device, case):
         """Each option alone and together: the output, the final state and every gradient
         against the float64 recurrence."""
-        check_against_reference(*make_inputs(OPTION_CASES[case], dtype, device))
+        check_against_reference(*make_inputs(OPTION_CASES[case], dtype, cakeops_device))
 
     @pytest.mark.parametrize("L", [1, 3])
     @pytest.mark.parametrize("kda", [False, True])
     @pytest.mark.parametrize("start", ["initial_state", "zeros"])
-    def test_short_sequences(self, backend, dtype, device, L, kda, start):
+    def test_short_sequences(self, cakeops_backend, dtype, cakeops_device, L, kda, start):
         """Decoding's sizes (a backend may run them step by step): every option but packing,
         from a given state and from zeros."""
         given = ("scale", "final", "l2norm") + (("kda",) if kda else ())
         given += ("initial_state",) if start == "initial_state" else ()
-        check_against_reference(*make_inputs(given, dtype, device, L=L))
+        check_against_reference(*make_inputs(given, dtype, cakeops_device, L=L))
 
     @pytest.mark.cakeops_dtypes(torch.float16, torch.bfloat16)
-    def test_float32_gates_and_state_with_16_bit_inputs(self, backend, dtype, device):
+    def test_float32_gates_and_state_with_16_bit_inputs(
+        self, cakeops_backend, dtype, cakeops_device
+    ):
         """As the models call it in 16-bit: q, k, v and beta in 16-bit, the log gates and the
         state in float32; every result within the 16-bit tolerance, each gradient in its
         input's dtype."""
         given = ("kda", "initial_state", "final", "l2norm")
-        tensors, fixed, g_out, g_final = make_inputs(given, dtype, device)
+        tensors, fixed, g_out, g_final = make_inputs(given, dtype, cakeops_device)
         for name in ("g", "initial_state"):
             tensors[name] = tensors[name].detach().float().requires_grad_()
         got = run(tensors, fixed, g_out, g_final)
@@ -139,7 +141,9 @@ class TestGatedDeltaRule:
     @pytest.mark.parametrize("L", [3, L])
     @pytest.mark.parametrize("kda", [False, True])
     @pytest.mark.parametrize("large", ["initial_state", "g_final"])
-    def test_a_large_state_behind_a_strong_gate(self, backend, dtype, device, L, kda, large):
+    def test_a_large_state_behind_a_strong_gate(
+        self, cakeops_backend, dtype, cakeops_device, L, kda, large
+    ):
         """A state far larger than the terms beside it (``1e25`` in float64, ``1e30`` in
         float32: the initial state, or the final state's gradient for the backward's) behind
         gates of ``-66`` (small betas keep it): the factor ``exp(-66)`` leaves it a share the
@@ -147,7 +151,7 @@ class TestGatedDeltaRule:
         ``exp(-64)`` gave errors of 1e-6 in float64 and 12% in float32). At L = 3, a
         step-by-step forward beside a chunked backward; at L, across chunks."""
         given = ("initial_state", "final") + (("kda",) if kda else ())
-        tensors, fixed, g_out, g_final = make_inputs(given, dtype, device, L=L)
+        tensors, fixed, g_out, g_final = make_inputs(given, dtype, cakeops_device, L=L)
         big = 1e25 if dtype == torch.float64 else 1e30
         with torch.no_grad():
             tensors["g"].mul_(0.25)
@@ -160,16 +164,20 @@ class TestGatedDeltaRule:
             g_final = g_final * big
         check_against_reference(tensors, fixed, g_out, g_final)
 
-    def test_wide_heads(self, backend, dtype, device):
+    def test_wide_heads(self, cakeops_backend, dtype, cakeops_device):
         """Head sizes past 128 (kernels may split K or V): every option, KDA."""
         given = ("kda", "initial_state", "final", "l2norm")
-        check_against_reference(*make_inputs(given, dtype, device, N=1, H=1, L=20, K=136, V=5))
+        check_against_reference(
+            *make_inputs(given, dtype, cakeops_device, N=1, H=1, L=20, K=136, V=5)
+        )
 
     @pytest.mark.parametrize("beta", [0.0, 1.0])
-    def test_beta_zero_and_one(self, backend, dtype, device, beta):
+    def test_beta_zero_and_one(self, cakeops_backend, dtype, cakeops_device, beta):
         """beta 0: nothing is written, the state only decays; beta 1: the key's slot is
         overwritten with v (u = v - S^T k)."""
-        tensors, fixed, g_out, g_final = make_inputs(("initial_state", "final"), dtype, device)
+        tensors, fixed, g_out, g_final = make_inputs(
+            ("initial_state", "final"), dtype, cakeops_device
+        )
         with torch.no_grad():
             tensors["beta"].fill_(beta)
             tensors["g"].mul_(0.1)  # a final state within 16-bit's normal range
@@ -180,12 +188,12 @@ class TestGatedDeltaRule:
             want = tensors["initial_state"].detach().double() * decay
             assert_matches(final, want, "final_state", final.dtype)
 
-    def test_hard_reset(self, backend, dtype, device):
+    def test_hard_reset(self, cakeops_backend, dtype, cakeops_device):
         """A log gate of -inf (or -1e30) cuts the state (a factor of exactly 0): output, final
         state and every gradient finite and equal to the recurrence's; a gate of -1e4 beside
         small ones keeps their accuracy."""
         for given in (("initial_state", "final"), ("kda", "initial_state", "final")):
-            tensors, fixed, g_out, g_final = make_inputs(given, dtype, device)
+            tensors, fixed, g_out, g_final = make_inputs(given, dtype, cakeops_device)
             with torch.no_grad():
                 g = tensors["g"]
                 g[0, 0, CHUNK_START // 2 + 3] = -torch.inf  # mid-chunk
@@ -197,14 +205,14 @@ class TestGatedDeltaRule:
     @pytest.mark.cakeops_not_for(
         "reference", reason="the float64 recurrence is a Python loop: too slow at 65,536 steps"
     )
-    def test_strong_gates_over_65536_steps_stay_finite(self, backend, device):
+    def test_strong_gates_over_65536_steps_stay_finite(self, cakeops_backend, cakeops_device):
         L = 64 if EMULATED else 65536
         gen = torch.Generator().manual_seed(0)
-        q = torch.randn(1, 2, L, 16, generator=gen).to(device)
-        v = torch.randn(1, 2, L, 16, generator=gen).to(device)
-        g = torch.full((1, 2, L), -30.0, device=device)
+        q = torch.randn(1, 2, L, 16, generator=gen).to(cakeops_device)
+        v = torch.randn(1, 2, L, 16, generator=gen).to(cakeops_device)
+        g = torch.full((1, 2, L), -30.0, device=cakeops_device)
         g[:, 1] = -1e-3
-        beta = torch.ones(1, 2, L, device=device)
+        beta = torch.ones(1, 2, L, device=cakeops_device)
         leaves = [t.requires_grad_() for t in (q, v, g, beta)]
         out, final = cakeops.gated_delta_rule(leaves[0], leaves[0], leaves[1], leaves[2],
                                               leaves[3], output_final_state=True,
@@ -213,11 +221,11 @@ class TestGatedDeltaRule:
         for t in (out, final, *grads):
             assert torch.isfinite(t).all()
 
-    def test_packed_sequences_equal_separate_calls(self, backend, dtype, device):
+    def test_packed_sequences_equal_separate_calls(self, cakeops_backend, dtype, cakeops_device):
         """A packed batch (empty sequences included) gives, per sequence, the output, final
         state and gradients of that sequence run alone."""
         given = ("kda", "initial_state", "final", "l2norm", "packed")
-        tensors, fixed, g_out, g_final = make_inputs(given, dtype, device)
+        tensors, fixed, g_out, g_final = make_inputs(given, dtype, cakeops_device)
         packed = run(tensors, fixed, g_out, g_final)
         for i, (s, e) in enumerate(itertools.pairwise(CU_SEQLENS)):
             alone = {n: (t.detach()[i : i + 1] if n == "initial_state"
@@ -233,18 +241,22 @@ class TestGatedDeltaRule:
                 assert_matches(part, got[2 + j], f"d{name}", dtype)
 
     @pytest.mark.parametrize("length", [L, 1])
-    def test_default_dtype_changes_nothing(self, backend, device, length):
+    def test_default_dtype_changes_nothing(self, cakeops_backend, cakeops_device, length):
         """Every option, a prefill and a decode step: PyTorch's default dtype (bfloat16 in many
         inference scripts) reaches no kernel."""
         given = OPTION_CASES["together-kda"]
         given = given if length == L else tuple(g for g in given if g != "packed")
-        inputs = make_inputs(given, device=device, L=length)
+        inputs = make_inputs(given, device=cakeops_device, L=length)
         assert_default_dtype_changes_nothing(lambda: run(*inputs))
 
-    def test_prefill_then_continuation_equals_the_whole(self, backend, dtype, device):
+    def test_prefill_then_continuation_equals_the_whole(
+        self, cakeops_backend, dtype, cakeops_device
+    ):
         """Prefill, then continuing from its final state (one step, then a chunk) gives the
         whole sequence's outputs, final state and gradients (decoding's path)."""
-        tensors, fixed, g_out, g_final = make_inputs(("kda", "l2norm", "final"), dtype, device)
+        tensors, fixed, g_out, g_final = make_inputs(
+            ("kda", "l2norm", "final"), dtype, cakeops_device
+        )
         whole = run(tensors, fixed, g_out, g_final)
         leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
         cut = 2 * L // 3
@@ -263,10 +275,12 @@ class TestGatedDeltaRule:
         for name, a, b in zip(leaves, grads, whole[2:], strict=True):
             assert_matches(a, b.double(), f"d{name}", dtype)
 
-    def test_strided_views_in_the_models_layout(self, backend, device):
+    def test_strided_views_in_the_models_layout(self, cakeops_backend, cakeops_device):
         """Inputs in Hugging Face's ``(N, L, H, D)`` layout passed as ``transpose(1, 2)`` views
         give the results of contiguous copies."""
-        tensors, fixed, g_out, g_final = make_inputs(("final", "l2norm"), torch.float32, device)
+        tensors, fixed, g_out, g_final = make_inputs(
+            ("final", "l2norm"), torch.float32, cakeops_device
+        )
         views = {n: t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
                  for n, t in tensors.items()}  # fmt: skip
         assert not views["q"].is_contiguous()
@@ -275,30 +289,30 @@ class TestGatedDeltaRule:
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
     @pytest.mark.parametrize("packed", [False, True])
-    def test_opcheck_and_compile(self, backend, device, packed):
+    def test_opcheck_and_compile(self, cakeops_backend, cakeops_device, packed):
         """The custom op with every option passes torch.library.opcheck (its backward too), and
         torch.compile(fullgraph=True) gives the eager results."""
         given = ("kda", "scale", "initial_state", "final", "l2norm") + (("packed",) if packed
                                                                           else ())  # fmt: skip
         length, heads = (12, 1) if EMULATED else (21, 2)
-        tensors, fixed, g_out, g_final = make_inputs(given, torch.float32, device, H=heads,
+        tensors, fixed, g_out, g_final = make_inputs(given, torch.float32, cakeops_device, H=heads,
                                                      L=length)  # fmt: skip
         if packed:
             cu = [0, 5, 5, 12, 21] if length == 21 else [0, 3, 3, 7, 12]
-            fixed["cu_seqlens"] = torch.tensor(cu, device=device)
+            fixed["cu_seqlens"] = torch.tensor(cu, device=cakeops_device)
             tensors["initial_state"] = tensors["initial_state"].detach()[:4].requires_grad_()
             g_final = g_final[:4]
         assert_opcheck_and_compile_with_state(OP, tensors, fixed, g_out, g_final)
 
     @pytest.mark.cakeops_dtypes(torch.float64)
     @pytest.mark.parametrize("kda", [False, True])
-    def test_gradcheck(self, backend, dtype, device, kda):
+    def test_gradcheck(self, cakeops_backend, dtype, cakeops_device, kda):
         """Float64 gradcheck of the output and the final state in every differentiable input,
         every option given, packed."""
         given = ("initial_state", "final", "l2norm", "scale", "packed") + (("kda",) if kda
                                                                             else ())  # fmt: skip
-        tensors, fixed, _, _ = make_inputs(given, dtype, device, H=1, G=2, L=13, K=3, V=2)
-        fixed["cu_seqlens"] = torch.tensor([0, 4, 4, 9, 13], device=device)
+        tensors, fixed, _, _ = make_inputs(given, dtype, cakeops_device, H=1, G=2, L=13, K=3, V=2)
+        fixed["cu_seqlens"] = torch.tensor([0, 4, 4, 9, 13], device=cakeops_device)
         tensors["initial_state"] = tensors["initial_state"].detach()[:4].requires_grad_()
         names = list(tensors)
 
@@ -312,11 +326,13 @@ class TestGatedDeltaRule:
 
     @pytest.mark.parametrize("kda", [False, True])
     @pytest.mark.parametrize("poisoned", ["k", "v", "g_out"])
-    def test_non_finite_values_stay_causal(self, backend, dtype, device, poisoned, kda):
+    def test_non_finite_values_stay_causal(
+        self, cakeops_backend, dtype, cakeops_device, poisoned, kda
+    ):
         """A NaN makes non-finite exactly the entries of the output and of the gradients that
         the float64 recurrence makes non-finite (the positions it reaches), and leaves every
         other entry as it is without it."""
-        tensors, fixed, g_out, g_final = make_inputs(("kda",) if kda else (), dtype, device)
+        tensors, fixed, g_out, g_final = make_inputs(("kda",) if kda else (), dtype, cakeops_device)
         bad = {n: t.detach().clone() for n, t in tensors.items()}
         bad["g_out"] = g_out.clone()
         bad[poisoned][0, 1, L // 2] = float("nan")  # key head 1 (value heads 2, 3)
@@ -336,11 +352,11 @@ class TestGatedDeltaRule:
     @pytest.mark.parametrize("bad", ["positive-g", "g-shape", "beta-shape", "heads", "k-shape",
                                      "v-dtype", "scale-nan", "cu-unsorted", "cu-n2",
                                      "initial-shape", "cu-float", "q-3d"])  # fmt: skip
-    def test_bad_inputs_raise(self, backend, device, bad, monkeypatch):
-        q = torch.randn(2, 2, 8, 4, device=device)
-        v = torch.randn(2, 4, 8, 3, device=device)
-        g = -torch.rand(2, 4, 8, device=device)
-        beta = torch.rand(2, 4, 8, device=device)
+    def test_bad_inputs_raise(self, cakeops_backend, cakeops_device, bad, monkeypatch):
+        q = torch.randn(2, 2, 8, 4, device=cakeops_device)
+        v = torch.randn(2, 4, 8, 3, device=cakeops_device)
+        g = -torch.rand(2, 4, 8, device=cakeops_device)
+        beta = torch.rand(2, 4, 8, device=cakeops_device)
         args = {"q": q, "k": q, "v": v, "g": g, "beta": beta}
         cases = {
             "positive-g": ({"g": g.abs() + 0.1}, ValueError, "g"),
@@ -361,10 +377,10 @@ class TestGatedDeltaRule:
         kwargs, error, argument = cases[bad]
         if bad in ("cu-unsorted", "cu-float"):
             args = {n: t[:1] for n, t in args.items()}
-        kwargs = {n: t.to(device) if isinstance(t, torch.Tensor) else t
+        kwargs = {n: t.to(cakeops_device) if isinstance(t, torch.Tensor) else t
                   for n, t in kwargs.items()}  # fmt: skip
         call = lambda: cakeops.gated_delta_rule(**{**args, **kwargs})  # noqa: E731
-        if bad.startswith("positive") and device.type != "cpu":
+        if bad.startswith("positive") and cakeops_device.type != "cpu":
             # a device's log multipliers are read only when asked (a host synchronisation a
             # call): unchecked, a positive one grows the state and the call runs
             call()

@@ -127,40 +127,42 @@ class TestMoEExperts:
     op = OP
 
     @pytest.mark.parametrize("form", ["gelu-tanh", "no-gate-biases", "interleaved"])
-    def test_forms_of_expert(self, backend, dtype, device, form):
+    def test_forms_of_expert(self, cakeops_backend, dtype, cakeops_device, form):
         """The forms of expert of ``routed_experts`` (biases, activations, no gate, layouts)."""
-        check_form(form, dtype, device)
+        check_form(form, dtype, cakeops_device)
 
     @pytest.mark.cakeops_dtypes(torch.float32, torch.float64)
-    def test_gpt_oss_form(self, backend, dtype, device):
+    def test_gpt_oss_form(self, cakeops_backend, dtype, cakeops_device):
         """GPT-OSS's clamped SwiGLU with biases, interleaved and transposed (a derivative with
         jumps: float32 and float64, as in ``routed_experts``)."""
-        check_form("gpt-oss", dtype, device)
+        check_form("gpt-oss", dtype, cakeops_device)
 
     @pytest.mark.parametrize("case", list(CASES))
-    def test_matches_reference(self, backend, dtype, device, case):
+    def test_matches_reference(self, cakeops_backend, dtype, cakeops_device, case):
         T, D, F, E, k, renorm, scale = CASES[case]
-        tensors, g = make_inputs(T, D, F, E, dtype, device)
+        tensors, g = make_inputs(T, D, F, E, dtype, cakeops_device)
         got = run_with_grads(op_with(k, renorm, scale), tensors, g)
         check_against_reference(tensors, g, (k, renorm, scale), got)
 
     @pytest.mark.cakeops_dtypes(torch.float16, torch.bfloat16)
-    def test_float32_master_weights(self, backend, dtype, device):
-        tensors, g = make_inputs(16, 12, 20, 4, dtype, device, weight_dtype=torch.float32)
+    def test_float32_master_weights(self, cakeops_backend, dtype, cakeops_device):
+        tensors, g = make_inputs(16, 12, 20, 4, dtype, cakeops_device, weight_dtype=torch.float32)
         got = run_with_grads(op_with(2), tensors, g)
         assert got[0].dtype == dtype and all(d.dtype == torch.float32 for d in got[3:])
         check_against_reference(tensors, g, (2, True, 1.0), got)
 
     @pytest.mark.parametrize("renorm", [True, False])
-    def test_skewed_routing_leaves_empty_experts_exactly_zero(self, backend, dtype, device, renorm):
-        tensors, g = make_inputs(10, 8, 6, 5, dtype, device, skew=True)
+    def test_skewed_routing_leaves_empty_experts_exactly_zero(
+        self, cakeops_backend, dtype, cakeops_device, renorm
+    ):
+        tensors, g = make_inputs(10, 8, 6, 5, dtype, cakeops_device, skew=True)
         got = run_with_grads(op_with(2, renorm), tensors, g)
         check_against_reference(tensors, g, (2, renorm, 1.0), got)
         for grad in got[3:]:
             assert torch.equal(grad[1:4], torch.zeros_like(grad[1:4]))
 
-    def test_logits_gradient_of_unselected_experts(self, backend, device):
-        tensors, g = make_inputs(12, 8, 6, 5, torch.float32, device)
+    def test_logits_gradient_of_unselected_experts(self, cakeops_backend, cakeops_device):
+        tensors, g = make_inputs(12, 8, 6, 5, torch.float32, cakeops_device)
         experts = ref.route(tensors[1], 2, True, 1.0)[0]
         unselected = torch.ones(12, 5, dtype=torch.bool).scatter_(1, experts.cpu(), False)
         with_renorm = run_with_grads(op_with(2, True), tensors, g)[2].cpu()
@@ -170,23 +172,23 @@ class TestMoEExperts:
 
     @pytest.mark.cakeops_dtypes(torch.float64)
     @pytest.mark.parametrize("renorm", [True, False])
-    def test_gradcheck(self, backend, dtype, device, renorm):
-        tensors, _ = make_inputs(5, 4, 3, 4, dtype, device)
+    def test_gradcheck(self, cakeops_backend, dtype, cakeops_device, renorm):
+        tensors, _ = make_inputs(5, 4, 3, 4, dtype, cakeops_device)
         tensors = (tensors[0], tensors[1].detach().double().requires_grad_(), *tensors[2:])
         assert torch.autograd.gradcheck(op_with(2, renorm, 1.5), tensors)
 
-    def test_empty(self, backend, dtype, device):
-        tensors, g = make_inputs(0, 8, 6, 4, dtype, device)
+    def test_empty(self, cakeops_backend, dtype, cakeops_device):
+        tensors, g = make_inputs(0, 8, 6, 4, dtype, cakeops_device)
         out, dx, dlogits, *dweights = run_with_grads(op_with(2), tensors, g)
         assert out.shape == (0, 8) and dx.shape == (0, 8) and dlogits.shape == (0, 4)
         for dw, w in zip(dweights, tensors[2:], strict=True):
             assert torch.equal(dw, torch.zeros_like(w))
 
     @pytest.mark.parametrize("D, F", [(0, 6), (8, 0)], ids=["d0", "f0"])
-    def test_empty_feature_dims(self, backend, dtype, device, D, F):
+    def test_empty_feature_dims(self, cakeops_backend, dtype, cakeops_device, D, F):
         """No hidden or no intermediate features: the output is exactly zero (``(T, 0)`` or
         zeros), and so are every gradient that has elements."""
-        tensors, g = make_inputs(5, D, F, 4, dtype, device)
+        tensors, g = make_inputs(5, D, F, 4, dtype, cakeops_device)
         out, dx, dlogits, *dweights = run_with_grads(op_with(2), tensors, g)
         assert out.shape == (5, D) and torch.equal(out, torch.zeros_like(out))
         assert torch.equal(dx, torch.zeros_like(dx))
@@ -194,18 +196,20 @@ class TestMoEExperts:
         for dw, w in zip(dweights, tensors[2:], strict=True):
             assert torch.equal(dw, torch.zeros_like(w))
 
-    def test_ties_go_to_the_lower_expert(self, backend, device):
-        tensors, _ = make_inputs(4, 8, 6, 4, torch.float32, device)
-        logits = torch.zeros(4, 4, device=device)  # all tied: experts 0 and 1 must be chosen
+    def test_ties_go_to_the_lower_expert(self, cakeops_backend, cakeops_device):
+        tensors, _ = make_inputs(4, 8, 6, 4, torch.float32, cakeops_device)
+        logits = torch.zeros(
+            4, 4, device=cakeops_device
+        )  # all tied: experts 0 and 1 must be chosen
         out = op_with(2)(tensors[0].detach(), logits, *(t.detach() for t in tensors[2:]))
         keep = (tensors[0].detach(), logits[:, :2], *(t.detach()[:2] for t in tensors[2:]))
         only_two = op_with(2)(*keep)  # the same with only experts 0 and 1 present
         assert torch.equal(out, only_two)
 
-    def test_nan_propagates(self, backend, dtype, device):
+    def test_nan_propagates(self, cakeops_backend, dtype, cakeops_device):
         """NaN in one token's x and another's router logits: the output and every gradient are
         non-finite exactly where the float64 reference's are; the other tokens are untouched."""
-        tensors, g = make_inputs(6, 8, 6, 4, dtype, device)
+        tensors, g = make_inputs(6, 8, 6, 4, dtype, cakeops_device)
         x, logits = (t.detach().clone() for t in tensors[:2])
         x[2, 3] = float("nan")
         logits[4, 1] = float("nan")
@@ -265,6 +269,6 @@ class TestMoEExpertsBadInput:
     op = OP
 
     @pytest.mark.parametrize("case", list(_bad_inputs("cpu")))
-    def test_bad_input_raises(self, backend, device, case):
-        args, kwargs, error, argument = _bad_inputs(device)[case]
+    def test_bad_input_raises(self, cakeops_backend, cakeops_device, case):
+        args, kwargs, error, argument = _bad_inputs(cakeops_device)[case]
         assert_bad_input_raises(OP, lambda: cakeops.moe_experts(*args, **kwargs), error, argument)

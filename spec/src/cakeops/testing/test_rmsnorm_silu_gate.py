@@ -78,37 +78,37 @@ class TestRMSNormSiLUGate:
     op = OP
 
     @pytest.mark.parametrize("case", list(CASES))
-    def test_matches_reference(self, backend, dtype, device, case):
+    def test_matches_reference(self, cakeops_backend, dtype, cakeops_device, case):
         shape, group_size, nbg = CASES[case]
         if EMULATED and shape[-1] > 16384 and dtype != torch.float32:
             # a minute a dtype in the simulator; the 16-bit roundings are the narrower cases'
             pytest.skip("under an emulator, rows over 16384 wide run in float32 only")
-        x, z, w, g = make_inputs(shape, dtype, device)
+        x, z, w, g = make_inputs(shape, dtype, cakeops_device)
         got = run(x, z, w, g, group_size, nbg)
         check_against_reference(x, z, w, g, group_size, nbg, got)
 
     @pytest.mark.cakeops_dtypes(torch.float32, torch.float16, torch.bfloat16)
     @pytest.mark.parametrize("nbg", [True, False])
-    def test_single_feature_groups_saturated(self, backend, dtype, device, nbg):
+    def test_single_feature_groups_saturated(self, cakeops_backend, dtype, cakeops_device, nbg):
         # |x| >> sqrt(eps): the x gradient is eps * r^3 * (...), tiny next to each term of the
         # general formula, so computing it as a difference loses every digit. The float64
         # reference keeps ~1e-10 relative accuracy here: enough to judge 32- and 16-bit results.
-        x, z, w, g = make_inputs((6, 4), dtype, device, x_scale=1.0)
+        x, z, w, g = make_inputs((6, 4), dtype, cakeops_device, x_scale=1.0)
         got = run(x, z, w, g, 1, nbg)
         check_against_reference(x, z, w, g, 1, nbg, got)
 
     @pytest.mark.cakeops_dtypes(torch.float16, torch.bfloat16)
     @pytest.mark.parametrize("nbg", [True, False])
-    def test_float32_master_weight(self, backend, dtype, device, nbg):
-        x, z, w, g = make_inputs((6, 80), dtype, device, weight_dtype=torch.float32)
+    def test_float32_master_weight(self, cakeops_backend, dtype, cakeops_device, nbg):
+        x, z, w, g = make_inputs((6, 80), dtype, cakeops_device, weight_dtype=torch.float32)
         got = run(x, z, w, g, None, nbg)
         assert got[0].dtype == dtype and got[3].dtype == torch.float32
         check_against_reference(x, z, w, g, None, nbg, got)
 
     @pytest.mark.cakeops_dtypes(torch.float64)
     @pytest.mark.parametrize("group_size,nbg", [(None, True), (None, False), (4, True), (4, False)])
-    def test_gradcheck(self, backend, dtype, device, group_size, nbg):
-        x, z, w, _ = make_inputs((3, 8), dtype, device)
+    def test_gradcheck(self, cakeops_backend, dtype, cakeops_device, group_size, nbg):
+        x, z, w, _ = make_inputs((3, 8), dtype, cakeops_device)
 
         def f(x, z, w):
             return cakeops.rmsnorm_silu_gate(
@@ -117,41 +117,41 @@ class TestRMSNormSiLUGate:
 
         assert torch.autograd.gradcheck(f, (x, z, w))
 
-    def test_saves_strided_input_without_copy(self, backend, device):
-        packed = torch.randn(4, 64, device=device)
+    def test_saves_strided_input_without_copy(self, cakeops_backend, cakeops_device):
+        packed = torch.randn(4, 64, device=cakeops_device)
         x, z = packed[:, :32].requires_grad_(), packed[:, 32:]
-        w = torch.ones(32, device=device)
+        w = torch.ones(32, device=cakeops_device)
         with SavedTensors() as saved:
             cakeops.rmsnorm_silu_gate(x.detach().requires_grad_(), z, w)
         assert any(same_tensor(t, z) for t in saved.packed)
 
     @pytest.mark.parametrize("shape", [(0, 16), (2, 0, 16)])
-    def test_empty(self, backend, dtype, device, shape):
-        x, z, w, g = make_inputs(shape, dtype, device)
+    def test_empty(self, cakeops_backend, dtype, cakeops_device, shape):
+        x, z, w, g = make_inputs(shape, dtype, cakeops_device)
         y, dx, dz, dw = run(x, z, w, g)
         assert y.shape == x.shape and dx.shape == x.shape and dz.shape == z.shape
         assert torch.equal(dw, torch.zeros_like(w))
 
     @pytest.mark.parametrize("nbg", [True, False])
-    def test_strided_inputs(self, backend, dtype, device, nbg):
+    def test_strided_inputs(self, cakeops_backend, dtype, cakeops_device, nbg):
         # z is a slice of a packed projection (rows strided, last dim contiguous); x is a
         # transposed view (nothing contiguous).
         D = 40
-        proj = torch.randn(6, 3 * D, dtype=torch.float64).to(device, dtype)
+        proj = torch.randn(6, 3 * D, dtype=torch.float64).to(cakeops_device, dtype)
         z = proj[:, D : 2 * D].requires_grad_()
-        x = torch.randn(D, 6, dtype=torch.float64).to(device, dtype).t().requires_grad_()
-        w = (torch.rand(D, dtype=torch.float64) + 0.5).to(device, dtype).requires_grad_()
-        g = torch.randn(6, D, dtype=torch.float64).to(device, dtype)
+        x = torch.randn(D, 6, dtype=torch.float64).to(cakeops_device, dtype).t().requires_grad_()
+        w = (torch.rand(D, dtype=torch.float64) + 0.5).to(cakeops_device, dtype).requires_grad_()
+        g = torch.randn(6, D, dtype=torch.float64).to(cakeops_device, dtype)
         assert not z.is_contiguous() and not x.is_contiguous()
         got = run(x, z, w, g, 8, nbg)
         check_against_reference(x, z, w, g, 8, nbg, got)
 
     @pytest.mark.parametrize("nbg", [True, False])
-    def test_large_finite_gates(self, backend, dtype, device, nbg):
+    def test_large_finite_gates(self, cakeops_backend, dtype, cakeops_device, nbg):
         """Gates of +-10,000 (silu saturates to z and to -0): finite results as the
         reference's, where a naive ``1 / (1 + exp(-z))`` overflows (an error in numba's
         simulator, inf on a GPU)."""
-        x, z, w, g = make_inputs((4, 32), dtype, device)
+        x, z, w, g = make_inputs((4, 32), dtype, cakeops_device)
         with torch.no_grad():
             z[:, ::2] = 1e4
             z[:, 1::2] = -1e4
@@ -159,10 +159,10 @@ class TestRMSNormSiLUGate:
         check_against_reference(x, z, w, g, 16, nbg, got)
 
     @pytest.mark.parametrize("nbg", [True, False])
-    def test_nan_propagates(self, backend, dtype, device, nbg):
+    def test_nan_propagates(self, cakeops_backend, dtype, cakeops_device, nbg):
         """NaN in x, Inf in z: the output and every gradient are non-finite exactly where the
         float64 reference's are; the rows without them are untouched."""
-        x, z, w, g = make_inputs((4, 32), dtype, device)
+        x, z, w, g = make_inputs((4, 32), dtype, cakeops_device)
         with torch.no_grad():
             x[1, 3] = float("nan")
             z[2, 5] = float("inf")
@@ -213,13 +213,15 @@ class TestRMSNormSiLUGateBadInput:
     op = OP
 
     @pytest.mark.parametrize("case", BAD)
-    def test_bad_input_raises(self, backend, device, case):
-        args, kwargs, error, argument = _bad_inputs(device)[case]
+    def test_bad_input_raises(self, cakeops_backend, cakeops_device, case):
+        args, kwargs, error, argument = _bad_inputs(cakeops_device)[case]
         assert_bad_input_raises(
             OP, lambda: cakeops.rmsnorm_silu_gate(*args, **kwargs), error, argument
         )
 
-    def test_direct_op_call_is_validated(self, backend, device):
-        x = torch.randn(2, 8, device=device)
+    def test_direct_op_call_is_validated(self, cakeops_backend, cakeops_device):
+        x = torch.randn(2, 8, device=cakeops_device)
         with pytest.raises(ValueError, match="argument 'group_size'"):
-            torch.ops.cakeops.rmsnorm_silu_gate(x, x, torch.ones(8, device=device), 1e-6, 3, True)
+            torch.ops.cakeops.rmsnorm_silu_gate(
+                x, x, torch.ones(8, device=cakeops_device), 1e-6, 3, True
+            )

@@ -143,54 +143,54 @@ class TestRoutedExperts:
     op = OP
 
     @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-    def test_matches_reference(self, backend, dtype, device, case):
-        tensors, g = make_inputs(*case[1:], dtype, device)
+    def test_matches_reference(self, cakeops_backend, dtype, cakeops_device, case):
+        tensors, g = make_inputs(*case[1:], dtype, cakeops_device)
         check_against_reference(tensors, g, run(tensors, g))
 
     @pytest.mark.parametrize("form", [f for f in FORMS if not FORMS[f][1].get("kink")])
-    def test_forms_of_expert(self, backend, dtype, device, form):
+    def test_forms_of_expert(self, cakeops_backend, dtype, cakeops_device, form):
         """Every activation, biases, no gate, transposed and interleaved weights (read through
         their strides): output and every gradient against the reference."""
         options, make = FORMS[form]
-        tensors, g = make_inputs(*FORM_SHAPE, dtype, device, **make)
+        tensors, g = make_inputs(*FORM_SHAPE, dtype, cakeops_device, **make)
         got = run(tensors, g, **options)
         check_against_reference(tensors, g, got, **options)
 
     @pytest.mark.parametrize("form", ["biases", "no-gate-biases"])
-    def test_default_dtype_changes_nothing(self, backend, device, form):
+    def test_default_dtype_changes_nothing(self, cakeops_backend, cakeops_device, form):
         """The forms with biases (their gradients sum rows a backend may sum as a product
         with ones): PyTorch's default dtype (bfloat16 in many inference scripts) reaches no
         kernel."""
         options, make = FORMS[form]
-        tensors, g = make_inputs(*FORM_SHAPE, torch.float32, device, **make)
+        tensors, g = make_inputs(*FORM_SHAPE, torch.float32, cakeops_device, **make)
         t.assert_default_dtype_changes_nothing(lambda: run(tensors, g, **options))
 
     @pytest.mark.cakeops_dtypes(torch.float32, torch.float64)
     @pytest.mark.parametrize("form", [f for f in FORMS if FORMS[f][1].get("kink")])
-    def test_forms_with_a_kink(self, backend, dtype, device, form):
+    def test_forms_with_a_kink(self, cakeops_backend, dtype, cakeops_device, form):
         """relu and the limits (GPT-OSS, DeepSeek-V4): their derivative jumps, so these run in
         float32 and float64 (see :data:`FORMS`)."""
         options, make = FORMS[form]
-        tensors, g = make_inputs(*FORM_SHAPE, dtype, device, **make)
+        tensors, g = make_inputs(*FORM_SHAPE, dtype, cakeops_device, **make)
         got = run(tensors, g, **options)
         check_against_reference(tensors, g, got, **options)
 
-    def test_large_finite_gate_projections(self, backend, dtype, device):
+    def test_large_finite_gate_projections(self, cakeops_backend, dtype, cakeops_device):
         """Gate pre-activations in the thousands, both signs (silu saturates): the reference's
         finite result, where a naive ``1 / (1 + exp(-h))`` overflows (an error in numba's
         simulator, inf on a GPU)."""
-        tensors, g = make_inputs(*FORM_SHAPE, dtype, device)
+        tensors, g = make_inputs(*FORM_SHAPE, dtype, cakeops_device)
         with torch.no_grad():
             tensors[3].mul_(4000)
         check_against_reference(tensors, g, run(tensors, g))
 
     @pytest.mark.parametrize("form", ["relu", "relu2", "no-gate-relu2", "swiglu-default"])
-    def test_nan_in_a_token_reaches_its_output(self, backend, dtype, device, form):
+    def test_nan_in_a_token_reaches_its_output(self, cakeops_backend, dtype, cakeops_device, form):
         """A NaN in one token's hidden state makes that token's output NaN and leaves the
         others as they are, in every activation (a GPU's ``tl.maximum`` returns 0 for a NaN:
         relu and relu² dropped it)."""
         options, make = FORMS.get(form, ({}, {}))
-        tensors, g = make_inputs(*FORM_SHAPE, dtype, device, **make)
+        tensors, g = make_inputs(*FORM_SHAPE, dtype, cakeops_device, **make)
         bad = tensors[0].detach().clone()
         bad[3] = float("nan")
         out = run((bad.requires_grad_(), *tensors[1:]), g, **options)[0]
@@ -201,12 +201,12 @@ class TestRoutedExperts:
         assert torch.equal(out[others], clean[others])
 
     @pytest.mark.parametrize("weight", ["finite", "nan", "inf"])
-    def test_dropped_slots(self, backend, dtype, device, weight):
+    def test_dropped_slots(self, cakeops_backend, dtype, cakeops_device, weight):
         """Ids ``>= E`` (transformers' expert parallelism: experts on another rank) and ``-1``
         (DeepEP's dispatch: not on this rank) add nothing and get zero gradients, whatever their
         weight (a NaN or inf there made the output NaN); the rest is the op on the slots that
         are kept."""
-        tensors, g = make_inputs(*FORM_SHAPE, dtype, device)
+        tensors, g = make_inputs(*FORM_SHAPE, dtype, cakeops_device)
         x, index, weights, *w = tensors
         dropped = index.clone()
         dropped[::3, 1] = 4  # E: the first id past the local experts
@@ -215,7 +215,7 @@ class TestRoutedExperts:
         kept = (dropped >= 0) & (dropped < 4)
         if weight != "finite":
             with torch.no_grad():
-                signs = (-1.0) ** torch.arange(int((~kept).sum()), device=device)
+                signs = (-1.0) ** torch.arange(int((~kept).sum()), device=cakeops_device)
                 weights[~kept] = (float(weight) * signs).to(weights.dtype)
         got = run((x, dropped, weights, *w), g)
         # the same tokens with those slots' weights at zero and any valid id: the same result
@@ -229,56 +229,60 @@ class TestRoutedExperts:
                 a, b = a[kept], b[kept]
             t.assert_matches(a, b.double(), name, a.dtype)
 
-    def test_every_slot_dropped(self, backend, dtype, device):
+    def test_every_slot_dropped(self, cakeops_backend, dtype, cakeops_device):
         """No slot kept: the output and every gradient are exactly zero (the reference's
         backward raised "element 0 of tensors does not require grad")."""
-        tensors, g = make_inputs(*FORM_SHAPE, dtype, device)
+        tensors, g = make_inputs(*FORM_SHAPE, dtype, cakeops_device)
         x, index, *rest = tensors
         got = run((x, torch.full_like(index, 4), *rest), g)
         for value, like in zip(got, (x, x, *rest), strict=True):
             assert value.shape == like.shape and torch.equal(value, torch.zeros_like(value))
 
-    def test_packed_gate_up_views(self, backend, dtype, device):
+    def test_packed_gate_up_views(self, cakeops_backend, dtype, cakeops_device):
         """Hugging Face's ``gate_up_proj[:, :F]`` and ``[:, F:]``: no copy needed, and the
         gradient lands in the packed tensor."""
-        tensors, g = make_inputs(16, 12, 20, 4, 2, dtype, device, packed=True)
+        tensors, g = make_inputs(16, 12, 20, 4, 2, dtype, cakeops_device, packed=True)
         assert not tensors[3].is_contiguous()
         check_against_reference(tensors, g, run(tensors, g))
 
     @pytest.mark.cakeops_dtypes(torch.float16, torch.bfloat16)
-    def test_float32_master_weights(self, backend, dtype, device):
-        tensors, g = make_inputs(16, 12, 20, 4, 2, dtype, device, weight_dtype=torch.float32)
+    def test_float32_master_weights(self, cakeops_backend, dtype, cakeops_device):
+        tensors, g = make_inputs(
+            16, 12, 20, 4, 2, dtype, cakeops_device, weight_dtype=torch.float32
+        )
         got = run(tensors, g)
         assert got[0].dtype == dtype and all(d.dtype == torch.float32 for d in got[3:])
         check_against_reference(tensors, g, got)
 
-    def test_int32_ids(self, backend, device):
-        tensors, g = make_inputs(12, 8, 6, 4, 2, torch.float32, device, index_dtype=torch.int32)
+    def test_int32_ids(self, cakeops_backend, cakeops_device):
+        tensors, g = make_inputs(
+            12, 8, 6, 4, 2, torch.float32, cakeops_device, index_dtype=torch.int32
+        )
         check_against_reference(tensors, g, run(tensors, g))
 
-    def test_empty_experts_get_exact_zeros(self, backend, dtype, device):
-        tensors, g = make_inputs(10, 8, 6, 5, 2, dtype, device, skew=True)
+    def test_empty_experts_get_exact_zeros(self, cakeops_backend, dtype, cakeops_device):
+        tensors, g = make_inputs(10, 8, 6, 5, 2, dtype, cakeops_device, skew=True)
         got = run(tensors, g)
         check_against_reference(tensors, g, got)
         for grad in got[3:]:
             assert torch.equal(grad[1:4], torch.zeros_like(grad[1:4]))
 
     @pytest.mark.parametrize("D, F, k", [(0, 6, 2), (8, 0, 2), (8, 6, 0)], ids=["d0", "f0", "k0"])
-    def test_empty_dims(self, backend, dtype, device, D, F, k):
+    def test_empty_dims(self, cakeops_backend, dtype, cakeops_device, D, F, k):
         """No hidden features, no intermediate features or no slots: the output is exactly zero,
         and so is every gradient (each shaped like its input)."""
-        tensors, g = make_inputs(5, D, F, 4, k, dtype, device)
+        tensors, g = make_inputs(5, D, F, 4, k, dtype, cakeops_device)
         got = run(tensors, g)
         x, _, *rest = tensors
         for value, like in zip(got, (x, x, *rest), strict=True):
             assert value.shape == like.shape and torch.equal(value, torch.zeros_like(value))
 
-    def test_same_as_moe_experts_with_its_routing(self, backend, device):
+    def test_same_as_moe_experts_with_its_routing(self, cakeops_backend, cakeops_device):
         """``moe_experts`` is its routing followed by these experts."""
-        x = torch.randn(10, 8, device=device)
-        logits = torch.randn(10, 4, device=device)
-        w = [torch.randn(4, 6, 8, device=device) * 0.3 for _ in range(2)]
-        w.append(torch.randn(4, 8, 6, device=device) * 0.3)
+        x = torch.randn(10, 8, device=cakeops_device)
+        logits = torch.randn(10, 4, device=cakeops_device)
+        w = [torch.randn(4, 6, 8, device=cakeops_device) * 0.3 for _ in range(2)]
+        w.append(torch.randn(4, 8, 6, device=cakeops_device) * 0.3)
         probs = torch.softmax(logits, dim=-1)
         weights, index = torch.topk(probs, 2, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
@@ -330,26 +334,26 @@ class TestRoutedExpertsBadInput:
     op = OP
 
     @pytest.mark.parametrize("case", list(_bad_inputs("cpu")))
-    def test_bad_input_raises(self, backend, device, case):
-        args, error, argument = _bad_inputs(device)[case]
+    def test_bad_input_raises(self, cakeops_backend, cakeops_device, case):
+        args, error, argument = _bad_inputs(cakeops_device)[case]
         t.assert_bad_input_raises(OP, lambda: cakeops.routed_experts(*args), error, argument)
 
     @pytest.mark.parametrize("case", list(_bad_options("cpu")))
-    def test_bad_options_raise(self, backend, device, case):
-        args, _, _ = _bad_inputs(device)["ids-float"]
+    def test_bad_options_raise(self, cakeops_backend, cakeops_device, case):
+        args, _, _ = _bad_inputs(cakeops_device)["ids-float"]
         x, index, w, wg, wu, wd = args
-        kwargs, gated, error, argument = _bad_options(device)[case]
+        kwargs, gated, error, argument = _bad_options(cakeops_device)[case]
         call = lambda: cakeops.routed_experts(  # noqa: E731
             x, index.long(), w, wg if gated else None, wu, wd, **kwargs
         )
         t.assert_bad_input_raises(OP, call, error, argument)
 
-    def test_negative_ids_raise(self, backend, device):
+    def test_negative_ids_raise(self, cakeops_backend, cakeops_device):
         """Ids below -1 are an error naming the argument (on the CPU at the call; on a GPU a
         device assertion, which does not synchronise and so is not a ValueError)."""
-        if torch.device(device).type != "cpu":
+        if torch.device(cakeops_device).type != "cpu":
             pytest.skip("a device assertion is reported asynchronously, not as a ValueError")
-        args, _, _ = _bad_inputs(device)["ids-float"]
+        args, _, _ = _bad_inputs(cakeops_device)["ids-float"]
         x, index, w, wg, wu, wd = args
         call = lambda: cakeops.routed_experts(x, index.long() - 2, w, wg, wu, wd)  # noqa: E731
         t.assert_bad_input_raises(OP, call, ValueError, "top_k_index")
