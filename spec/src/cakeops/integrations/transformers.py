@@ -86,7 +86,7 @@ def _activation_of(act: Any) -> dict[str, Any] | None:
     """The op's ``activation`` (and ``alpha``) computing what ``act`` computes, found by
     running ``act`` on a probe: transformers' activation classes, torch's functions and modules
     alike; None when none of the op's does."""
-    from cakeops.reference.routed_experts import ACT
+    from cakeops._activations import ACT
 
     if act is None:
         return None
@@ -108,7 +108,7 @@ def _gate_options(module: torch.nn.Module, activation: dict[str, Any]) -> dict[s
     default ``act(gate) * up``), checked on a probe; None when none of them does. A family's
     own gate is read from its attributes (``limit``/``swiglu_limit``, ``alpha``/
     ``swiglu_alpha``) and tried with and without GPT-OSS's ``+ 1`` on the up projection."""
-    from cakeops.reference.routed_experts import gated
+    from cakeops._activations import gated
 
     probe = _probe()
     F = probe.shape[1] // 2

@@ -48,7 +48,7 @@ def forward(x, weight, bias=None, activation=None, initial_state=None, output_fi
 
 def backward(g_out, g_final, x, weight, bias=None, activation=None, initial_state=None,
              output_final_state=False, cu_seqlens=None):  # fmt: skip
-    from cakeops.reference.routed_experts import grads_by_autograd
+    from cakeops._autograd import grads_by_autograd
 
     def fn(x, weight, bias, initial_state):
         out, final = conv(x, weight, bias, activation, initial_state, cu_seqlens)

@@ -56,7 +56,7 @@ def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
     options = (scale, log_decay, log_gates, initial_state, cu_seqlens)
     if all(o is None for o in options) and not output_final_state:
         return (*_plain_backward(g, q, k, v), None, None, None)
-    from cakeops.reference.routed_experts import grads_by_autograd
+    from cakeops._autograd import grads_by_autograd
 
     def fn(q, k, v, log_decay, log_gates, initial_state):
         out, final = scan(q, k, v, scale=scale, log_decay=log_decay, log_gates=log_gates,

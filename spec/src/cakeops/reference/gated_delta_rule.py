@@ -66,7 +66,7 @@ def forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
 
 def backward(g_out, g_final, q, k, v, g, beta, scale=None, initial_state=None,
              output_final_state=False, cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
-    from cakeops.reference.routed_experts import grads_by_autograd
+    from cakeops._autograd import grads_by_autograd
 
     def fn(q, k, v, g, beta, initial_state):
         out, final = scan(q, k, v, g, beta, scale=scale, initial_state=initial_state,
