@@ -16,6 +16,7 @@ INTERRUPTED = textwrap.dedent(
     """
     import signal, threading, time
     import torch, cakeops
+    from cakeops import _autograd
     from cakeops.reference import routed_experts as ref
 
     main_saw = threading.Event()
@@ -32,7 +33,7 @@ INTERRUPTED = textwrap.dedent(
             sent.append(1)
             to = threading.main_thread() if TO == "caller" else threading.current_thread()
             signal.pthread_kill(to.ident, signal.SIGINT)
-            cancel = getattr(ref, "_worker", None)
+            cancel = _autograd._worker
             while not main_saw.is_set() and not (
                 getattr(cancel, "cancel", None) is not None and cancel.cancel.is_set()
             ):
