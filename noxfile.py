@@ -87,10 +87,12 @@ def tests(session: nox.Session) -> None:
     # The documented command a third-party backend certifies itself with.
     session.run("pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=example", "-q")
     # The Triton kernels on CPU tensors through Triton's interpreter (no GPU here), one process
-    # per core: the interpreter is single-threaded Python.
+    # per core: the interpreter is single-threaded Python. The checks of the op's PyTorch glue
+    # (opcheck, compile), the same for every backend and run in full above, with -- --full.
+    glue = [] if full else ["-k", "not (opcheck or compile)"]
     session.run(
         "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=triton", "-q", "-n", "auto",
-        slowest, env={"TRITON_INTERPRET": "1"},
+        *glue, slowest, env={"TRITON_INTERPRET": "1"},
     )  # fmt: skip
     # (The numba backend's CPU kernels ran natively, at full size, in the first run.)
     # The numba-cuda kernels on CPU tensors in numba's CUDA simulator. It runs every simulated
@@ -100,10 +102,10 @@ def tests(session: nox.Session) -> None:
     # PyTorch glue (opcheck, compile, torch.func, autocast, the default dtype, checkpointing,
     # the saved tensors), which is the same for every backend and runs in full above, take a
     # third of this run there, and their determinism check a few minutes (the simulator runs
-    # threads one after another; the GPU check runs it on CUDA): with
-    # `nox -s tests -- --full` they run here too.
-    skipped = "test_long_sequence" + ("" if full else " or (Contract_moe_experts or "
-        "Contract_routed_experts) and (opcheck or compile or torch_func or autocast or "
+    # threads one after another; the GPU check runs it on CUDA); every op's opcheck and compile
+    # checks likewise: with `nox -s tests -- --full` they run here too.
+    skipped = "test_long_sequence" + ("" if full else " or opcheck or compile or ("
+        "Contract_moe_experts or Contract_routed_experts) and (torch_func or autocast or "
         "default_dtype or checkpoint or saves_exactly or deterministic)")  # fmt: skip
     session.run(
         "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=numba", "-q", "-n", "auto",
