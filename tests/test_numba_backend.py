@@ -33,6 +33,8 @@ from cakeops_numba import backend as numba_backend
 from cakeops_numba.cpu import _njit as njit_module
 from cakeops_numba.cpu import causal_dot_product as cpu_kernels
 from cakeops_numba.cpu import rmsnorm_silu_gate as norm_kernels
+from cakeops_numba.cpu.causal_dot_product import plain as plain_kernels
+from cakeops_numba.cpu.causal_dot_product import step as step_kernels
 
 pytestmark = pytest.mark.skipif(
     SIMULATOR, reason="NUMBA_ENABLE_CUDASIM=1 sends CPU tensors to the simulated CUDA kernels"
@@ -59,7 +61,7 @@ def test_converted_blocks_of_heads_match_reference(monkeypatch, case):
     its place."""
     (N, H), dtype, strided, expected = BLOCK_CASES[case]
     L, E, M = 19, 6, 8
-    monkeypatch.setattr(cpu_kernels, "BLOCK_ELEMENTS", 2 * L * M)  # 2 heads per block
+    monkeypatch.setattr(plain_kernels, "BLOCK_ELEMENTS", 2 * L * M)  # 2 heads per block
     q, k, v, g = suite.make_inputs(N, H, L, E, M, dtype, "cpu")
     if strided:  # heads and positions swapped in memory
         q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
@@ -68,7 +70,7 @@ def test_converted_blocks_of_heads_match_reference(monkeypatch, case):
     calls = {"_forward": [], "_backward": []}
 
     def counting(name):
-        kernel = getattr(cpu_kernels, name)
+        kernel = getattr(plain_kernels, name)
 
         def call(*args):
             calls[name].append(args[0].shape[0])
@@ -77,7 +79,7 @@ def test_converted_blocks_of_heads_match_reference(monkeypatch, case):
         return call
 
     for name in calls:
-        monkeypatch.setattr(cpu_kernels, name, counting(name))
+        monkeypatch.setattr(plain_kernels, name, counting(name))
     with cakeops.use_backend("numba"):
         got = run(q, k, v, g)
     assert calls == {"_forward": expected, "_backward": expected}
@@ -213,11 +215,11 @@ def test_decode_step_backward_on_the_calling_thread_and_on_threads(monkeypatch, 
     elements, on numba's threads from there: both against the float64 scan, every option."""
     calls = []
     for name in ("_step_serial", "_step_parallel"):
-        kernel = getattr(cpu_kernels, name)
-        monkeypatch.setattr(cpu_kernels, name,
+        kernel = getattr(step_kernels, name)
+        monkeypatch.setattr(step_kernels, name,
                             lambda *a, n=name, k=kernel: calls.append(n) or k(*a))  # fmt: skip
     if threads:
-        monkeypatch.setattr(cpu_kernels, "STEP_SERIAL_BELOW", 1)
+        monkeypatch.setattr(step_kernels, "STEP_SERIAL_BELOW", 1)
     given = suite.OPTION_CASES["all"]
     (q, k, v), tensors, fixed, g, g_final = suite._option_inputs(given, torch.float32, "cpu", L=1)
     with cakeops.use_backend("numba"):
@@ -554,7 +556,7 @@ def test_compiles_without_a_writable_cache(monkeypatch):
     monkeypatch.setattr(njit_module, "njit", njit)
 
     def double(a):
-        for i in cpu_kernels.prange(a.shape[0]):
+        for i in numba.prange(a.shape[0]):
             a[i] *= 2
 
     a = np.arange(4.0)
