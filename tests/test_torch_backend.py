@@ -307,9 +307,9 @@ def test_gated_delta_rule_paths_agree(monkeypatch, kda, path):
     given = ("initial_state", "final", "l2norm") + (("kda",) if kda else ())
     L = 150
     if path == "one-chunk-groups":
-        monkeypatch.setattr(kernel, "GROUP_BYTES", 1)
+        monkeypatch.setattr(kernel.chunk, "GROUP_BYTES", 1)
     elif path == "guarded":
-        monkeypatch.setattr(kernel, "_needs_guard", lambda *a, **k: True)
+        monkeypatch.setattr(kernel.chunk, "_needs_guard", lambda *a, **k: True)
     else:
         L = 4
         monkeypatch.setattr(kernel, "RECURRENT_UP_TO", 3)  # L = 4 through the chunks
@@ -328,9 +328,9 @@ def test_gated_delta_rule_compiled_step(monkeypatch, compiled_path, given, L):
 
     ran = []
     run_compiled = compile_.run_compiled
-    monkeypatch.setattr(kernel, "RECURRENT_COMPILE_MIN_STATE", 0)
+    monkeypatch.setattr(kernel.recurrent, "RECURRENT_COMPILE_MIN_STATE", 0)
     monkeypatch.setattr(
-        kernel, "run_compiled", lambda *a: ran.append(a[1].__name__) or run_compiled(*a)
+        kernel.recurrent, "run_compiled", lambda *a: ran.append(a[1].__name__) or run_compiled(*a)
     )
     gdr.check_against_reference(*gdr.make_inputs(given, torch.float32, "cpu", L=L))
     assert ("_recurrent" in ran) == (L > 1) and ("_step_backward" in ran) == (L == 1)

@@ -26,14 +26,15 @@ ROOTS = [
 
 
 def pairs() -> list[tuple[str, str]]:
-    """(op, kernel module) for every op and every package that has a module named after it."""
+    """(op, kernel module) for every op and every package that has a module named after it, or
+    a folder of its algorithms (``<op>/__init__.py``)."""
     ops = sorted(p.stem for p in (ROOT / "spec/src/cakeops/ops").glob("[!_]*.py"))
     packages = [ROOT / "spec/src/cakeops/reference"]
     packages += [p.parent for root in ROOTS[1:] for p in root.glob("*/__init__.py")]
     found = []
     for package in packages:
         for op in ops:
-            if (package / f"{op}.py").exists():
+            if (package / f"{op}.py").exists() or (package / op / "__init__.py").exists():
                 dotted = ".".join(package.relative_to(_root_of(package)).parts)
                 found.append((op, f"{dotted}.{op}"))
     return found
