@@ -33,8 +33,8 @@ from cakeops_numba import backend as numba_backend
 from cakeops_numba.cpu import _njit as njit_module
 from cakeops_numba.cpu import causal_dot_product as cpu_kernels
 from cakeops_numba.cpu import rmsnorm_silu_gate as norm_kernels
+from cakeops_numba.cpu.causal_dot_product import decode_step as step_kernels
 from cakeops_numba.cpu.causal_dot_product import plain as plain_kernels
-from cakeops_numba.cpu.causal_dot_product import step as step_kernels
 
 pytestmark = pytest.mark.skipif(
     SIMULATOR, reason="NUMBA_ENABLE_CUDASIM=1 sends CPU tensors to the simulated CUDA kernels"

@@ -8,17 +8,17 @@ call per chunk: 4EM flops per position forward, 10EM backward, against the chunk
 
 - :mod:`.plain`: no options (fast-transformers' drop-in), four positions per pass;
 - :mod:`.options`: log multipliers, states, packed sequences, grouped key heads;
-- :mod:`.step`: a decode step, each head's state read and written once.
+- :mod:`.decode_step`: a decode step, each head's state read and written once.
 """
 
-from cakeops_numba.cpu.causal_dot_product.options import backward_options, forward_options
-from cakeops_numba.cpu.causal_dot_product.plain import backward, forward
-from cakeops_numba.cpu.causal_dot_product.step import (
+from cakeops_numba.cpu.causal_dot_product.decode_step import (
     STEP_FORWARD_BELOW,
     STEP_SERIAL_BELOW,
     step,
     step_backward,
 )
+from cakeops_numba.cpu.causal_dot_product.options import backward_options, forward_options
+from cakeops_numba.cpu.causal_dot_product.plain import backward, forward
 
 __all__ = [
     "STEP_FORWARD_BELOW",

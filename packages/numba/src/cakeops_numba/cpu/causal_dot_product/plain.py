@@ -245,7 +245,7 @@ def _run(kernel, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, 
             kernel(*(_as_float32(t[block]) for t in inputs), *results)
             for t, r in zip(outputs, results, strict=True):
                 if t.dtype != torch.float32:
-                    t[block].copy_(torch.fromview_of(r).view(t[block].shape))
+                    t[block].copy_(torch.from_numpy(r).view(t[block].shape))
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
