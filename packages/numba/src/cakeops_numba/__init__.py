@@ -61,6 +61,12 @@ CPU_NORM_ELEMENTS = 1 << 14
 CPU_DELTA_RULE_FROM = 2
 
 
+def on_cpu_kernels(t: torch.Tensor) -> bool:
+    """Whether ``t`` goes to the ``njit`` CPU kernels: a CPU tensor outside the simulator (which
+    sends CPU tensors to the CUDA kernels)."""
+    return t.device.type == "cpu" and not SIMULATOR
+
+
 def devices(cpu_kernel: bool, cuda: int = CUDA_PRIORITY) -> dict[str, int | None]:
     """Where an op is served: CUDA always (at priority ``cuda``); the CPU through its ``njit``
     kernel if it has one, or in the simulator through the CUDA kernels, then only when forced."""

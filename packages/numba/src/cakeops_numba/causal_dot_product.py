@@ -30,7 +30,7 @@ from cakeops.helpers import (
     split_log_grads,
     value_heads,
 )
-from cakeops_numba import SIMULATOR
+from cakeops_numba import on_cpu_kernels
 from cakeops_numba._elements import store, widen
 from cakeops_numba._launch import THREADS, on_stream, view
 from cakeops_numba.cpu import causal_dot_product as cpu
@@ -187,10 +187,6 @@ def _backward_options(g, g_final, q, k, v, lm, initial_state, cu_seqlens, wide=F
     return dq, dk, dv, gs.view(N * S, H, E, M)
 
 
-def _on_cpu_kernels(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and not SIMULATOR
-
-
 def _plain(scale, lm, initial_state, output_final_state, cu_seqlens) -> bool:
     return (scale is None and lm is None and initial_state is None and not output_final_state
             and cu_seqlens is None)  # fmt: skip
@@ -198,21 +194,21 @@ def _plain(scale, lm, initial_state, output_final_state, cu_seqlens) -> bool:
 
 def forward(q, k, v, scale=None, log_decay=None, log_gates=None, initial_state=None,
             output_final_state=False, cu_seqlens=None):  # fmt: skip
-    if _on_cpu_kernels(q) and q.shape[2] == 1 and cu_seqlens is None:  # a decode step
+    if on_cpu_kernels(q) and q.shape[2] == 1 and cu_seqlens is None:  # a decode step
         options = (scale, log_decay, log_gates, initial_state, output_final_state)
         if v.shape[0] * v.shape[1] * q.shape[-1] * v.shape[-1] < cpu.STEP_FORWARD_BELOW:
             return cpu.step(q, k, v, *options)  # one pass over each head's state
         return causal_step(q, k, v, *options)  # the spec's few ops, on PyTorch's threads
     lm = log_multipliers(q, log_decay, log_gates)
-    if not _on_cpu_kernels(q):  # the CUDA kernel reads one key head per value head
+    if not on_cpu_kernels(q):  # the CUDA kernel reads one key head per value head
         q, k = value_heads(q, v.shape[1]), value_heads(k, v.shape[1])
     # the CPU's plain kernels read one key head per value head; its others, any
     plain = _plain(scale, lm, initial_state, output_final_state, cu_seqlens)
     if plain and q.shape[1] == v.shape[1]:
-        if _on_cpu_kernels(q):
+        if on_cpu_kernels(q):
             return cpu.forward(q, k, v), q.new_empty(0)
         return _run(q, k, v, reverse=False), q.new_empty(0)
-    elif _on_cpu_kernels(q):
+    elif on_cpu_kernels(q):
         out, final = cpu.forward_options(q, k, v, lm, initial_state, cu_seqlens, scale)
     else:
         out, final = _run_options(q, k, v, lm, initial_state, cu_seqlens, scale)
@@ -235,18 +231,18 @@ def _step_backward(g, g_final, q, k, v, scale, log_decay, log_gates, initial_sta
 def backward(g, g_final, q, k, v, scale=None, log_decay=None, log_gates=None,
              initial_state=None, output_final_state=False, cu_seqlens=None):  # fmt: skip
     g_final = g_final if output_final_state and g_final.numel() else None
-    if _on_cpu_kernels(q) and q.shape[2] == 1 and cu_seqlens is None:  # a decode step
+    if on_cpu_kernels(q) and q.shape[2] == 1 and cu_seqlens is None:  # a decode step
         return _step_backward(g, g_final, q, k, v, scale, log_decay, log_gates, initial_state)
     key_heads, dtype = q.shape[1], q.dtype
     grouped = key_heads != v.shape[1]  # the CPU kernels sum a group's dq, dk themselves
     lm = log_multipliers(q, log_decay, log_gates)
     if _plain(scale, lm, initial_state, g_final is not None, cu_seqlens) and not grouped:
-        if _on_cpu_kernels(q):
+        if on_cpu_kernels(q):
             return (*cpu.backward(g, q, k, v), None, None, None)
         return (*backward_by_scans(_run, g, q, k, v), None, None, None)
     gs = g if scale is None else g.float() * scale  # the output's gradient carries the scale
     d_decay = d_gates = None
-    if _on_cpu_kernels(q):  # the CPU kernels also sum the log multipliers' gradient
+    if on_cpu_kernels(q):  # the CPU kernels also sum the log multipliers' gradient
         dq, dk, dv, d_init, dlm = cpu.backward_options(gs, g_final, q, k, v, lm,
                                                        initial_state, cu_seqlens)  # fmt: skip
         if lm is not None:

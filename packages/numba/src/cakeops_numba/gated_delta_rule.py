@@ -29,7 +29,7 @@ import torch
 from numba import cuda, float32
 
 from cakeops.ops.gated_delta_rule import L2NORM_EPS
-from cakeops_numba import SIMULATOR
+from cakeops_numba import SIMULATOR, on_cpu_kernels
 from cakeops_numba._elements import store, widen
 from cakeops_numba._launch import THREADS, on_stream, view
 from cakeops_numba.cpu import gated_delta_rule as cpu
@@ -235,15 +235,11 @@ def _run_forward(qn, kn, v, g, beta, scale, initial_state, layout, save, write):
     return out, state.view(sequences, Hv, K, V), saved
 
 
-def _on_cpu_kernels(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and not SIMULATOR
-
-
 def forward(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
             cu_seqlens=None, use_qk_l2norm=False):  # fmt: skip
     qn, _ = _normalised(q, use_qk_l2norm)
     kn, _ = _normalised(k, use_qk_l2norm)
-    if _on_cpu_kernels(q):
+    if on_cpu_kernels(q):
         out, final = cpu.forward(qn, kn, v, g, beta, scale, initial_state, cu_seqlens)
     else:
         layout = _layout(q, v, g, cu_seqlens)
@@ -290,7 +286,7 @@ def backward(g_out, g_final, q, k, v, g, beta, scale, initial_state=None,
     qn, rq = _normalised(q, use_qk_l2norm)
     kn, rk = _normalised(k, use_qk_l2norm)
     g_final = g_final if output_final_state else None
-    run = cpu.backward if _on_cpu_kernels(q) else _cuda_backward
+    run = cpu.backward if on_cpu_kernels(q) else _cuda_backward
     dq, dk, dv, dg, db, d_init = run(g_out, g_final, qn, kn, v, g, beta, scale, initial_state,
                                      cu_seqlens)  # fmt: skip
     N, H, L, K = q.shape
