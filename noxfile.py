@@ -193,7 +193,10 @@ def gpu_compile(session: nox.Session, triton: str) -> None:
     image = f"triton=={triton}" == GPU_IMAGE_TRITON
     out = [] if image else ["--out", f"bench-results/triton-{triton}"]
     first = ["--docs", "docs/content/gpu.md"] if image else ["--triton-only", *out]
-    asked = [a for a in session.posargs if a != "--full"]
+    # The calls no GPU run makes (the CPU benchmarks' shapes, the GPU benchmark's in other
+    # dtypes) in float32 and bfloat16, and on the other version bfloat16 alone (the sweep below
+    # takes float16 there): float16 everywhere with -- --full.
+    asked = list(session.posargs)
     session.run("python", "tests/gpu_compile/run_all.py", *first, *asked)
     # The resource sweep: every config the rules keep at shapes no test uses (head sizes 16-256,
     # non-power-of-two D and F), 16-bit and mixed: fails on any spill. One 16-bit dtype per

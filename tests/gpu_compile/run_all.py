@@ -3,7 +3,7 @@ sm_80, numba-cuda kernels for compute capability 9.0 and 8.0, then the report, w
 what a GPU would reject or run badly. Independent parts run side by side.
 
     python tests/gpu_compile/run_all.py [--out bench-results] [--docs docs/content/gpu.md]
-                                        [--triton-only | --sweep]
+                                        [--triton-only | --sweep] [--full]
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ def wait(procs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
 
 
 def dtype_args(args) -> list[str]:
-    """The Triton check's dtypes: those asked for, or the 16-bit ones for ``--triton-only``."""
-    dtypes = args.dtype or (["bfloat16", "float16"] if args.triton_only else [])
-    return [a for d in dtypes for a in ("--dtype", d)]
+    """The Triton check's dtypes: those asked for, or for ``--triton-only`` bfloat16 (the GPU
+    benchmark's dtype; float16 too with ``--full``), and ``--full`` passed on."""
+    sixteen = ["bfloat16", "float16"] if args.full else ["bfloat16"]
+    dtypes = args.dtype or (sixteen if args.triton_only else [])
+    return [a for d in dtypes for a in ("--dtype", d)] + (["--full"] if args.full else [])
 
 
 def main() -> None:
@@ -66,6 +68,11 @@ def main() -> None:
         "--sweep",
         action="store_true",
         help="compile the resource sweep's shapes instead (16-bit and mixed)",
+    )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="float16 too where a default run takes one 16-bit dtype (see triton_check.py)",
     )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gpu-compile-"))

@@ -44,9 +44,10 @@ def _unique(calls: list[Call]) -> list[Call]:
     return list(dict.fromkeys(calls))
 
 
-def calls(dtypes=DTYPES) -> Iterator[Call]:
-    """The suite's calls in every dtype, then the GPU benchmark's, then the rest: a kernel is
-    compiled, and counted, under the first call that needs it."""
+def calls(dtypes=DTYPES, other_dtypes=DTYPES) -> Iterator[Call]:
+    """The suite's calls in every dtype, then the GPU benchmark's, then the rest (``other``,
+    in ``other_dtypes`` only): a kernel is compiled, and counted, under the first call that
+    needs it."""
     rms = [(shape, gs, nbg) for shape, gs, nbg in suite_rmsnorm.CASES.values()]
     causal = [*list(suite_causal.CASES.values()), (1, 1, suite_causal.LONG_L, 16, 16)]
     moe = [c[:5] for c in suite_moe.CASES.values()]
@@ -113,7 +114,8 @@ def calls(dtypes=DTYPES) -> Iterator[Call]:
         out += [Call("causal_dot_product", dtype, c, source="other")
                 for c in [*bench_causal.CASES.values(), (1, 2, 64, 256, 256)]]  # fmt: skip
         out += [Call("moe_experts", dtype, c, source="other") for c in bench_moe.CASES.values()]
-    yield from _unique([c for c in out if c.dtype in dtypes])
+    wanted = [c for c in out if c.dtype in dtypes]
+    yield from _unique([c for c in wanted if c.source != "other" or c.dtype in other_dtypes])
 
 
 #: (N, H, G, L, K, V) of the suite's gated_delta_rule calls, and their variants

@@ -199,7 +199,13 @@ def dots(ttgir: str) -> list[dict]:
     return found
 
 
-def run_calls(arch: int, dtypes, ops=None, sweep=False) -> list[dict]:
+#: The dtypes of the calls no GPU run makes (``other``: the CPU benchmarks' shapes, the GPU
+#: benchmark's in other dtypes), compiled for their resources only: float16's registers are
+#: bfloat16's within a few (the sweep's finding), so it takes ``--full``.
+OTHER_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def run_calls(arch: int, dtypes, ops=None, sweep=False, full=False) -> list[dict]:
     import cakeops_triton.causal_conv1d
     import cakeops_triton.causal_dot_product
     import cakeops_triton.gated_delta_rule
@@ -218,7 +224,9 @@ def run_calls(arch: int, dtypes, ops=None, sweep=False) -> list[dict]:
     recorder = Recorder()
     recorder.install()
     driver.set_active(CompileOnly(arch))
-    todo = sweep_calls([d for d in dtypes if d != torch.float32]) if sweep else calls(dtypes)
+    others = tuple(DTYPE_NAMES) if full else OTHER_DTYPES
+    sixteen = [d for d in dtypes if d != torch.float32]
+    todo = sweep_calls(sixteen) if sweep else calls(dtypes, others)
     for call in todo:
         if ops and call.op not in ops:
             continue
@@ -252,11 +260,12 @@ def main() -> None:
     parser.add_argument("--dtype", action="append", choices=sorted(DTYPE_NAMES.values()))
     parser.add_argument("--op", action="append", help="only these ops (default: all)")
     parser.add_argument("--sweep", action="store_true", help="the resource sweep's shapes")
+    parser.add_argument("--full", action="store_true", help="the other calls in float16 too")
     args = parser.parse_args()
     by_name = {v: k for k, v in DTYPE_NAMES.items()}
     dtypes = [by_name[d] for d in args.dtype] if args.dtype else list(DTYPE_NAMES)
     start = time.perf_counter()
-    rows = run_calls(args.arch, dtypes, args.op, args.sweep)
+    rows = run_calls(args.arch, dtypes, args.op, args.sweep, args.full)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps({"backend": "triton", "triton": triton.__version__, "rows": rows})
