@@ -13,8 +13,7 @@ import torch
 import transformers as tf
 
 import cakeops
-from cakeops.integrations import transformers as integration
-from cakeops.integrations.transformers import apply_cakeops
+from cakeops.integrations.transformers import apply_cakeops, rebinding
 
 TOLERANCE = 2 * cakeops.tolerance(torch.float32)
 
@@ -44,7 +43,7 @@ def modules_calling(kernels) -> set[str]:
             continue
         for obj in vars(module).values():
             layer = isinstance(obj, type) and issubclass(obj, torch.nn.Module)
-            if layer and obj.__module__ == name and integration._served_names(obj, kernels):
+            if layer and obj.__module__ == name and rebinding.served_names(obj, kernels):
                 found.add(info.name)
     return found
 

@@ -611,16 +611,16 @@ def _hf_allreduce_worker(rank: int, world: int, init: str, path: str, out: str) 
     import transformers as tf
     from transformers.distributed import DistributedConfig
 
-    from cakeops.integrations import transformers as integration
+    from cakeops.integrations.transformers import experts
 
     seen = []  # per experts call: whether a slot was dropped (an id past the local experts)
-    run = integration.routed_experts
+    run = experts.routed_experts
 
     def spy(x, index, weights, w_gate, w_up, w_down, **kwargs):
         seen.append(bool((index >= w_down.shape[0]).any()))
         return run(x, index, weights, w_gate, w_up, w_down, **kwargs)
 
-    integration.routed_experts = spy
+    experts.routed_experts = spy
     results = {}
     for impl in ("eager", "cakeops"):
         config = DistributedConfig(tp_size=world, ep_size=world)

@@ -15,12 +15,12 @@ from hf_conv_families import BUILT, FAMILIES, MODULES, NOT_BUILT
 from hf_kernel_checks import TOLERANCE, tokens
 
 import cakeops
-from cakeops.integrations import transformers as integration
+from cakeops.integrations.transformers import hub_kernels, rebinding
 
 
 def conv_names(cls: type) -> dict[str, str]:
     """The convolution kernels ``cls.forward`` calls."""
-    return integration._served_names(cls, integration.CONVOLUTIONS)
+    return rebinding.served_names(cls, hub_kernels.CONVOLUTIONS)
 
 
 def pair(family: str):
@@ -29,7 +29,7 @@ def pair(family: str):
 
 def test_every_family_of_the_installed_transformers_is_listed():
     """Each family calling the convolution kernels is built here or says why not."""
-    assert checks.modules_calling(integration.CONVOLUTIONS) == set(MODULES.values())
+    assert checks.modules_calling(hub_kernels.CONVOLUTIONS) == set(MODULES.values())
     for family in MODULES:
         assert family in BUILT or MODULES[family] in NOT_BUILT, family
 
@@ -113,7 +113,7 @@ def test_the_adapters_agree_with_transformers_fallbacks(activation):
     an activation other than SiLU is applied after the op."""
     fallback_fn, fallback_update = _fallbacks()
     outs = []
-    for fn in (fallback_fn, integration._hf_causal_conv1d_fn):
+    for fn in (fallback_fn, hub_kernels._hf_causal_conv1d_fn):
         leaves = [t.detach().clone().requires_grad_() for t in _conv_inputs()]
         out = fn(*leaves, activation=activation)
         outs.append((out, *torch.autograd.grad(out.square().sum(), leaves)))
@@ -122,7 +122,7 @@ def test_the_adapters_agree_with_transformers_fallbacks(activation):
     x, weight, bias = (t.detach() for t in _conv_inputs(L=1, seed=1))
     state = torch.randn(1, 6, 4, generator=torch.Generator().manual_seed(2))
     results = []
-    for fn in (fallback_update, integration._hf_causal_conv1d_update):
+    for fn in (fallback_update, hub_kernels._hf_causal_conv1d_update):
         cache = state.clone()
         results.append((fn(x, cache, weight, bias, activation), cache))
     for a, b in zip(*results, strict=True):
@@ -140,7 +140,7 @@ def test_packed_sequences_stay_apart_where_the_fallback_mixes_them(given):
     cu = torch.tensor([0, 7, 7, 9, 30])
     seq_idx = torch.repeat_interleave(torch.arange(4), cu[1:] - cu[:-1])[None]
     kwargs = {"cu_seq_lens_q": cu} if given == "cu_seq_lens_q" else {"seq_idx": seq_idx}
-    out = integration._hf_causal_conv1d_fn(x, weight, bias, activation="silu", **kwargs)
+    out = hub_kernels._hf_causal_conv1d_fn(x, weight, bias, activation="silu", **kwargs)
     mixed = fallback_fn(x, weight, bias, activation="silu", **kwargs)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
     grads = torch.autograd.grad((out * g).sum(), [x, weight, bias])
@@ -149,7 +149,7 @@ def test_packed_sequences_stay_apart_where_the_fallback_mixes_them(given):
     for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
         alone = x.detach()[:, :, s:e].clone().requires_grad_()
         w, b = weight.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
-        o = integration._hf_causal_conv1d_fn(alone, w, b, activation="silu")
+        o = hub_kernels._hf_causal_conv1d_fn(alone, w, b, activation="silu")
         assert cakeops.relative_error(out[:, :, s:e], o) <= TOLERANCE
         if e > s:  # (the fallback refuses an empty document)
             want = fallback_fn(alone.detach(), w.detach(), b.detach(), activation="silu")

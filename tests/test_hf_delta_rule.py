@@ -15,7 +15,7 @@ from hf_delta_rule_families import BUILT, FAMILIES, MODULES, NOT_BUILT
 from hf_kernel_checks import TOLERANCE, tokens
 
 import cakeops
-from cakeops.integrations import transformers as integration
+from cakeops.integrations.transformers import hub_kernels, rebinding
 
 
 def pair(family: str):
@@ -24,12 +24,12 @@ def pair(family: str):
 
 def delta_rule_names(cls: type) -> dict[str, str]:
     """The delta-rule kernels ``cls.forward`` calls (its convolution aside)."""
-    return integration._served_names(cls, integration.DELTA_RULES)
+    return rebinding.served_names(cls, hub_kernels.DELTA_RULES)
 
 
 def test_every_family_of_the_installed_transformers_is_listed():
     """Each family calling the delta-rule kernels is built here or says why not."""
-    assert checks.modules_calling(integration.DELTA_RULES) == set(MODULES.values())
+    assert checks.modules_calling(hub_kernels.DELTA_RULES) == set(MODULES.values())
     for family in MODULES:
         assert family in BUILT or MODULES[family] in NOT_BUILT
 
@@ -114,7 +114,7 @@ def test_the_op_agrees_with_transformers_fallbacks(kernel):
     heads = (4, 4) if kda else (2, 4)
     state = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(3))
     results = []
-    for fn in (fallback, integration._hf_delta_rule):
+    for fn in (fallback, hub_kernels._hf_delta_rule):
         leaves = [t.detach().clone().requires_grad_() for t in _inputs(kda, heads=heads)]
         s0 = state.clone().requires_grad_()
         out, final = fn(*leaves, initial_state=s0, output_final_state=True,
@@ -137,12 +137,12 @@ def test_packed_sequences_stay_apart_where_the_fallback_refuses(kda):
     if not kda:
         with pytest.raises(ValueError, match="packed sequences"):
             torch_chunk_gated_delta_rule(*leaves, cu_seqlens=cu)
-    out, final = integration._hf_delta_rule(*leaves, output_final_state=True, cu_seqlens=cu,
+    out, final = hub_kernels._hf_delta_rule(*leaves, output_final_state=True, cu_seqlens=cu,
                                             use_qk_l2norm_in_kernel=True)  # fmt: skip
     grads = torch.autograd.grad(out.sum() + final.sum(), leaves)
     for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
         alone = [t.detach()[:, s:e].clone().requires_grad_() for t in leaves]
-        o, f = integration._hf_delta_rule(*alone, output_final_state=True,
+        o, f = hub_kernels._hf_delta_rule(*alone, output_final_state=True,
                                           use_qk_l2norm_in_kernel=True)  # fmt: skip
         torch.testing.assert_close(out[:, s:e], o, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(final[i : i + 1], f, rtol=1e-5, atol=1e-6)
@@ -165,7 +165,7 @@ def delta_rule_table() -> str:
             if is_layer and obj.__module__ == models.__name__ and delta_rule_names(obj):
                 layers.append(obj.__name__)
                 scope = vars(models)
-                kernels |= {integration._hub_name(scope[n]) for n in
+                kernels |= {hub_kernels.hub_name(scope[n]) for n in
                             delta_rule_names(obj)}  # fmt: skip
         checked = ("tiny model: loss, gradients, generation" if family in BUILT
                    else f"layer found; no tiny model: {NOT_BUILT[module]}")  # fmt: skip

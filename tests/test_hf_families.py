@@ -104,12 +104,12 @@ def _exact(model: torch.nn.Module) -> torch.nn.Module:
     """The model in float64, its experts eager; a delta-rule layer's kernel on cakeops, whose
     float64 is the recurrence's (transformers' delta-rule fallback computes in float32 whatever
     its inputs' dtype)."""
-    from cakeops.integrations import transformers as integration
+    from cakeops.integrations.transformers import rebinding
 
     exact = copy.deepcopy(model).double()
     for m in exact.modules():
-        if integration._served_names(type(m)):
-            m.__class__ = integration._kernels_class(type(m))
+        if rebinding.served_names(type(m)):
+            m.__class__ = rebinding.kernels_class(type(m))
     return exact
 
 

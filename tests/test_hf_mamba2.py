@@ -19,7 +19,7 @@ from hf_kernel_checks import TOLERANCE, tokens
 from test_hf_conv1d import pair
 
 import cakeops
-from cakeops.integrations import transformers as integration
+from cakeops.integrations.transformers import hub_kernels, rebinding
 
 #: family -> its transformers module: every family whose mixer calls Mamba2's scans
 MODULES = {"Mamba2": "mamba2", "Bamba": "bamba", "Granite-4.0-hybrid": "granitemoehybrid",
@@ -28,11 +28,11 @@ BUILT = [f for f in MODULES if FAMILIES.get(f) is not None]
 
 
 def scan_names(cls: type) -> dict[str, str]:
-    return integration._served_names(cls, integration.MAMBA2_SCANS)
+    return rebinding.served_names(cls, hub_kernels.MAMBA2_SCANS)
 
 
 def test_every_family_of_the_installed_transformers_is_listed():
-    assert checks.modules_calling(integration.MAMBA2_SCANS) == set(MODULES.values())
+    assert checks.modules_calling(hub_kernels.MAMBA2_SCANS) == set(MODULES.values())
     assert list(MODULES) == BUILT
 
 
@@ -120,7 +120,7 @@ def test_the_adapters_agree_with_transformers_fallbacks(groups):
     update against its fallback (the output and the state written in place)."""
     chunk_scan, state_update = _fallbacks()
     results = []
-    for fn in (chunk_scan, integration._hf_mamba_chunk_scan):
+    for fn in (chunk_scan, hub_kernels._hf_mamba_chunk_scan):
         leaves = {n: t.requires_grad_() for n, t in _scan_inputs(G=groups).items()}
         out, final = fn(**leaves, chunk_size=8, dt_softplus=True, dt_limit=(0.0, 3.0),
                         return_final_states=True)  # fmt: skip
@@ -137,7 +137,7 @@ def test_the_adapters_agree_with_transformers_fallbacks(groups):
             "D": x["D"][:, None].expand(-1, P), "dt_bias": x["dt_bias"][:, None].expand(-1, P),
             "z": torch.randn(1, H, P)}  # fmt: skip
     done = []
-    for fn in (state_update, lambda *a, **k: integration._hf_selective_state_update(
+    for fn in (state_update, lambda *a, **k: hub_kernels._hf_selective_state_update(
             state_update, *a, **k)):  # fmt: skip
         state = x["initial_states"].clone()
         done.append((fn(state, **step, dt_softplus=True), state))
@@ -157,7 +157,7 @@ def test_packed_sequences_stay_apart_where_the_fallback_mixes_them():
     cu = torch.tensor([0, 9, 16, 30])
     seq_idx = torch.repeat_interleave(torch.arange(3), cu[1:] - cu[:-1])[None].int()
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
-    out, final = integration._hf_mamba_chunk_scan(
+    out, final = hub_kernels._hf_mamba_chunk_scan(
         **leaves, chunk_size=8, dt_softplus=True, seq_idx=seq_idx, return_final_states=True
     )
     mixed = chunk_scan(**x, chunk_size=8, dt_softplus=True, seq_idx=seq_idx)
@@ -172,7 +172,7 @@ def test_packed_sequences_stay_apart_where_the_fallback_mixes_them():
                 for n, t in x.items() if n != "initial_states"}  # fmt: skip
         if s == 0:
             part["initial_states"] = x["initial_states"].clone().requires_grad_()
-        alone, last = integration._hf_mamba_chunk_scan(**part, chunk_size=8, dt_softplus=True,
+        alone, last = hub_kernels._hf_mamba_chunk_scan(**part, chunk_size=8, dt_softplus=True,
                                                        return_final_states=True)  # fmt: skip
         assert cakeops.relative_error(out[:, s:e], alone) <= TOLERANCE
         want = chunk_scan(**{n: t.detach() for n, t in part.items()}, chunk_size=8,
@@ -194,7 +194,7 @@ FUSED_CALL = "mamba_split_conv1d_scan_combined"
 
 def _fused_name(cls: type) -> str | None:
     """The name under which a mixer class (unpatched) calls the fused call cakeops serves."""
-    return next((n for n, k in integration._served_names(cls).items() if k == FUSED_CALL), None)
+    return next((n for n, k in rebinding.served_names(cls).items() if k == FUSED_CALL), None)
 
 
 def _mixer(model):
@@ -210,7 +210,7 @@ def test_every_mixer_makes_the_fused_call():
     reason is listed)."""
     assert FUSED == BUILT
     falcon = type(_mixer(pair("Falcon-H1")[0]))
-    assert FUSED_CALL in integration.DECLINED_CALLS[falcon.__name__]
+    assert FUSED_CALL in hub_kernels.DECLINED_CALLS[falcon.__name__]
 
 
 @pytest.mark.parametrize("family", FUSED)
@@ -307,7 +307,7 @@ def test_the_fused_call_keeps_packed_documents_apart():
     zxbcdt = mixer.in_proj(torch.randn(1, 20, mixer.in_proj.in_features))
 
     def fused(z, **kwargs):
-        return integration._hf_split_conv1d_scan(
+        return hub_kernels._hf_split_conv1d_scan(
             z, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.dt_bias,
             -torch.exp(mixer.A_log.float()), D=mixer.D, chunk_size=mixer.chunk_size,
             activation=mixer.activation, rmsnorm_weight=mixer.norm.weight,
@@ -327,7 +327,7 @@ def test_mamba1_state_update_is_left_to_transformers():
     """Mamba1's mixers also call ``selective_state_update`` (a per-channel A, not a scan
     cakeops serves): their class is patched for the convolution only."""
     m = importlib.import_module("transformers.models.mamba.modeling_mamba")
-    assert "selective_state_update" not in integration._served_names(m.MambaMixer).values()
+    assert "selective_state_update" not in rebinding.served_names(m.MambaMixer).values()
 
 
 def test_mamba2_benchmark_runs_and_writes_its_table(tmp_path, monkeypatch):

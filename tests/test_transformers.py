@@ -276,13 +276,11 @@ def test_gated_norm_swapped_matches_the_models_own(name, monkeypatch):
     """Each served gated norm, swapped by apply_cakeops, dispatches rmsnorm_silu_gate and
     matches the model's own forward and gradients; called without a gate (where the model's
     own accepts that) it stays the model's own; one not served keeps its class."""
-    from cakeops.integrations import transformers as integration
+    from cakeops.integrations.transformers import NOT_SERVED_NORMS, norms
 
     calls = []
-    op = integration.rmsnorm_silu_gate
-    monkeypatch.setattr(
-        integration, "rmsnorm_silu_gate", lambda *a, **k: calls.append(1) or op(*a, **k)
-    )
+    op = norms.rmsnorm_silu_gate
+    monkeypatch.setattr(norms, "rmsnorm_silu_gate", lambda *a, **k: calls.append(1) or op(*a, **k))
     cls = GATED_NORM_CLASSES[name]
     for kwargs in _norm_variants(cls):
         torch.manual_seed(0)
@@ -291,7 +289,7 @@ def test_gated_norm_swapped_matches_the_models_own(name, monkeypatch):
         holder = torch.nn.Sequential(copy.deepcopy(norm))
         apply_cakeops(holder)
         patched = holder[0]
-        if name in integration.NOT_SERVED_NORMS:
+        if name in NOT_SERVED_NORMS:
             assert type(patched) is cls
             continue
         assert type(patched).__name__ == f"Cakeops{name}"

@@ -44,7 +44,7 @@ def config(hidden: int, heads: int, head_dim: int, state: int, groups: int, laye
 def scan_case(L: int, hidden: int, heads: int, head_dim: int, state: int, groups: int,
               quick: bool):  # fmt: skip
     """The SSD scan's forward+backward: transformers' fallback against cakeops' adapter."""
-    from cakeops.integrations.transformers import _hf_mamba_chunk_scan
+    from cakeops.integrations.transformers.hub_kernels import _hf_mamba_chunk_scan
 
     module = importlib.import_module("transformers.models.mamba2.modeling_mamba2")
     fallback = module.mamba2_chunk_scan.__wrapped__

@@ -56,19 +56,19 @@ def layers(heads: int, head_dim: int, device, dtype):
 def without_core():
     """The cakeops layer's core replaced by nothing (its output is ``v``): what is left is the
     rest of the layer, the same in both."""
-    from cakeops.integrations import transformers as integration
+    from cakeops.integrations.transformers import linear_attention
 
     def nothing(q, k, v, *, initial_state=None, **_):
         N, H, _, E = q.shape
         state = torch.zeros(N, H, E, v.shape[-1], dtype=torch.float32, device=v.device)
         return v, state
 
-    real = integration.causal_dot_product
-    integration.causal_dot_product = nothing
+    real = linear_attention.causal_dot_product
+    linear_attention.causal_dot_product = nothing
     try:
         yield
     finally:
-        integration.causal_dot_product = real
+        linear_attention.causal_dot_product = real
 
 
 def train_contenders(hf, ours, x, g):

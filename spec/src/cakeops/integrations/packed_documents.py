@@ -14,6 +14,7 @@ around it, and handed to the layers as the flattening collator hands them (``cu_
 hand their convolution instead), which every mixer cakeops serves reads.
 A model with a layer that would still run the documents together (:data:`MIXING_LAYERS`)
 raises a ``ValueError`` naming it instead of returning a silently mixed result.
+:func:`packed_offsets` reads the offsets back where a layer's kernel call receives them.
 """
 
 from __future__ import annotations
@@ -137,3 +138,16 @@ def keep_documents_apart(model: torch.nn.Module) -> None:
             module.register_forward_pre_hook(_before, with_kwargs=True)
             module.register_forward_hook(_after, with_kwargs=True, always_call=True)
             module._cakeops_packing = True
+
+
+def packed_offsets(x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """Packed sequences' offsets from what the layers pass along: ``cu_seq_lens_q``
+    (``DataCollatorWithFlattening``) or Mamba's per-position ``seq_idx`` ``(1, L)`` (its
+    offsets read from the changes of sequence: a synchronisation on a GPU)."""
+    if x.shape[0] != 1:
+        return None
+    cu = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seqlens"))
+    if cu is not None:
+        return cu
+    seq_idx = kwargs.get("seq_idx")
+    return None if seq_idx is None else boundaries(seq_idx.reshape(-1), step=0)
