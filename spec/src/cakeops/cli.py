@@ -15,11 +15,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-#: the ops' names, for ``--op`` without importing torch (a test checks them against the specs)
-OP_NAMES = (
-    "causal_conv1d", "causal_dot_product", "gated_delta_rule", "moe_experts", "rmsnorm_silu_gate",
-    "routed_experts",
-)  # fmt: skip
+
+def _op_names() -> tuple[str, ...]:
+    """The ops' names, for ``--op`` without importing torch: the modules of ``cakeops/ops/``,
+    as :data:`cakeops.ops.SPECS` finds them (a test checks the two agree)."""
+    ops = Path(__file__).parent / "ops"
+    return tuple(sorted(p.stem for p in ops.glob("*.py") if not p.stem.startswith("_")))
+
+
+OP_NAMES = _op_names()
 
 DESCRIPTION = (
     "cakeops: fused training ops with pluggable backends. 'cakeops info' shows what is installed "
