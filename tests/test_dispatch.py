@@ -174,6 +174,31 @@ def test_a_backend_not_preferred_for_some_inputs_runs_them_only_when_named(spies
         sys.modules.pop(module.__name__, None)
 
 
+def test_a_kernel_modules_own_rules_are_the_backends(spies):
+    """A kernel module's ``not_supported_reasons(inputs)`` and ``not_preferred_reasons(inputs)``
+    are added to a plain ``Backend``'s: unsupported inputs are refused even when named,
+    unpreferred ones run only when named, and explain gives both reasons."""
+    module = _spy_module("ruled")
+    module.not_supported_reasons = lambda i: ["three rows only"] if i.x.shape[0] != 3 else []
+    module.not_preferred_reasons = lambda i: ["wide rows go elsewhere"] if i.x.shape[1] > 4 else []
+    kernels = cakeops.OpKernels(module.__name__, devices={"cpu": 200}, dtypes=(torch.float32,))
+    cakeops.register_backend(cakeops.Backend(name="ruled", distribution="ruled", ops={OP: kernels}))
+    try:
+        narrow = (torch.randn(3, 4, requires_grad=True), torch.randn(3, 4), torch.ones(4))
+        assert ran(*narrow) == "ruled"
+        assert ran(*inputs()) == "spy_a"
+        assert cakeops.explain(OP, *inputs()).reasons["ruled"] == ["wide rows go elsewhere"]
+        with cakeops.use_backend("ruled"):
+            assert ran(*inputs()) == "ruled"
+            tall = (torch.randn(5, 4), torch.randn(5, 4), torch.ones(4))
+            with pytest.raises(cakeops.BackendError, match="three rows only"):
+                cakeops.rmsnorm_silu_gate(*tall)
+        assert cakeops.explain(OP, *tall).reasons["ruled"] == ["three rows only"]
+    finally:
+        cakeops.unregister_backend("ruled")
+        sys.modules.pop(module.__name__, None)
+
+
 def test_env_vars_are_read_at_call_time(spies, monkeypatch):
     x, z, w = inputs()
     assert ran(x, z, w) == "spy_a"

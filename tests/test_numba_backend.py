@@ -102,7 +102,7 @@ def test_delta_rule_cpu_kernel_is_chosen_from_a_few_positions():
     """gated_delta_rule's njit recurrence is the implicit CPU choice from CPU_DELTA_RULE_FROM
     positions on, both gate forms (explain says why shorter calls go to torch); named, it runs
     a decode step too."""
-    from cakeops_numba import CPU_DELTA_RULE_FROM
+    from cakeops_numba.gated_delta_rule import CPU_DELTA_RULE_FROM
 
     def inputs(L, kda=False):
         x = torch.randn(1, 2, L, 8)
@@ -126,7 +126,7 @@ def test_norm_cpu_kernel_is_chosen_for_a_decode_steps_inputs():
     """rmsnorm_silu_gate's njit kernel is the implicit CPU choice for inputs of up to
     CPU_NORM_ELEMENTS elements in every dtype it takes (explain says why it is passed over for
     the others); named, it runs any input."""
-    from cakeops_numba import CPU_NORM_ELEMENTS
+    from cakeops_numba.rmsnorm_silu_gate import CPU_NORM_ELEMENTS
 
     def inputs(rows, dtype=torch.float32):
         x = torch.randn(rows, 1024, dtype=dtype)

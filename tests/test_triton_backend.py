@@ -260,6 +260,7 @@ TUNED_PATH = textwrap.dedent(
         assert_matches(mine, ref, "causal_dot_product log_gates")
     # the chunked delta rule on a GPU's chunks and blocks, scalar gates and KDA's: two key
     # blocks of the walks, two column blocks of their states, KDA's C x C x 8 tiles
+    from cakeops_triton import gated_delta_rule as delta_rule
     from cakeops_triton.gated_delta_rule import chunk
     chunk.CHUNK, chunk.WALK_KEY_BLOCK, chunk.GRAD_KEY_BLOCK = 16, 32, 32
     torch.manual_seed(0)
@@ -356,9 +357,10 @@ def test_the_delta_rule_on_cuda_takes_triton_where_it_chunks_or_decodes():
     kernels = triton_backend.ops["gated_delta_rule"]
     assert kernels.priority("cuda") > torch_backend.ops["gated_delta_rule"].priority("cuda")
     spec = SPECS["gated_delta_rule"]
+    from cakeops_triton import gated_delta_rule as delta_rule
     from cakeops_triton.gated_delta_rule import chunk
 
-    longest = cakeops_triton.DELTA_RULE_POSITIONS
+    longest = delta_rule.DELTA_RULE_POSITIONS
     wide = chunk.MAX_K + 1
     for L, kda, K, passed in ((1, False, 8, False), (longest, True, 8, False),
                               (longest + 1, False, 8, False), (4096, False, chunk.MAX_K, False),

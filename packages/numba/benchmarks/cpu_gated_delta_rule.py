@@ -24,7 +24,7 @@ import torch
 
 import cakeops
 from cakeops.measure import alternating_medians, peak_memory
-from cakeops_numba import CPU_DELTA_RULE_FROM
+from cakeops_numba.gated_delta_rule import CPU_DELTA_RULE_FROM
 
 #: (form, N, value heads, L, K = V): Qwen3-Next's heads (16 of 128), Kimi Linear's (32 of 128)
 #: and the small KDA case (8 of 64), and short calls down to a decode step.

@@ -19,8 +19,8 @@ import argparse
 import torch
 
 from cakeops.measure import alternating_medians
-from cakeops_numba import CPU_NORM_ELEMENTS
 from cakeops_numba.cpu import rmsnorm_silu_gate as numba_kernels
+from cakeops_numba.rmsnorm_silu_gate import CPU_NORM_ELEMENTS
 from cakeops_torch import rmsnorm_silu_gate as torch_kernels
 
 EPS = 1e-6

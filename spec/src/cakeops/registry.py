@@ -153,7 +153,23 @@ class Backend:
         op's validated ``Inputs`` (read them by attribute, or by name like a mapping). The
         answer depends on the inputs' signature (types, shapes, strides, dtypes, devices, the
         options' values), never on tensor values: a call without autograd reuses it for a
-        signature it has seen while :func:`selection_token` is unchanged."""
+        signature it has seen while :func:`selection_token` is unchanged. By default: what the
+        op's :class:`OpKernels` declares (:meth:`served_reasons`), then its kernel module's
+        own rule (:meth:`declared_reasons`)."""
+        reasons = self.served_reasons(op, inputs)
+        return reasons or self.declared_reasons(op, "not_supported_reasons", inputs)
+
+    def not_preferred_reasons(self, op: str, inputs: OpInputs) -> list[str]:
+        """Every reason implicit selection passes this backend over for ``inputs`` it supports
+        (empty when it does not): kernels that beat the next backend's on some signatures
+        only, such as a decode step's. Named explicitly, the backend still runs them. Like
+        :meth:`not_supported_reasons`, the answer depends on the signature only. By default:
+        the kernel module's own rule (:meth:`declared_reasons`)."""
+        return self.declared_reasons(op, "not_preferred_reasons", inputs)
+
+    def served_reasons(self, op: str, inputs: OpInputs) -> list[str]:
+        """Why the op's :class:`OpKernels` does not serve ``inputs``: not implemented, another
+        device, another dtype."""
         kernels = self.ops.get(op)
         if kernels is None:
             return [f"does not implement {op}"]
@@ -171,12 +187,16 @@ class Backend:
             )
         return reasons
 
-    def not_preferred_reasons(self, op: str, inputs: OpInputs) -> list[str]:
-        """Every reason implicit selection passes this backend over for ``inputs`` it supports
-        (empty when it does not): kernels that beat the next backend's on some signatures
-        only, such as a decode step's. Named explicitly, the backend still runs them. Like
-        :meth:`not_supported_reasons`, the answer depends on the signature only."""
-        return []
+    def declared_reasons(self, op: str, rule: str, inputs: OpInputs) -> list[str]:
+        """What ``rule(inputs)`` returns where the op's kernel module defines that function
+        (``not_supported_reasons`` or ``not_preferred_reasons``): an op's rules said beside its
+        kernels. The module is imported then; an error importing it propagates (the registry
+        then passes the backend over with it as the reason); a module that is not there
+        declares nothing (the registry reports it before asking)."""
+        if op not in self.ops or _kernels_missing(self, op) is not None:
+            return []
+        declared = getattr(self.kernels(op), rule, None)
+        return list(declared(inputs)) if callable(declared) else []
 
     def kernels(self, op: str) -> ModuleType:
         """The imported kernel module for ``op`` (imported once, on first use); one without a

@@ -9,10 +9,10 @@ many times faster, and run on numba only when it is asked for by name.
 
 On the CPU, ``njit`` kernels serve the ops where they beat the ``torch`` backend on the op's
 benchmark shapes (``causal_dot_product``, in every dtype; ``gated_delta_rule``, both gate forms,
-from ``CPU_DELTA_RULE_FROM`` positions; see ``packages/numba/benchmarks``), as the automatic
-choice there; ``rmsnorm_silu_gate``'s is the automatic choice for a decode step's inputs (up to
-``CPU_NORM_ELEMENTS`` elements; ``packages/numba/benchmarks``' ``cpu_rmsnorm_silu_gate.py``),
-and runs the others when named.
+from ``gated_delta_rule.CPU_DELTA_RULE_FROM`` positions; see ``packages/numba/benchmarks``),
+as the automatic choice there; ``rmsnorm_silu_gate``'s is the automatic choice for a decode
+step's inputs (up to ``rmsnorm_silu_gate.CPU_NORM_ELEMENTS`` elements;
+``packages/numba/benchmarks``' ``cpu_rmsnorm_silu_gate.py``), and runs the others when named.
 
 The CUDA kernels need numba-cuda (``pip install 'cakeops-numba[cuda]'``); the CPU kernels need
 numba only. With ``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported) the CUDA kernels run
@@ -49,16 +49,6 @@ if not SIMULATOR and importlib.util.find_spec("numba_cuda") is not None:
 CUDA_PRIORITY = 50  # below triton (100), above torch (10): memory-bound kernels
 CUDA_MATMUL_PRIORITY = 5  # below torch (10): products on FMA against torch's tensor cores
 CPU_PRIORITY = 20  # above torch (10), for the ops with a CPU kernel
-#: The largest ``rmsnorm_silu_gate`` input chosen implicitly on the CPU: a decode step's rows (16
-#: of 1024, 4 of 4096), where the njit kernel's passes beat the torch backend's dozen ops in
-#: float32, bfloat16 and float16 alike; wider inputs, where torch's vectorised ops (then its
-#: compiled kernel) win the forward, go to torch.
-CPU_NORM_ELEMENTS = 1 << 14
-#: The shortest ``gated_delta_rule`` call chosen implicitly on the CPU: from two positions the
-#: njit recurrence beats the torch backend, forward and backward, both gate forms; a decode
-#: step, where its backward is the slower, goes to torch
-#: (``packages/numba/benchmarks/cpu_gated_delta_rule.py``).
-CPU_DELTA_RULE_FROM = 2
 
 
 def on_cpu_kernels(t: torch.Tensor) -> bool:
@@ -186,29 +176,16 @@ class NumbaBackend(Backend):
         return None
 
     def not_supported_reasons(self, op: str, inputs: OpInputs) -> list[str]:
-        reasons = super().not_supported_reasons(op, inputs)
+        """What the op's kernels serve, then whether numba can run them here (CUDA, or its
+        CPU threads), then the kernel module's own rule (importing it imports numba)."""
+        reasons = self.served_reasons(op, inputs)
         if inputs.device_type == "cuda" and self.cuda_unavailable_reason is not None:
             reasons.append(self.cuda_unavailable_reason)
         if inputs.device_type == "cpu" and not SIMULATOR and not reasons:
             why = FORKED_FROM_OPENMP if _forked_from_openmp else self.cpu_unavailable_reason
             if why is not None:
                 reasons.append(why)
-        return reasons
-
-    def not_preferred_reasons(self, op: str, inputs: OpInputs) -> list[str]:
-        if inputs.device_type != "cpu" or SIMULATOR:
-            return []
-        if op == "rmsnorm_silu_gate" and inputs.x.numel() > CPU_NORM_ELEMENTS:
-            return [
-                f"its CPU kernel is chosen implicitly for up to {CPU_NORM_ELEMENTS} elements "
-                f"(a decode step's), got {inputs.x.numel()}"
-            ]
-        if op == "gated_delta_rule" and inputs.q.shape[2] < CPU_DELTA_RULE_FROM:
-            return [
-                f"its CPU kernel is chosen implicitly from {CPU_DELTA_RULE_FROM} positions on "
-                f"(a decode step goes to torch), got {inputs.q.shape[2]}"
-            ]
-        return []
+        return reasons or self.declared_reasons(op, "not_supported_reasons", inputs)
 
 
 backend = NumbaBackend(

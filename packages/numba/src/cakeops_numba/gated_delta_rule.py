@@ -34,6 +34,22 @@ from cakeops_numba._elements import store, widen
 from cakeops_numba._launch import THREADS, on_stream, view
 from cakeops_numba.cpu import gated_delta_rule as cpu
 
+#: The shortest call chosen implicitly on the CPU: from two positions the njit recurrence beats
+#: the torch backend, forward and backward, both gate forms; a decode step, where its backward is
+#: the slower, goes to torch (``packages/numba/benchmarks/cpu_gated_delta_rule.py``).
+CPU_DELTA_RULE_FROM = 2
+
+
+def not_preferred_reasons(inputs) -> list[str]:
+    """Passed over on the CPU for a decode step (the backend's ``not_preferred_reasons``)."""
+    if on_cpu_kernels(inputs.q) and inputs.q.shape[2] < CPU_DELTA_RULE_FROM:
+        return [
+            f"its CPU kernel is chosen implicitly from {CPU_DELTA_RULE_FROM} positions on "
+            f"(a decode step goes to torch), got {inputs.q.shape[2]}"
+        ]
+    return []
+
+
 #: Steps between stored states in the backward's first pass, and per recomputed stretch; 4 in
 #: the simulator, so that its short test sequences cross chunks.
 CHUNK = 4 if SIMULATOR else 64

@@ -17,10 +17,28 @@ import math
 import torch
 from numba import cuda, float32
 
-from cakeops_numba import SIMULATOR
+from cakeops_numba import SIMULATOR, on_cpu_kernels
 from cakeops_numba._elements import sigmoid, store, widen
 from cakeops_numba._launch import THREADS, blocks_for, on_stream, view
 from cakeops_numba.cpu import rmsnorm_silu_gate as cpu
+
+#: The largest input chosen implicitly on the CPU: a decode step's rows (16 of 1024, 4 of 4096),
+#: where the njit kernel's passes beat the torch backend's dozen ops in float32, bfloat16 and
+#: float16 alike; wider inputs, where torch's vectorised ops (then its compiled kernel) win the
+#: forward, go to torch.
+CPU_NORM_ELEMENTS = 1 << 14
+
+
+def not_preferred_reasons(inputs) -> list[str]:
+    """Passed over on the CPU above a decode step's size (the backend's
+    ``not_preferred_reasons``)."""
+    if on_cpu_kernels(inputs.x) and inputs.x.numel() > CPU_NORM_ELEMENTS:
+        return [
+            f"its CPU kernel is chosen implicitly for up to {CPU_NORM_ELEMENTS} elements "
+            f"(a decode step's), got {inputs.x.numel()}"
+        ]
+    return []
+
 
 SMALL_GROUP = 32
 SIM_SWITCH_INTERVAL_S = 1e-3  # long loops between barriers: see _launch

@@ -26,6 +26,21 @@ import triton.language as tl
 from cakeops.helpers import conv_final_state, conv_initial_state_grad
 from cakeops_triton._common import INTERPRET, round_to, serialised, untuned
 
+
+def not_supported_reasons(inputs) -> list[str]:
+    """The kernel indexes within a row of ``x`` in 32 bits (the backend's
+    ``not_supported_reasons``)."""
+    if _row_extent(inputs.x) >= 2**31:
+        return ["indexes within a row of x in 32 bits: C * L below 2**31 elements"]
+    return []
+
+
+def _row_extent(x: torch.Tensor) -> int:
+    """Elements one row of ``(N, C, L)`` spans in memory (at least ``C * L``)."""
+    _, C, L = x.shape
+    return max(C * L, 1 + (C - 1) * abs(x.stride(1)) + (L - 1) * abs(x.stride(2)))
+
+
 #: Positions and channels per program: 4 elements a thread on 4 warps, a row of 64 channels
 #: (128 bytes in 16 bits) per position. The tiles' addresses and masks, hoisted out of the
 #: loop over the taps, take about 15 registers an element: about 105 registers a thread, so
