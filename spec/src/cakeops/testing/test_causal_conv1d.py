@@ -15,12 +15,12 @@ from cakeops.testing import (
     EMULATED,
     assert_bad_input_raises,
     assert_compiled_matches,
-    assert_default_dtype_changes_nothing,
     assert_matches,
     assert_opcheck_and_compile_with_state,
     check_with_state,
     run_with_state,
 )
+from cakeops.testing.stateful import StatefulOpChecks
 
 OP = "causal_conv1d"
 
@@ -78,8 +78,12 @@ def check_against_reference(tensors, fixed, g_out, g_final):
     check_with_state(cakeops.causal_conv1d, ref.conv, tensors, fixed, g_out, g_final)
 
 
-class TestCausalConv1d:
+class TestCausalConv1d(StatefulOpChecks):
     op = OP
+    make_inputs, run = staticmethod(make_inputs), staticmethod(run)
+    L, CU_SEQLENS, ALONG = L, CU_SEQLENS, ("x",)
+    PACKED = EVERY_OPTION = OPTION_CASES["together"]
+    CONTINUED = ("bias", "silu", "final")
 
     @pytest.mark.parametrize("case", list(OPTION_CASES))
     def test_options_match_the_reference(self, cakeops_backend, dtype, cakeops_device, case):
@@ -129,61 +133,6 @@ class TestCausalConv1d:
         for i, (s, e) in enumerate(itertools.pairwise(CU_SEQLENS)):
             want = torch.cat([s0[i], x[0, :, s:e]], 1)[:, -3:]
             assert torch.equal(final[i], want), f"sequence {i}"
-
-    def test_packed_sequences_equal_separate_calls(self, cakeops_backend, dtype, cakeops_device):
-        """A packed batch (empty sequences, and sequences shorter than the state, included)
-        gives, per sequence, the output, final state and gradients of that sequence run
-        alone."""
-        given = ("bias", "silu", "initial_state", "final", "packed")
-        tensors, fixed, g_out, g_final = make_inputs(given, dtype, cakeops_device)
-        packed = run(tensors, fixed, g_out, g_final)
-        for i, (s, e) in enumerate(itertools.pairwise(CU_SEQLENS)):
-            alone = {n: (t.detach()[i : i + 1] if n == "initial_state"
-                         else t.detach()[:, :, s:e] if n == "x" else t.detach()).requires_grad_()
-                     for n, t in tensors.items()}  # fmt: skip
-            options = {n: v for n, v in fixed.items() if n != "cu_seqlens"}
-            got = run(alone, options, g_out[:, :, s:e], g_final[i : i + 1])
-            assert_matches(packed[0][:, :, s:e], got[0], "out", dtype)
-            assert_matches(packed[1][i : i + 1], got[1], "final_state", packed[1].dtype)
-            dx, dinitial = packed[2], packed[-1]
-            assert_matches(dx[:, :, s:e], got[2], "dx", dtype)
-            assert_matches(dinitial[i : i + 1], got[-1], "dinitial_state", dtype)
-
-    @pytest.mark.parametrize("length", [L, 1])
-    def test_default_dtype_changes_nothing(self, cakeops_backend, cakeops_device, length):
-        """Every option, a prefill and a decode step: PyTorch's default dtype (bfloat16 in many
-        inference scripts) reaches no kernel."""
-        given = OPTION_CASES["together"]
-        given = given if length == L else tuple(g for g in given if g != "packed")
-        inputs = make_inputs(given, device=cakeops_device, L=length)
-        assert_default_dtype_changes_nothing(lambda: run(*inputs))
-
-    def test_prefill_then_continuation_equals_the_whole(
-        self, cakeops_backend, dtype, cakeops_device
-    ):
-        """Prefill, then continuing from its final state (one step at a time, then a block)
-        gives the whole sequence's outputs, final state and gradients (decoding's path)."""
-        tensors, fixed, g_out, g_final = make_inputs(
-            ("bias", "silu", "final"), dtype, cakeops_device
-        )
-        whole = run(tensors, fixed, g_out, g_final)
-        leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
-        cut = 2 * L // 3
-        parts = ((0, cut), (cut, cut + 1), (cut + 1, cut + 2), (cut + 2, L))
-        state, outs = None, []
-        for s, e in parts:
-            out, state = cakeops.causal_conv1d(leaves["x"][:, :, s:e], leaves["weight"],
-                                               leaves["bias"], activation="silu",
-                                               initial_state=state,
-                                               output_final_state=True)  # fmt: skip
-            outs.append(out)
-        out = torch.cat(outs, 2)
-        loss = (out.double() * g_out.double()).sum() + (state.double() * g_final).sum()
-        grads = torch.autograd.grad(loss, list(leaves.values()))
-        assert_matches(out, whole[0].double(), "out", dtype)
-        assert_matches(state, whole[1].double(), "final_state", state.dtype)
-        for name, a, b in zip(leaves, grads, whole[2:], strict=True):
-            assert_matches(a, b.double(), f"d{name}", dtype)
 
     @pytest.mark.parametrize("packed", [False, True])
     def test_strided_views_in_the_models_layout(self, cakeops_backend, cakeops_device, packed):

@@ -4,8 +4,6 @@ the float64 recurrence of :mod:`cakeops.reference.gated_delta_rule`, one step at
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -15,12 +13,12 @@ from cakeops.reference import gated_delta_rule as ref
 from cakeops.testing import (
     EMULATED,
     assert_bad_input_raises,
-    assert_default_dtype_changes_nothing,
     assert_matches,
     assert_opcheck_and_compile_with_state,
     check_with_state,
     run_with_state,
 )
+from cakeops.testing.stateful import StatefulOpChecks
 
 OP = "gated_delta_rule"
 
@@ -98,8 +96,13 @@ def check_against_reference(tensors, fixed, g_out, g_final):
     check_with_state(cakeops.gated_delta_rule, ref.scan, tensors, fixed, g_out, g_final)
 
 
-class TestGatedDeltaRule:
+class TestGatedDeltaRule(StatefulOpChecks):
     op = OP
+    make_inputs, run = staticmethod(make_inputs), staticmethod(run)
+    L, CU_SEQLENS, ALONG = L, CU_SEQLENS, ("q", "k", "v", "g", "beta")
+    PACKED = ("kda", "initial_state", "final", "l2norm", "packed")
+    EVERY_OPTION = OPTION_CASES["together-kda"]
+    CONTINUED = ("kda", "l2norm", "final")
 
     @pytest.mark.parametrize("case", list(OPTION_CASES))
     def test_options_match_the_recurrence(self, cakeops_backend, dtype, cakeops_device, case):
@@ -220,60 +223,6 @@ class TestGatedDeltaRule:
         grads = torch.autograd.grad(out.sum() + final.sum(), leaves)
         for t in (out, final, *grads):
             assert torch.isfinite(t).all()
-
-    def test_packed_sequences_equal_separate_calls(self, cakeops_backend, dtype, cakeops_device):
-        """A packed batch (empty sequences included) gives, per sequence, the output, final
-        state and gradients of that sequence run alone."""
-        given = ("kda", "initial_state", "final", "l2norm", "packed")
-        tensors, fixed, g_out, g_final = make_inputs(given, dtype, cakeops_device)
-        packed = run(tensors, fixed, g_out, g_final)
-        for i, (s, e) in enumerate(itertools.pairwise(CU_SEQLENS)):
-            alone = {n: (t.detach()[i : i + 1] if n == "initial_state"
-                         else t.detach()[:, :, s:e]).requires_grad_()
-                     for n, t in tensors.items()}  # fmt: skip
-            options = {n: v for n, v in fixed.items() if n != "cu_seqlens"}
-            got = run(alone, options, g_out[:, :, s:e], g_final[i : i + 1])
-            assert_matches(packed[0][:, :, s:e], got[0], "out", dtype)
-            assert_matches(packed[1][i : i + 1], got[1], "final_state", packed[1].dtype)
-            for j, name in enumerate(tensors):
-                whole = packed[2 + j]
-                part = whole[i : i + 1] if name == "initial_state" else whole[:, :, s:e]
-                assert_matches(part, got[2 + j], f"d{name}", dtype)
-
-    @pytest.mark.parametrize("length", [L, 1])
-    def test_default_dtype_changes_nothing(self, cakeops_backend, cakeops_device, length):
-        """Every option, a prefill and a decode step: PyTorch's default dtype (bfloat16 in many
-        inference scripts) reaches no kernel."""
-        given = OPTION_CASES["together-kda"]
-        given = given if length == L else tuple(g for g in given if g != "packed")
-        inputs = make_inputs(given, device=cakeops_device, L=length)
-        assert_default_dtype_changes_nothing(lambda: run(*inputs))
-
-    def test_prefill_then_continuation_equals_the_whole(
-        self, cakeops_backend, dtype, cakeops_device
-    ):
-        """Prefill, then continuing from its final state (one step, then a chunk) gives the
-        whole sequence's outputs, final state and gradients (decoding's path)."""
-        tensors, fixed, g_out, g_final = make_inputs(
-            ("kda", "l2norm", "final"), dtype, cakeops_device
-        )
-        whole = run(tensors, fixed, g_out, g_final)
-        leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
-        cut = 2 * L // 3
-        parts, state, outs = ((0, cut), (cut, cut + 1), (cut + 1, L)), None, []
-        for s, e in parts:
-            piece = {n: t[:, :, s:e] for n, t in leaves.items()}
-            out, state = cakeops.gated_delta_rule(**piece, initial_state=state,
-                                                  output_final_state=True,
-                                                  use_qk_l2norm=True)  # fmt: skip
-            outs.append(out)
-        out = torch.cat(outs, 2)
-        loss = (out.double() * g_out.double()).sum() + (state.double() * g_final).sum()
-        grads = torch.autograd.grad(loss, list(leaves.values()))
-        assert_matches(out, whole[0].double(), "out", dtype)
-        assert_matches(state, whole[1].double(), "final_state", state.dtype)
-        for name, a, b in zip(leaves, grads, whole[2:], strict=True):
-            assert_matches(a, b.double(), f"d{name}", dtype)
 
     def test_strided_views_in_the_models_layout(self, cakeops_backend, cakeops_device):
         """Inputs in Hugging Face's ``(N, L, H, D)`` layout passed as ``transpose(1, 2)`` views
