@@ -129,9 +129,9 @@ def test_the_tuned_grouped_matmul_zeroes_its_partials_between_configs():
     """The ``<h, u>`` partials of ``routed_experts``' backward: a config writes the rows of its
     own column tiles only, so the autotuner zeroes them before timing each config and before
     the chosen one runs (stale rows of a narrower config would be summed otherwise)."""
-    from cakeops_triton import routed_experts
+    from cakeops_triton.routed_experts import grouped_gemm
 
-    assert routed_experts._grouped_mm_tuned.reset_to_zero == ["DWP"]
+    assert grouped_gemm._grouped_mm_tuned.reset_to_zero == ["DWP"]
 
 
 THREADS = textwrap.dedent(
@@ -190,7 +190,8 @@ TUNED_PATH = textwrap.dedent(
     import cakeops_triton.causal_conv1d as conv
     import cakeops_triton.causal_dot_product as causal
     import cakeops_triton.rmsnorm_silu_gate as rmsnorm
-    import cakeops_triton.routed_experts as routed
+    import cakeops_triton.routed_experts.grouped_gemm as routed
+    from cakeops.helpers import given_routing
     from cakeops_triton.causal_dot_product import log_grads
 
     # every problem takes the autotuned, specialised kernels (the GPU path of big shapes), and
@@ -222,7 +223,7 @@ TUNED_PATH = textwrap.dedent(
     weights = torch.softmax(torch.randn(T, k), -1).bfloat16().requires_grad_()
     shapes = ((E, F, D), (E, F, D), (E, D, F))
     ws = [(torch.randn(s) * 0.2).bfloat16().requires_grad_() for s in shapes]
-    assert routed._block_m(routed.given_routing(index, weights.float(), E), x, *ws) == 128
+    assert routed.rows_per_tile(given_routing(index, weights.float(), E), x, *ws) == 128
     got = {}
     for backend in ("triton", "reference"):
         with cakeops.use_backend(backend):

@@ -283,10 +283,10 @@ def candidates(kernel: str, args: dict) -> list[dict]:
         module = importlib.import_module("cakeops_triton.causal_dot_product")
         kept = module._prune(module._CONFIGS, args, BLOCK_E=args["BLOCK_E"])
     elif kernel == "_grouped_mm":
-        module = importlib.import_module("cakeops_triton.routed_experts")
+        module = importlib.import_module("cakeops_triton.routed_experts.grouped_gemm")
         kept = module._prune(module._CONFIGS, args, **args)
     elif kernel == "_grouped_weight_grad":
-        module = importlib.import_module("cakeops_triton.routed_experts")
+        module = importlib.import_module("cakeops_triton.routed_experts.grouped_gemm")
         kept = module._prune_grad(module._GRAD_CONFIGS, args, **args)
     else:
         return [args]

@@ -1,12 +1,5 @@
-"""The routed SwiGLU experts in Triton, for a given routing: grouped GEMMs over rows sorted by
-expert (``moe_experts`` is the spec's routing followed by these).
-
-The sort by expert uses the spec's helpers (PyTorch ops that never wait for the device: the
-row-tile table is sized by an upper bound and the tiles past the last real one exit at once).
-``w_gate`` and ``w_up`` are read through their strides, so views of a packed ``(E, 2F, D)``
-tensor need no copy. Two kernels do the rest, each one launch for all experts, 16-bit operands
-on tensor cores with float32 accumulation. With float32 master weights the products run in
-float32 (``x`` widened as it loads), so that every gradient is as accurate as its own dtype asks:
+"""The grouped GEMM kernels of the routed experts (:mod:`cakeops_triton.routed_experts` runs
+the experts' math on them) and their launchers, one launch for all experts each:
 
 - ``_grouped_mm``: ``out[rows of e] = A[rows of e] @ W[e]^T`` (or ``@ W[e]``, by strides), its
   row tiles mapped to experts by the table, the rows of ``A`` optionally gathered through an
@@ -32,9 +25,7 @@ Forms of expert other than the default SwiGLU (``FORM``): the activation (``ACT`
 (``CLAMP``), GPT-OSS's offset, and the biases (``HAS_B1``, ``HAS_B2``) are applied in the same
 epilogues; they are runtime values (one binary serves every form: the suite's dozen forms would
 otherwise compile a dozen), only ``FORM`` and ``GATED`` (without a gate the first product is
-the up projection's) are compile-time. What is
-left to PyTorch is the sort by expert and the sum of the routing-weight partials over column
-tiles.
+the up projection's) are compile-time.
 """
 
 from __future__ import annotations
@@ -43,15 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cakeops.helpers import (
-    Activation,
-    ExpertWeights,
-    Routing,
-    down_bias_dots,
-    given_routing,
-    row_tiles,
-    row_weights,
-)
+from cakeops.helpers import Activation, Routing
 from cakeops_triton._common import (
     INTERPRET,
     dot,
@@ -59,7 +42,6 @@ from cakeops_triton._common import (
     launch,
     mma_operands_in_registers,
     round_to,
-    serialised,
     untuned,
 )
 
@@ -487,7 +469,7 @@ _row_sum_tuned = triton.jit(do_not_specialize=["GATHER", "SCALED"])(_grouped_row
 _row_sum_untuned = untuned(_grouped_row_sum)
 
 
-def _slot_sum(slots: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
+def slot_sum(slots: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
     """The ``(T * top_k, D)`` float32 rows in ``(token, slot)`` order summed per token (dropped
     slots left out): one read of the slots, one write of the result in ``dtype``."""
     D, top_k = slots.shape[1], routing.experts.shape[1]
@@ -511,7 +493,7 @@ def _strides(w: torch.Tensor, transpose: bool = False) -> tuple[int, int, int]:
     return (w.stride(0), w.stride(2), w.stride(1)) if transpose else w.stride()
 
 
-def _mm(
+def matmul(
     a, idx, w, tables, n_out: int, k_in: int, *, transpose=False, w2=None, w3=None, a2=None,
     mode=PLAIN, dst=None, scale=None, block_m=BLOCK_M, u=None, b1=None, b2=None, form=None,
 ):  # fmt: skip
@@ -577,7 +559,7 @@ def _mm(
     return out
 
 
-def _weight_grad(
+def weight_grad(
     a, idx_a, b, idx_b, tables, num_experts: int, dtype: torch.dtype, scale_a=None
 ) -> torch.Tensor:
     """``dW[e] = A_e^T B_e`` for every expert (``A``'s rows times ``scale_a``), ``(E, P, Q)``
@@ -603,7 +585,7 @@ def _weight_grad(
     return dw
 
 
-def _row_sum(a, idx, tables, num_experts: int, dtype: torch.dtype, scale=None) -> torch.Tensor:
+def row_sum(a, idx, tables, num_experts: int, dtype: torch.dtype, scale=None) -> torch.Tensor:
     """Each expert's rows of ``a`` summed (``a``'s rows gathered through ``idx`` and times
     ``scale`` when given), ``(E, N)`` in ``dtype``: a bias's gradient. One fixed 32 x 128 tile
     of float32 a program (32 registers a thread at 4 warps: no spill at any width)."""
@@ -621,7 +603,7 @@ def _row_sum(a, idx, tables, num_experts: int, dtype: torch.dtype, scale=None) -
     return out
 
 
-def _block_m(routing: Routing, x: torch.Tensor, *weights: torch.Tensor) -> int:
+def rows_per_tile(routing: Routing, x: torch.Tensor, *weights: torch.Tensor) -> int:
     """Rows per tile: ``WIDE_BLOCK_M`` for tuned problems whose products are 16-bit on wgmma
     with a layout of 16-element strides (operands in shared memory, loaded as vectors, leave
     registers for 128-row accumulators), else ``BLOCK_M``."""
@@ -631,109 +613,3 @@ def _block_m(routing: Routing, x: torch.Tensor, *weights: torch.Tensor) -> int:
     aligned = _aligned((x, *weights), (*x.shape[1:], *weights[0].shape[1:]))
     wide = routing.order.numel() >= TUNE_FROM_ROWS and compute != torch.float32 and aligned
     return WIDE_BLOCK_M if wide and not mma_operands_in_registers() else BLOCK_M
-
-
-def experts_forward(x, routing: Routing, ew: ExpertWeights) -> torch.Tensor:
-    """The experts and the combine for a routing: ``(T, D)`` in ``x.dtype``."""
-    D, F_ = x.shape[1], ew.w_up.shape[1]
-    form = None if ew.is_swiglu else ew.activation
-    first = ew.w_up if form is not None and not form.gated else ew.w_gate
-    block_m = _block_m(routing, x, *(w for w in ew.tensors[:3] if w is not None))
-    tables = row_tiles(routing, block_m)
-    out_dtype = x.dtype
-    x = _in_products_dtype(x.contiguous(), ew)
-    h = _mm(x, routing.token, first, tables, F_, D, w2=ew.w_up, mode=SWIGLU, block_m=block_m,
-            b1=ew.b_gate, b2=ew.b_up, form=form)  # fmt: skip
-    # the combine in the epilogue: w_ts * y_ts stored at its (token, slot) row
-    slots = _mm(h, None, ew.w_down, tables, D, F_, dst=routing.order, scale=row_weights(routing),
-                block_m=block_m, b1=ew.b_down,
-                form=None if ew.b_down is None else form)  # fmt: skip
-    return _slot_sum(slots, routing, out_dtype)
-
-
-def _in_products_dtype(t: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:
-    """``t`` in the products' dtype: a 16-bit ``x`` (or gradient) with float32 weights is
-    converted once, so that it runs the float32 kernels' binaries (every kernel converts its
-    operands to that dtype as it loads them: the same products, bit for bit) instead of a
-    binary per mix of dtypes."""
-    compute = t.dtype
-    for w in ew.tensors[:3]:
-        if w is not None:
-            compute = torch.promote_types(compute, w.dtype)
-    return t.to(compute)
-
-
-def experts_backward(g, x, routing: Routing, ew: ExpertWeights) -> tuple[torch.Tensor, ...]:
-    """``(dx, dL/dw_ts (T, k) float32, dw_gate, dw_up, dw_down, db_gate, db_up, db_down)`` for a
-    routing (None for a tensor not given); ``dx`` in ``x.dtype``, each weight and bias gradient
-    in its own dtype."""
-    D = x.shape[1]
-    E, F_, _ = ew.w_up.shape
-    form = None if ew.is_swiglu else ew.activation
-    gated = ew.w_gate is not None
-    first = ew.w_gate if gated else ew.w_up
-    weights = [w for w in ew.tensors[:3] if w is not None]
-    block_m = _block_m(routing, x, *weights)
-    tables = row_tiles(routing, block_m)
-    out_dtype = x.dtype
-    x, g = _in_products_dtype(x.contiguous(), ew), _in_products_dtype(g.contiguous(), ew)
-    idx = routing.token
-    slot_w = row_weights(routing)
-    # gate, up and u = g W_down[e] in one pass; the SwiGLU backward in its epilogue. On
-    # 128-row tiles u is a product of its own first (wide tiles, float32 rows): the SwiGLU pass
-    # then reads one operand row and two weights per step instead of two and three, which its
-    # three accumulators (64-wide columns) would otherwise wait for from L2.
-    u = None
-    if block_m == WIDE_BLOCK_M:
-        u = _mm(g, idx, ew.w_down, tables, F_, D, transpose=True, block_m=block_m)
-    h, d_gate_rows, d_up_rows, parts = _mm(
-        x, idx, first, tables, F_, D, w2=ew.w_up, w3=ew.w_down, a2=g, mode=SWIGLU_BWD,
-        scale=slot_w, block_m=block_m, u=u, b1=ew.b_gate, b2=ew.b_up, form=form,
-    )  # fmt: skip
-    dweights = torch.empty(routing.order.numel(), dtype=torch.float32, device=x.device)
-    dot = parts.sum(0)
-    if ew.b_down is not None:  # <y, g> = <h, u> + <b_down[e], g>
-        dot += down_bias_dots(g, ew.b_down, routing)
-    dweights[routing.order] = dot
-    # dW_down[e] = (w g)_e^T h_e: the rows of g gathered and scaled as they load
-    d_down = _weight_grad(g, idx, h, None, tables, E, ew.w_down.dtype, scale_a=slot_w)
-    d_up = _weight_grad(d_up_rows, None, x, idx, tables, E, ew.w_up.dtype)
-    d_gate = _weight_grad(d_gate_rows, None, x, idx, tables, E, ew.w_gate.dtype) if gated else None
-    # the biases' gradients: each expert's rows summed
-    db_gate, db_up, db_down = (
-        None if b is None else _row_sum(rows, rows_idx, tables, E, b.dtype, scale)
-        for b, rows, rows_idx, scale in ((ew.b_gate, d_gate_rows, None, None),
-                                         (ew.b_up, d_up_rows, None, None),
-                                         (ew.b_down, g, idx, slot_w))
-    )  # fmt: skip
-    # dx rows = dhg W_gate[e] + dhu W_up[e] in one pass (K = F, N = D), each stored at its
-    # (token, slot) row: the dispatch backward is then the slot sum, with no weight factor
-    if gated:
-        dx_slots = _mm(
-            d_gate_rows, None, ew.w_gate, tables, D, F_, transpose=True, w2=ew.w_up,
-            a2=d_up_rows, mode=SUM2, dst=routing.order, block_m=block_m,
-        )  # fmt: skip
-    else:
-        dx_slots = _mm(d_up_rows, None, ew.w_up, tables, D, F_, transpose=True,
-                       dst=routing.order, block_m=block_m)  # fmt: skip
-    dx = _slot_sum(dx_slots, routing, out_dtype)
-    return dx, dweights.view_as(routing.weights), d_gate, d_up, d_down, db_gate, db_up, db_down
-
-
-def _routing(top_k_index, top_k_weights, num_experts: int) -> Routing:
-    return given_routing(top_k_index, top_k_weights.float(), num_experts)
-
-
-@serialised
-def forward(x, top_k_index, top_k_weights, *weights):
-    ew = ExpertWeights.of(*weights)
-    routing = _routing(top_k_index, top_k_weights, ew.w_up.shape[0])
-    return experts_forward(x, routing, ew)
-
-
-@serialised
-def backward(g, x, top_k_index, top_k_weights, *weights):
-    ew = ExpertWeights.of(*weights)
-    routing = _routing(top_k_index, top_k_weights, ew.w_up.shape[0])
-    dx, dweights, *dws = experts_backward(g, x, routing, ew)
-    return dx, dweights.to(top_k_weights.dtype), *dws
