@@ -72,7 +72,8 @@ def resolve(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole suite: conformance on every in-tree backend, dispatch, CLI, packaging."""
-    # hatchling and twine: tests/test_packaging.py builds every sdist and wheel, twine checks them
+    # hatchling and twine: tests/tooling/test_packaging.py builds every sdist and wheel, twine
+    # checks them
     install(session, EXAMPLE_BACKEND, *TEST_TOOLS)
     # two processes per core pair at most: each holds torch and transformers (about 1 GB)
     workers = str(min(os.cpu_count() or 1, 4))

@@ -6,8 +6,8 @@ experts module of a family's tiny model called with the inputs it got inside a g
 
 ``family_decode.py`` times whole generations, where an experts call is a few percent of a
 token and this machine's noise about as much; this isolates the call. The models are the tests'
-(``tests/hf_families.py``, run from a checkout): the default SwiGLU with a packed gate/up
-(Qwen3-MoE), separate gate and up (Mixtral), gpt-oss's form (biases, a clamped SiLU with a
+(``tests/integrations/hf_families.py``, run from a checkout): the default SwiGLU with a packed
+gate/up (Qwen3-MoE), separate gate and up (Mixtral), gpt-oss's form (biases, a clamped SiLU with a
 slope, an up offset, gate and up interleaved in one tensor), MiniMax's. Medians of the two
 modules timed in alternation; "cold": each call after a matrix product of 32 MiB of weights,
 as a model's projections run between two experts calls. ``--quick``: one family, few repeats.
@@ -26,7 +26,7 @@ from generation import run_script  # (this script's folder)
 
 from cakeops.measure import alternating_medians
 
-TESTS = Path(__file__).resolve().parents[2] / "tests"
+TESTS = Path(__file__).resolve().parents[2] / "tests" / "integrations"
 FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "minimax")
 
 

@@ -4,9 +4,10 @@ without it (#37's goal: no family slower with cakeops), on the CPU in float32.
     python spec/benchmarks/family_decode.py [--quick] [--markdown docs/bench/cpu/family_decode.md]
 
 The families and their models are the tests' (run from a checkout): every family of the docs'
-sequence-mixer tables that builds a tiny model (``tests/hf_conv_families.py``, with the delta
-rule's), and every family whose experts go through transformers' experts interface and whose
-``*ForCausalLM`` builds and runs from a tiny config (``tests/hf_families.py``). Tiny models
+sequence-mixer tables that builds a tiny model (``tests/integrations/hf_conv_families.py``,
+with the delta rule's), and every family whose experts go through transformers' experts
+interface and whose ``*ForCausalLM`` builds and runs from a tiny config
+(``tests/integrations/hf_families.py``). Tiny models
 (hidden 32 to 64, two layers) are the hardest case for cakeops: a token's time is then mostly
 the per-call cost of each layer's ops, which larger models spread over more arithmetic
 (``generation.py`` runs four families at hidden 256). Batch 1 and 8, a 9-token prompt; both
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from generation import decode_rows, markdown, run_script  # (this script's folder)
 
-TESTS = Path(__file__).resolve().parents[2] / "tests"
+TESTS = Path(__file__).resolve().parents[2] / "tests" / "integrations"
 
 
 def families(quick: bool) -> dict[str, Callable[[], torch.nn.Module]]:

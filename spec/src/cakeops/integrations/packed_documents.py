@@ -33,7 +33,7 @@ _OFFSETS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
 _RESETS: dict[int, list[contextvars.Token]] = {}
 
 #: layer class name -> why packed documents reach each other through it, cakeops serving
-#: every other part of its model (tests/test_hf_packed.py checks each is needed)
+#: every other part of its model (tests/integrations/test_hf_packed.py checks each is needed)
 MIXING_LAYERS = {
     **dict.fromkeys(
         ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer"),

@@ -78,7 +78,7 @@ GRAD_KEY_BLOCK = 4 if INTERPRET else 32
 #: term with its own gate factor: :func:`_gated_scores`), and the ``T``/``W`` kernel's key
 #: blocks for KDA: 8 (2,048 float32 a tile, 8 registers a thread on 8 warps; at 16 the
 #: ``T``/``W`` kernel spills on sm_80), under the interpreter too (the GPU-path test in
-#: ``tests/test_triton_backend.py`` crosses them at head size 64).
+#: ``tests/backends/test_triton_backend.py`` crosses them at head size 64).
 KDA_KEY_BLOCK = 8
 #: KDA's ``T``/``W`` kernel: 4 warps (on 8, ptxas spills 8 bytes of its backward's form on
 #: sm_90 with 128 registers a thread)

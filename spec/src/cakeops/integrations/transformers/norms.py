@@ -57,9 +57,9 @@ def _falcon_h1_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | N
                        norm_before_gate=self.norm_before_gate)  # fmt: skip
 
 
-#: gated-norm class name -> the forward on cakeops. tests/test_transformers.py finds every
-#: ``*RMSNormGated`` class of the installed transformers and checks each is here (and matches
-#: the model's own) or in NOT_SERVED_NORMS.
+#: gated-norm class name -> the forward on cakeops. tests/integrations/test_transformers.py finds
+#: every ``*RMSNormGated`` class of the installed transformers and checks each is here (and
+#: matches the model's own) or in NOT_SERVED_NORMS.
 _NORM_THEN_GATE = ("Qwen3NextRMSNormGated", "Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated",
                    "Qwen4ExpTextRMSNormGated", "OlmoHybridRMSNormGated",
                    "LaraMiniRMSNormGated")  # fmt: skip

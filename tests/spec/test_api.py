@@ -8,7 +8,7 @@ import torch
 
 import cakeops
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_function_apply_and_module_agree_with_the_op():

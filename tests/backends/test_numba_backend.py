@@ -662,7 +662,7 @@ def test_compile_check_records_the_scalar_types_a_launch_passes(monkeypatch):
     arithmetic that no launch runs); Python numbers keep numba's int64 and float64."""
     from numba import types
 
-    monkeypatch.syspath_prepend(str(Path(__file__).parent / "gpu_compile"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "gpu_compile"))
     import numba_check
 
     for value, name in ((np.float32(0.5), "float32"), (0.5, "float64"), (np.int32(3), "int32"),

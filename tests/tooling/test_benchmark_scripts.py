@@ -12,7 +12,7 @@ import pytest
 
 from cakeops.ops import SPECS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted([*ROOT.glob("spec/benchmarks/*.py"), *ROOT.glob("packages/*/benchmarks/*.py")])
 
 

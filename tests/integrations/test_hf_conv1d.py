@@ -178,18 +178,18 @@ def conv_table() -> str:
 
 
 def test_conv1d_table_is_current():
-    """Regenerate with ``python tests/test_hf_conv1d.py``."""
+    """Regenerate with ``python tests/integrations/test_hf_conv1d.py``."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs/content/transformers.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs/content/transformers.md").read_text()
     block = text.split("<!-- hf-conv1d:start -->\n")[1].split("<!-- hf-conv1d:end -->")[0]
-    assert block.strip() == conv_table(), "run python tests/test_hf_conv1d.py"
+    assert block.strip() == conv_table(), "run python tests/integrations/test_hf_conv1d.py"
 
 
 if __name__ == "__main__":
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "docs/content/transformers.md"
+    path = Path(__file__).resolve().parents[2] / "docs/content/transformers.md"
     head, rest = path.read_text().split("<!-- hf-conv1d:start -->\n")
     tail = rest.split("<!-- hf-conv1d:end -->")[1]
     path.write_text(f"{head}<!-- hf-conv1d:start -->\n{conv_table()}\n"

@@ -15,7 +15,7 @@ from pathlib import Path
 import cakeops
 import cakeops_torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OP = "toy_scale"
 
 #: The page's files, by the path its list gives (the backend package is the torch backend's).

@@ -19,7 +19,7 @@ from cakeops.bench import gpu
 from cakeops.ops import SPECS
 from cakeops.testing.plugin import device_missing
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script():

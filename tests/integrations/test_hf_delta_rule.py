@@ -175,18 +175,20 @@ def delta_rule_table() -> str:
 
 
 def test_delta_rule_table_is_current():
-    """Regenerate with ``python tests/test_hf_delta_rule.py``."""
+    """Regenerate with ``python tests/integrations/test_hf_delta_rule.py``."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs/content/transformers.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs/content/transformers.md").read_text()
     block = text.split("<!-- hf-delta-rule:start -->\n")[1].split("<!-- hf-delta-rule:end -->")[0]
-    assert block.strip() == delta_rule_table(), "run python tests/test_hf_delta_rule.py"
+    assert block.strip() == delta_rule_table(), (
+        "run python tests/integrations/test_hf_delta_rule.py"
+    )
 
 
 if __name__ == "__main__":
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "docs/content/transformers.md"
+    path = Path(__file__).resolve().parents[2] / "docs/content/transformers.md"
     head, rest = path.read_text().split("<!-- hf-delta-rule:start -->\n")
     tail = rest.split("<!-- hf-delta-rule:end -->")[1]
     path.write_text(f"{head}<!-- hf-delta-rule:start -->\n{delta_rule_table()}\n"

@@ -4,7 +4,8 @@ the installed transformers (no list kept by hand), and how to build each one tin
 A family is tested at the highest level that builds from a generic tiny config: its
 ``*ForCausalLM`` (loss and every parameter's gradient), else its experts module alone, built
 from the family's own config class with tiny sizes (output and every gradient: input, routing
-weights, weights and biases). Used by ``tests/test_hf_families.py`` and the docs' table.
+weights, weights and biases). Used by ``tests/integrations/test_hf_families.py`` and the docs'
+table.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cakeops.ops import SPECS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _hooks():

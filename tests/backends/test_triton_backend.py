@@ -19,7 +19,7 @@ import torch
 
 from cakeops.helpers import route, row_tiles
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("block", [1, 2, 4])

@@ -1,9 +1,10 @@
 """Every Hugging Face family whose experts use transformers' ``ExpertsInterface``, with
-``experts_implementation="cakeops"`` against the eager experts (``tests/hf_families.py`` finds
-the families and builds them tiny): the model's loss and every parameter's gradient where the
-model builds from a generic tiny config, else the experts module's output and every gradient.
+``experts_implementation="cakeops"`` against the eager experts
+(``tests/integrations/hf_families.py`` finds the families and builds them tiny): the model's
+loss and every parameter's gradient where the model builds from a generic tiny config, else the
+experts module's output and every gradient.
 A family cakeops cannot run is refused when the model is built, with the reason. The docs'
-table is generated from these checks: ``python tests/test_hf_families.py``.
+table is generated from these checks: ``python tests/integrations/test_hf_families.py``.
 
 Both sides are float32, each within the spec's float32 tolerance of the exact values, so they
 are compared within twice that.
@@ -34,7 +35,7 @@ import hf_families as H
 TOLERANCE = 2 * cakeops.tolerance(torch.float32)
 #: A gradient this small against the largest one is float32 rounding noise around zero.
 NOISE = 1e-6
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NAMES = [f.name for f in H.families()]
 
 
@@ -275,11 +276,13 @@ def _block(name: str) -> str:
 
 @pytest.mark.parametrize("page", list(BLOCKS))
 def test_families_table_is_current(page):
-    """Regenerate with ``python tests/test_hf_families.py``."""
+    """Regenerate with ``python tests/integrations/test_hf_families.py``."""
     name = BLOCKS[page]
     text = (ROOT / page).read_text()
     block = text.split(f"<!-- {name}:start -->\n")[1].split(f"<!-- {name}:end -->")[0]
-    assert block.strip() == _block(name), f"{page}: run python tests/test_hf_families.py"
+    assert block.strip() == _block(name), (
+        f"{page}: run python tests/integrations/test_hf_families.py"
+    )
 
 
 if __name__ == "__main__":

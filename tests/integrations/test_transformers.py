@@ -53,7 +53,7 @@ FAMILIES = {
                 "layer_types": ["linear_attention", "full_attention"]}),
 }  # fmt: skip
 TOLERANCE = 2 * cakeops.tolerance(torch.float32)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def pair(family: str):
@@ -216,10 +216,12 @@ def models_table() -> str:
 
 @pytest.mark.parametrize("page", ["README.md", "docs/content/transformers.md"])
 def test_supported_models_table_is_current(page):
-    """Regenerate with ``python tests/test_transformers.py``."""
+    """Regenerate with ``python tests/integrations/test_transformers.py``."""
     text = (ROOT / page).read_text()
     block = text.split("<!-- hf-models:start -->\n")[1].split("<!-- hf-models:end -->")[0]
-    assert block.strip() == models_table(), f"{page}: run python tests/test_transformers.py"
+    assert block.strip() == models_table(), (
+        f"{page}: run python tests/integrations/test_transformers.py"
+    )
 
 
 if __name__ == "__main__":

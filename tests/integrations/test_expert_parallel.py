@@ -440,8 +440,8 @@ def _load_example():
     return module
 
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
-                       "examples", "expert_parallel_2d.py")  # fmt: skip
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(ROOT, "docs", "examples", "expert_parallel_2d.py")
 Experts = _load_example().Experts
 
 

@@ -16,7 +16,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DISTRIBUTIONS = [
     ("spec", "cakeops", "cakeops"),
     ("packages/torch", "cakeops-torch", "cakeops_torch"),
