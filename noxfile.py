@@ -181,9 +181,10 @@ COMPILE_TRITONS = ("3.6.0", "3.7.1")
 @nox.session
 @nox.parametrize("triton", COMPILE_TRITONS, ids=[v.rsplit(".", 1)[0] for v in COMPILE_TRITONS])
 def gpu_compile(session: nox.Session, triton: str) -> None:
-    """Compile every Triton and numba-cuda kernel for sm_90 (H100/H200) and sm_80 (A100) without
-    a GPU, at every config the host code reaches at the conformance and benchmark shapes, then
-    the Triton kernels over the resource sweep; write ``bench-results/gpu-compile.json`` and the
+    """Compile every Triton kernel for sm_90 (H100/H200) and sm_80 (A100), and every numba-cuda
+    kernel for sm_90 (sm_80 too with ``-- --full``), without a GPU, at every config the host
+    code reaches at the conformance and benchmark shapes, then the Triton kernels over the
+    resource sweep; write ``bench-results/gpu-compile.json`` and the
     table in ``docs/content/gpu.md``; fail on compile errors, 16-bit spills, shared memory over
     the limit and 16-bit ``tl.dot`` s on FMA. On the other Triton version, the Triton kernels
     alone (``bench-results/triton-<version>/``), to the same rules."""
