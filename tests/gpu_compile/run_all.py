@@ -40,9 +40,9 @@ def wait(procs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
         sys.exit(f"the compile check could not run: {', '.join(failed)}")
 
 
-def dtype_args(args) -> list[str]:
-    """The Triton check's dtypes: those asked for, or for ``--triton-only`` bfloat16 (the GPU
-    benchmark's dtype; float16 too with ``--full``), and ``--full`` passed on."""
+def triton_args(args) -> list[str]:
+    """The Triton check's options: the dtypes asked for, or for ``--triton-only`` bfloat16 (the
+    GPU benchmark's dtype; float16 too with ``--full``), and ``--full`` passed on."""
     sixteen = ["bfloat16", "float16"] if args.full else ["bfloat16"]
     dtypes = args.dtype or (sixteen if args.triton_only else [])
     return [a for d in dtypes for a in ("--dtype", d)] + (["--full"] if args.full else [])
@@ -84,7 +84,7 @@ def main() -> None:
         f"triton sm_{arch}": (
             start([str(HERE / "triton_check.py"), "--arch", str(arch), "--out", str(part),
                    *(["--sweep"] if args.sweep else []),
-                   *dtype_args(args)],
+                   *triton_args(args)],
                   work / f"triton-{arch}.log", TRITON_CACHE_DIR=cache),
             work / f"triton-{arch}.log",
         )

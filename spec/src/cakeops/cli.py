@@ -9,6 +9,7 @@ import argparse
 import importlib.util
 import json
 import os
+import pkgutil
 import platform
 import sys
 from importlib import metadata
@@ -18,9 +19,10 @@ from typing import Any
 
 def _op_names() -> tuple[str, ...]:
     """The ops' names, for ``--op`` without importing torch: the modules of ``cakeops/ops/``,
-    as :data:`cakeops.ops.SPECS` finds them (a test checks the two agree)."""
-    ops = Path(__file__).parent / "ops"
-    return tuple(sorted(p.stem for p in ops.glob("*.py") if not p.stem.startswith("_")))
+    found as :data:`cakeops.ops.SPECS` finds them, without importing them (a test checks the
+    two agree)."""
+    found = pkgutil.iter_modules([str(Path(__file__).parent / "ops")])
+    return tuple(sorted(m.name for m in found if not m.name.startswith("_")))
 
 
 OP_NAMES = _op_names()
