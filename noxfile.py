@@ -1,5 +1,5 @@
 """Every dev task: ``nox -s tests``, ``lint``, ``demo``, ``bench``, ``docs``, ``gpu_compile``,
-``gpu``, ``gpu_dry_run_image``, ``resolve``.
+``gpu_peers``, ``gpu``, ``gpu_dry_run_image``, ``resolve``.
 
 Each session builds and installs the distributions (wheels, not editable) into its own venv, with
 torch pinned by ``.ci/constraints.txt``.
@@ -90,7 +90,11 @@ def tests(session: nox.Session) -> None:
     # The Triton kernels on CPU tensors through Triton's interpreter (no GPU here), one process
     # per core: the interpreter is single-threaded Python. The checks of the op's PyTorch glue
     # (opcheck, compile), the same for every backend and run in full above, with -- --full.
-    glue = [] if full else ["-k", "not (opcheck or compile)"]
+    # The stateful ops' structural checks (packed equals separate, prefill then continuation)
+    # in float32 and bfloat16: float16 takes the same kernels with another load and store,
+    # whose values the op's other float16 checks cover; all with -- --full.
+    structural = "(equal_separate_calls or prefill_then_continuation) and triton-float16"
+    glue = [] if full else ["-k", f"not (opcheck or compile or {structural})"]
     session.run(
         "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=triton", "-q", "-n", "auto",
         *glue, slowest, env={"TRITON_INTERPRET": "1"},
@@ -104,10 +108,13 @@ def tests(session: nox.Session) -> None:
     # the saved tensors), which is the same for every backend and runs in full above, take a
     # third of this run there, and their determinism check a few minutes (the simulator runs
     # threads one after another; the GPU check runs it on CUDA); every op's opcheck and compile
-    # checks likewise: with `nox -s tests -- --full` they run here too.
+    # checks likewise; and the experts' float16 checks (the kernels read a float16 input with
+    # the same `widen` every other op's float16 checks run here; the products are float32):
+    # with `nox -s tests -- --full` they run here too.
     skipped = "test_long_sequence" + ("" if full else " or opcheck or compile or ("
         "Contract_moe_experts or Contract_routed_experts) and (torch_func or autocast or "
-        "default_dtype or checkpoint or saves_exactly or deterministic)")  # fmt: skip
+        "default_dtype or checkpoint or saves_exactly or deterministic) or (MoEExperts or "
+        "RoutedExperts) and numba-float16")  # fmt: skip
     session.run(
         "pytest", "--pyargs", "cakeops.testing", "--cakeops-backend=numba", "-q", "-n", "auto",
         "-k", f"not ({skipped})", slowest, env={"NUMBA_ENABLE_CUDASIM": "1"},
@@ -211,6 +218,18 @@ def gpu_compile(session: nox.Session, triton: str) -> None:
     # The predicted H200 table (roofline per launch at the benchmark shapes).
     if image:
         session.run("python", "tests/gpu_compile/predict.py", "--docs", "docs/content/gpu.md")
+
+
+@nox.session
+def gpu_peers(session: nox.Session) -> None:
+    """The H200 forecast over flash-linear-attention's kernels beside cakeops'
+    (``tests/gpu_compile/peers.py``): written into ``docs/content/gpu.md``. fla-core is a test
+    oracle here, never a dependency; Triton 3.7.1, since fla refuses its gated backward on
+    Hopper with older versions (the GPU image's 3.6 included)."""
+    install(session, "fla-core", "einops")
+    session.install(*CONSTRAINTS, "--no-deps", "triton==3.7.1")
+    session.run("python", "tests/gpu_compile/peers.py", "--docs", "docs/content/gpu.md",
+                "--json", "bench-results/gpu-peers.json")  # fmt: skip
 
 
 #: The GPU image's versions: its torch (2.11, the CUDA build from PyPI: on a machine without a
