@@ -303,7 +303,8 @@ class HostOps:
     """A dispatch mode noting the bytes each PyTorch op of the host code reads and writes
     (views and allocations move nothing)."""
 
-    FREE = ("empty", "empty_like", "empty_strided", "detach", "lift_fresh", "alias")
+    FREE = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
+            "lift_fresh", "alias")  # fmt: skip
 
     def __init__(self, noted: list[dict], state: dict):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -452,7 +453,9 @@ def targets(rows: list[dict]) -> dict[str, str]:
     }
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], summary: bool = True) -> str:
+    """The launches' rows grouped by op, pass and kernel; with ``summary``, each op's total
+    against its H200 target."""
     lines = [
         f"Forecast for an {DEVICE}, bfloat16, per op, pass (forward, backward) and kernel: the"
         " config the model picks, a range of times and a conservative time (the assumptions"
@@ -470,10 +473,12 @@ def table(rows: list[dict]) -> str:
         low, high = sum(r["low"] for r in g) * 1e3, sum(r["high"] for r in g) * 1e3
         careful = sum(r["conservative"] for r in g) * 1e3
         configs = "; ".join(dict.fromkeys(r["config"] for r in g if r["config"])) or "-"
-        name = f"`{kernel}`" if kernel.startswith("_") else "host ops"
+        name = "host ops" if kernel == "PyTorch ops" else f"`{kernel}`"
         cells = [op, SHORT[phase], name, configs, str(len(g)), f"{nbytes / 1e9:.2f}",
                  f"{flops / 1e9:.0f}", f"{low:.2f}-{high:.2f}", f"{careful:.2f}"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    if not summary:
+        return "\n".join(lines)
     lines += ["", "| op | forecast (ms) | conservative (ms) | against the H200 target |",
               "|---|--:|--:|---|"]  # fmt: skip
     for op, text in targets(rows).items():

@@ -18,9 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    sys.exit("the compile check compiles for a GPU: unset TRITON_INTERPRET")
-
 import torch
 import triton
 from triton import knobs
@@ -262,6 +259,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="the resource sweep's shapes")
     parser.add_argument("--full", action="store_true", help="the other calls in float16 too")
     args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("the compile check compiles for a GPU: unset TRITON_INTERPRET")
     by_name = {v: k for k, v in DTYPE_NAMES.items()}
     dtypes = [by_name[d] for d in args.dtype] if args.dtype else list(DTYPE_NAMES)
     start = time.perf_counter()
