@@ -39,6 +39,7 @@ import torch
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
+import predict  # noqa: E402  (beside this file)
 
 #: (N, L, H key heads, Hv value heads, head size) of the delta rule: the GPU benchmark's
 #: (``cakeops.bench.gpu``), and the interpreter's (the same head sizes and group, 4 chunks of 64)
@@ -156,58 +157,6 @@ CHUNKS = {op: BENCH_DELTA[1] // CHUNK if op.startswith("gated") else BENCH_CAUSA
           for op in CALLS}  # fmt: skip
 
 
-class Launches:
-    """Notes every Triton launch (kernel name, arguments, grid, :attr:`phase`) while installed,
-    and the PyTorch ops of the host code (``predict.HostOps``); the configs an autotuner tries
-    are noted as the candidates of the launch that follows them."""
-
-    def __init__(self):
-        self.rows: list[dict] = []
-        self.tried: list[dict] = []
-        self.state = {"tuning": False, "phase": "forward"}
-
-    def __enter__(self) -> Launches:
-        import predict
-        from triton.runtime import autotuner
-        from triton.runtime.jit import JITFunction
-
-        self._saved = JITFunction.run, autotuner.Autotuner._bench
-        original_run, original_bench = self._saved
-        notes, state = self, self.state
-
-        def run(fn, *args, grid, warmup, **kwargs):
-            kernel = original_run(fn, *args, grid=grid, warmup=warmup, **kwargs)
-            if not warmup:
-                named = dict(zip(fn.arg_names, args, strict=False)) | kwargs
-                named["_grid"] = tuple(grid(named) if callable(grid) else grid)
-                row = {"kernel": fn.fn.__name__, "args": named, "phase": state["phase"]}
-                if state["tuning"]:
-                    notes.tried.append(row)
-                else:
-                    notes.rows.append({**row, "candidates": notes.tried or [row]})
-                    notes.tried = []
-            return kernel
-
-        def bench(tuner, *args, **kwargs):
-            state["tuning"] = True
-            try:
-                return original_bench(tuner, *args, **kwargs)
-            finally:
-                state["tuning"] = False
-
-        JITFunction.run, autotuner.Autotuner._bench = run, bench
-        self._host = predict.HostOps(self.rows, state).mode
-        self._host.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        from triton.runtime import autotuner
-        from triton.runtime.jit import JITFunction
-
-        self._host.__exit__(*exc)
-        JITFunction.run, autotuner.Autotuner._bench = self._saved
-
-
 def _tensor_range(*args):
     """``range`` whose items are int32 scalars of the interpreter, as a compiled loop's are."""
     import numpy as np
@@ -225,7 +174,6 @@ def counted_dots() -> Iterator[list[dict]]:
     ``tl.dot`` FLOPs in bf16-rate units. One config per autotuned kernel, none benchmarked (each
     config makes the same products)."""
     import numpy as np
-    import predict
     import triton.language as tl
     from triton.runtime import autotuner, interpreter
     from triton.runtime.interpreter import GridExecutor
@@ -298,7 +246,6 @@ def _counts_in_interpreter() -> dict[str, list[dict]]:
 
 def generic(kernel: str, args: dict, flops: float, chunks: int) -> dict:
     """A launch's work by the generic model (the module's docstring)."""
-    import predict
 
     seen, nbytes = set(), 0
     for value in args.values():
@@ -316,10 +263,9 @@ def generic(kernel: str, args: dict, flops: float, chunks: int) -> dict:
 def forecast(op: str, counts: list[dict]) -> list[dict]:
     """Each launch of ``op``'s peer at the bench shape, priced as ``predict.predict`` prices
     cakeops' (rows of the same form)."""
-    import predict
 
     forward, backward = CALLS[op][0](False)
-    with Launches() as noted:
+    with predict.Launches() as noted:
         forward()
         noted.state["phase"] = "backward"
         backward()
@@ -349,7 +295,6 @@ def forecast(op: str, counts: list[dict]) -> list[dict]:
 
 def table(peers: list[dict], own: list[dict]) -> str:
     """The peer's launches (predict.py's table's form), then each op's totals side by side."""
-    import predict
 
     text = predict.table(peers, summary=False)
     text = text.replace("Forecast for an", "flash-linear-attention's kernels forecast for an", 1)
@@ -381,7 +326,6 @@ def main() -> None:
         fake_hopper()
         print(json.dumps({op: count_dots(op) for op in CALLS}))
         return
-    import predict
 
     # cakeops' rows first: predict installs the compile-only recorder (each kernel compiled,
     # none launched), and fake_hopper then answers fla's questions on the same driver

@@ -336,45 +336,67 @@ def _flat(tree):
         yield tree
 
 
+class Launches:
+    """Notes every Triton launch (kernel name, arguments, grid, :attr:`phase`) while installed,
+    and the PyTorch ops of the host code (:class:`HostOps`); the configs an autotuner tries
+    are noted as the candidates of the launch that follows them."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.tried: list[dict] = []
+        self.state = {"tuning": False, "phase": "forward"}
+
+    def __enter__(self) -> Launches:
+        from triton.runtime import autotuner
+        from triton.runtime.jit import JITFunction
+
+        self._saved = JITFunction.run, autotuner.Autotuner._bench
+        original_run, original_bench = self._saved
+        notes, state = self, self.state
+
+        def run(fn, *args, grid, warmup, **kwargs):
+            kernel = original_run(fn, *args, grid=grid, warmup=warmup, **kwargs)
+            if not warmup:
+                named = dict(zip(fn.arg_names, args, strict=False)) | kwargs
+                named["_grid"] = tuple(grid(named) if callable(grid) else grid)
+                row = {"kernel": fn.fn.__name__, "args": named, "phase": state["phase"]}
+                if state["tuning"]:
+                    notes.tried.append(row)
+                else:
+                    notes.rows.append({**row, "candidates": notes.tried or [row]})
+                    notes.tried = []
+            return kernel
+
+        def bench(tuner, *args, **kwargs):
+            state["tuning"] = True
+            try:
+                return original_bench(tuner, *args, **kwargs)
+            finally:
+                state["tuning"] = False
+
+        JITFunction.run, autotuner.Autotuner._bench = run, bench
+        self._host = HostOps(self.rows, state).mode
+        self._host.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from triton.runtime import autotuner
+        from triton.runtime.jit import JITFunction
+
+        self._host.__exit__(*exc)
+        JITFunction.run, autotuner.Autotuner._bench = self._saved
+
+
 def launches(call: Call) -> list[dict]:
     """Every Triton launch the op's forward and backward make at ``call``, with its arguments,
     and every PyTorch op of the host code, with its bytes."""
-    from triton.runtime import autotuner
-    from triton.runtime.jit import JITFunction
-
-    noted: list[dict] = []
-    state = {"tuning": False}
-    original_run, original_bench = JITFunction.run, autotuner.Autotuner._bench
-
-    def run(self, *args, grid, warmup, **kwargs):
-        kernel = original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
-        if not state["tuning"] and not warmup:
-            named = dict(zip(self.arg_names, args, strict=False)) | kwargs
-            named["_grid"] = grid(named) if callable(grid) else grid
-            noted.append({"kernel": self.fn.__name__, "phase": state["phase"], "args": named})
-        return kernel
-
-    def bench(self, *args, **kwargs):
-        state["tuning"] = True
-        try:
-            return original_bench(self, *args, **kwargs)
-        finally:
-            state["tuning"] = False
-
-    JITFunction.run, autotuner.Autotuner._bench = run, bench
-    try:
-        import importlib
-
-        module = importlib.import_module(f"cakeops_triton.{call.op}")
-        fwd, bwd = inputs(call)
-        with HostOps(noted, state).mode:
-            state["phase"] = "forward"
-            module.forward(*fwd)
-            state["phase"] = "backward"
-            module.backward(*bwd)
-    finally:
-        JITFunction.run, autotuner.Autotuner._bench = original_run, original_bench
-    return noted
+    module = importlib.import_module(f"cakeops_triton.{call.op}")
+    fwd, bwd = inputs(call)
+    with Launches() as noted:
+        module.forward(*fwd)
+        noted.state["phase"] = "backward"
+        module.backward(*bwd)
+    return noted.rows
 
 
 def predict() -> list[dict]:
