@@ -224,10 +224,10 @@ def gpu_compile(session: nox.Session, triton: str) -> None:
 def gpu_peers(session: nox.Session) -> None:
     """The H200 forecast over flash-linear-attention's kernels beside cakeops'
     (``tests/gpu_compile/peers.py``): written into ``docs/content/gpu.md``. fla-core is a test
-    oracle here, never a dependency; Triton 3.7.1, since fla refuses its gated backward on
-    Hopper with older versions (the GPU image's 3.6 included)."""
-    install(session, "fla-core", "einops")
-    session.install(*CONSTRAINTS, "--no-deps", "triton==3.7.1")
+    oracle here, never a dependency; the pinned Triton 3.7.1 (fla refuses its gated backward on
+    Hopper with older versions, the GPU image's 3.6 included)."""
+    # pytest: the shapes come from the conformance suite's modules (as in gpu_compile)
+    install(session, "pytest", "fla-core", "einops")
     session.run("python", "tests/gpu_compile/peers.py", "--docs", "docs/content/gpu.md",
                 "--json", "bench-results/gpu-peers.json")  # fmt: skip
 
